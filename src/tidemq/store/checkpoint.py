@@ -1,0 +1,83 @@
+"""The store checkpoint: what is durable, written atomically (SPEC ST6).
+
+File ``<data>/checkpoint`` is JSON (msgspec), replaced by write-tmp, fsync, rename, fsync-dir:
+
+    {"version": 1,
+     "commitlog_flushed": <phys offset below which the CommitLog is durable>,
+     "dispatched": <phys offset below which every consume queue and the index are durable>,
+     "queues": {"<topic>\\u0000<queue id>": <max queue offset durable in that queue>, ...},
+     "written_at": <ms since epoch>}
+
+``dispatched`` is always a batch boundary and never above ``commitlog_flushed``. Recovery scans
+the CommitLog from ``dispatched`` and rebuilds what lies beyond it; ``queues`` lets it notice a
+consume queue that was deleted or damaged (then everything is rebuilt from the CommitLog).
+A second file, ``<data>/abort``, exists while the store is open: found at start-up it means the
+last run did not close cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+
+from tidemq.protocol.errors import StoreWriteError
+
+
+class Checkpoint(msgspec.Struct):
+    version: int = 1
+    commitlog_flushed: int = 0
+    dispatched: int = 0
+    queues: dict[str, int] = {}
+    written_at: int = 0
+
+
+def queue_key(topic: str, queue_id: int) -> str:
+    return f"{topic}\x00{queue_id}"
+
+
+def split_queue_key(key: str) -> tuple[str, int]:
+    topic, _, qid = key.rpartition("\x00")
+    return topic, int(qid)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Durably replace ``path`` with ``data`` (tmp + fsync + rename + fsync of the directory)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as exc:
+        raise StoreWriteError(f"cannot write {path}: {exc.strerror}") from exc
+
+
+def load_checkpoint(path: Path) -> tuple[Checkpoint | None, str | None]:
+    """(checkpoint, problem). A missing file is (None, None); a garbled one (None, reason)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    try:
+        cp = msgspec.json.decode(raw, type=Checkpoint)
+    except msgspec.DecodeError as exc:
+        return None, f"{path} is unreadable ({exc}); rebuilding indexes from the CommitLog"
+    if cp.dispatched > cp.commitlog_flushed or cp.dispatched < 0:
+        return None, f"{path} is inconsistent (dispatched > flushed); rebuilding from the CommitLog"
+    return cp, None
+
+
+def save_checkpoint(path: Path, cp: Checkpoint) -> None:
+    write_atomic(path, msgspec.json.encode(cp))

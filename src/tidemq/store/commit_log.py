@@ -1,0 +1,246 @@
+"""The CommitLog (SPEC ST1): one append-only log of batches for every topic, in segments.
+
+Invariants:
+- Segments are contiguous: segment k starts where segment k-1 ends; names are start offsets.
+- A batch never spans two segments. When a batch does not fit in what is left of the active
+  segment (keeping FILLER_MIN bytes), a filler record (``total_size | FILLER_MAGIC``) closes the
+  segment and the batch goes to the next one.
+- ``write_pos`` is the physical offset of the next batch; everything below it has been written
+  through the mapping; ``flushed_pos`` <= ``write_pos`` is what fdatasync has made durable.
+
+Thread contract: ``append`` / ``truncate`` / ``delete_segments_before`` are called by one writer at a
+time (MessageStore holds its put lock); ``flush`` may run on the flush thread concurrently with
+appends; ``view``/``read_batch`` may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from tidemq.protocol.errors import OffsetOutOfRangeError, StoreError, StoreWriteError
+from tidemq.protocol.record import (
+    BATCH_MAGIC,
+    FILLER_MAGIC,
+    FILLER_MIN,
+    TOTAL_SIZE_MAGIC,
+    BatchView,
+)
+from tidemq.store.segment import Segment, SegmentAllocator, segment_name
+
+log = logging.getLogger(__name__)
+
+
+class CommitLog:
+    def __init__(self, directory: str | os.PathLike, segment_size: int, *, preallocate: bool = True):
+        if segment_size < 4096:
+            raise ValueError("segment_size must be at least 4096 bytes")
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.segment_size = segment_size
+        self.segments: list[Segment] = []
+        self.write_pos = 0
+        self.flushed_pos = 0
+        self._allocator = SegmentAllocator(enabled=preallocate)
+        self._flush_lock = threading.Lock()
+        self._zombies: list[Segment] = []  # deleted segments still pinned by readers' views
+
+    # -- opening ---------------------------------------------------------------------------
+    def open_segments(self) -> list[str]:
+        """Map every segment file in order. Returns problems found (non-fatal, reported)."""
+        problems = []
+        names = sorted(p.name for p in self.dir.iterdir() if p.name.isdigit())
+        expected = None
+        for name in names:
+            start = int(name)
+            path = self.dir / name
+            if start % self.segment_size:
+                problems.append(f"{path}: start offset is not a multiple of segment_size; ignored")
+                continue
+            if expected is not None and start != expected:
+                problems.append(f"{path}: gap before this segment (expected {expected}); ignored")
+                break
+            size = path.stat().st_size
+            if size > self.segment_size:
+                problems.append(f"{path}: {size} bytes, larger than segment_size; ignored")
+                break
+            if size < self.segment_size and name != names[-1]:
+                problems.append(f"{path}: only {size} of {self.segment_size} bytes (truncated)")
+            self.segments.append(Segment(path, start, self.segment_size))
+            expected = start + self.segment_size
+        if self.segments:
+            self.write_pos = self.flushed_pos = self.segments[0].start
+        return problems
+
+    @property
+    def min_offset(self) -> int:
+        return self.segments[0].start if self.segments else self.write_pos
+
+    def segment_for(self, phys: int) -> Segment:
+        segs = self.segments
+        if not segs:
+            raise OffsetOutOfRangeError(f"CommitLog is empty; no offset {phys}")
+        i = (phys - segs[0].start) // self.segment_size
+        if i < 0 or i >= len(segs):
+            raise OffsetOutOfRangeError(
+                f"physical offset {phys} is outside the CommitLog [{segs[0].start}, {self.write_pos})"
+            )
+        return segs[i]
+
+    # -- writing ---------------------------------------------------------------------------
+    def _roll(self, start: int) -> Segment:
+        seg = self._allocator.take(self.dir / segment_name(start), start, self.segment_size)
+        self.segments.append(seg)
+        nxt = start + self.segment_size
+        self._allocator.prepare(self.dir / segment_name(nxt), nxt, self.segment_size)
+        return seg
+
+    def reserve(self, size: int) -> tuple[Segment, int]:
+        """Segment and relative position where a batch of ``size`` bytes will be written.
+
+        Writes a filler and rolls when the active segment cannot hold it.
+        """
+        if size + FILLER_MIN > self.segment_size:
+            raise StoreWriteError(
+                f"a batch of {size} bytes cannot fit in a segment of {self.segment_size} bytes"
+            )
+        pos = self.write_pos
+        if not self.segments:
+            seg = self._roll(pos - pos % self.segment_size)
+        else:
+            seg = self.segments[-1]
+        rel = pos - seg.start
+        if rel >= seg.size:  # exactly at the end of a closed segment (after a truncate)
+            seg, rel = self._roll(seg.end), 0
+        if rel + size + FILLER_MIN > seg.size:
+            # Roll first: if the new segment cannot be allocated nothing has changed yet.
+            nxt = self._roll(seg.end)
+            TOTAL_SIZE_MAGIC.pack_into(seg.mm, rel, seg.size - rel, FILLER_MAGIC)
+            self.write_pos = seg.end
+            seg, rel = nxt, 0
+        return seg, rel
+
+    def advance(self, size: int) -> None:
+        self.write_pos += size
+
+    # -- reading ---------------------------------------------------------------------------
+    def view(self, phys: int, size: int) -> memoryview:
+        """Zero-copy view of ``size`` bytes at ``phys`` (within one segment)."""
+        seg = self.segment_for(phys)
+        rel = phys - seg.start
+        if phys + size > self.write_pos or rel + size > seg.size:
+            raise OffsetOutOfRangeError(f"{size} bytes at {phys} are beyond written data")
+        return memoryview(seg.mm)[rel : rel + size]
+
+    def read_batch(self, phys: int) -> BatchView:
+        seg = self.segment_for(phys)
+        rel = phys - seg.start
+        if phys >= self.write_pos:
+            raise OffsetOutOfRangeError(f"no batch at {phys}: CommitLog ends at {self.write_pos}")
+        return BatchView(memoryview(seg.mm)[: min(seg.size, self.write_pos - seg.start)], rel)
+
+    def store_ts_at(self, phys: int) -> int:
+        return self.read_batch(phys).store_ts
+
+    def iter_positions(self, start: int) -> Iterator[tuple[Segment, int, int, int]]:
+        """Walk (segment, rel, total_size, magic) from ``start`` over the written region, without
+        validation. Used by recovery; stops at zeros or at the end of the last segment."""
+        pos = start
+        while True:
+            try:
+                seg = self.segment_for(pos)
+            except OffsetOutOfRangeError:
+                return
+            rel = pos - seg.start
+            if rel + 6 > seg.size:
+                return
+            total, magic = TOTAL_SIZE_MAGIC.unpack_from(seg.mm, rel)
+            yield seg, rel, total, magic
+            if magic == FILLER_MAGIC and total == seg.size - rel:
+                pos = seg.end
+            elif magic == BATCH_MAGIC and 0 < total <= seg.size - rel:
+                pos += total
+            else:
+                return
+
+    # -- durability ------------------------------------------------------------------------
+    def flush(self) -> int:
+        """fdatasync every segment holding unflushed bytes; returns the new flushed position.
+
+        Safe to call from the flush thread while the writer appends: everything below the
+        write position read at entry is durable when this returns.
+        """
+        with self._flush_lock:
+            target = self.write_pos
+            start = self.flushed_pos
+            if target <= start:
+                return start
+            for seg in list(self.segments):
+                if seg.end <= start or seg.start >= target:
+                    continue
+                try:
+                    seg.sync()
+                except OSError as exc:
+                    raise StoreWriteError(
+                        f"fdatasync of {seg.path} failed: {exc.strerror}; data after offset "
+                        f"{start} is not durable"
+                    ) from exc
+            self.flushed_pos = target
+            return target
+
+    # -- truncation and retention -------------------------------------------------------------
+    def truncate(self, end: int) -> list[str]:
+        """Make ``end`` the write position: zero bytes after it, delete later segments."""
+        removed = []
+        keep: list[Segment] = []
+        for seg in self.segments:
+            if seg.start > end:
+                seg.close()
+                os.unlink(seg.path)
+                removed.append(str(seg.path))
+            else:
+                keep.append(seg)
+        self.segments = keep
+        if keep:
+            seg = keep[-1]
+            rel = end - seg.start
+            if rel < seg.size:
+                seg.mm[rel:] = bytes(seg.size - rel)
+                seg.sync()
+        self.write_pos = end
+        self.flushed_pos = min(self.flushed_pos, end)
+        return removed
+
+    def ensure_full_size(self) -> None:
+        """Grow a short last segment (a truncated file) back to segment_size with zeros."""
+        for i, seg in enumerate(self.segments):
+            if os.fstat(seg.fd).st_size < self.segment_size:
+                path, start = seg.path, seg.start
+                seg.close()
+                self.segments[i] = Segment(path, start, self.segment_size)
+
+    def delete_segments(self, count: int) -> list[Segment]:
+        """Remove the ``count`` oldest segments (never the active one)."""
+        count = min(count, len(self.segments) - 1)
+        if count <= 0:
+            return []
+        gone, self.segments = self.segments[:count], self.segments[count:]
+        for seg in gone:
+            try:
+                os.unlink(seg.path)
+            except OSError as exc:
+                raise StoreError(f"cannot delete expired segment {seg.path}: {exc}") from exc
+            if not seg.close():
+                self._zombies.append(seg)
+        self._zombies = [z for z in self._zombies if not z.close()]
+        return gone
+
+    def close(self) -> None:
+        self._allocator.close()
+        for seg in self.segments + self._zombies:
+            if not seg.close():
+                log.warning("segment %s still has readers at close; left mapped", seg.path)
+        self.segments = []

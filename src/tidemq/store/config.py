@@ -1,0 +1,52 @@
+"""Store settings, with RocketMQ's defaults (SPEC ST1, ST5, ST7; docs/configuration.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidemq.store.flush import FlushMode
+
+MiB = 1 << 20
+
+
+@dataclass
+class StoreConfig:
+    data_dir: str
+    #: CommitLog segment size (RocketMQ mapedFileSizeCommitLog: 1 GiB).
+    segment_size: int = 1 << 30
+    #: SYNC: a put completes after fsync (group commit). ASYNC: fsync every flush_interval_ms.
+    flush_mode: FlushMode = FlushMode.ASYNC
+    flush_interval_ms: int = 500
+    #: How long a SYNC put waits for its fsync before answering FLUSH_DISK_TIMEOUT.
+    sync_flush_timeout_ms: int = 5000
+    #: Consume queue units per file (RocketMQ: 300,000 x 20 B).
+    cq_units_per_file: int = 300_000
+    #: Index file hash slots and entries per file (RocketMQ: 5,000,000 and 20,000,000).
+    index_slots: int = 5_000_000
+    index_max_entries: int = 20_000_000
+    #: Index message keys and unique ids (ST4).
+    index_enabled: bool = True
+    #: Largest batch accepted (SPEC BR1: batch 4 MiB), headers included.
+    max_batch_bytes: int = 4 * MiB + 64 * 1024
+    #: Consume queues, index and checkpoint are flushed this often.
+    checkpoint_interval_ms: int = 1000
+    #: Retention (ST7): keep segments this long (RocketMQ fileReservedTime 72 h) ...
+    file_reserved_hours: float = 72.0
+    #: ... deleting expired ones at this hour of the day (RocketMQ deleteWhen "04") ...
+    delete_when_hour: int = 4
+    #: ... or at once when disk use passes this ratio (diskMaxUsedSpaceRatio 75 %).
+    disk_max_used_ratio: float = 0.75
+    #: Past this, delete the oldest segments even if not expired (cleanForcibly, 85 %).
+    disk_clean_forcibly_ratio: float = 0.85
+    #: Past this, refuse writes with DiskFullError (diskSpaceWarningLevelRatio, 90 %).
+    disk_refuse_writes_ratio: float = 0.90
+    retention_check_interval_ms: int = 10_000
+    #: Verify both CRCs of every batch read (corrupt batches are reported and skipped).
+    verify_reads: bool = True
+    #: Pre-allocate and warm the next segment in the background.
+    preallocate: bool = True
+    #: Written into every stored batch's store_host / store_port.
+    store_host: str = "127.0.0.1"
+    store_port: int = 0
+    #: Largest amount of data one read returns (RocketMQ maxTransferBytesOnMessageInMemory).
+    max_read_bytes: int = 4 * MiB

@@ -1,0 +1,644 @@
+"""MessageStore: the facade of the storage engine (SPEC ST1-ST9).
+
+It owns one data directory::
+
+    <data_dir>/lock            flock'ed while open: a second process gets StoreLockedError
+    <data_dir>/abort           exists while open; found at start-up => the last run crashed
+    <data_dir>/checkpoint      what is durable (store/checkpoint.py)
+    <data_dir>/commitlog/      segments (store/commit_log.py)
+    <data_dir>/consumequeue/   <topic>/<queue id>/<files> (store/consume_queue.py)
+    <data_dir>/index/          key and id index files (store/index_file.py)
+
+Threads and who may call what:
+- ``put`` may be called from any thread; puts are serialised by one lock (RocketMQ's put message
+  lock), which also covers the dispatch to the consume queue and the index. Dispatch listeners
+  run on the putting thread, inside the lock: they must be quick and must not call ``put``.
+- ``get_messages``, ``min_offset``/``max_offset``, ``query_by_key``, ``get_by_id`` and
+  ``read_batch`` may be called from any thread at any time, concurrently with puts.
+- SYNC_FLUSH durability callbacks (``on_durable``) run on the flush thread.
+- Two background threads: the flush service, and housekeeping (consume queue / index flush and
+  checkpoint every second, retention every ten seconds).
+- ``close`` once, from the thread that owns the store, after the callers have stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import fcntl
+import logging
+import os
+import shutil
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tidemq.protocol.errors import (
+    CorruptBatchError,
+    DiskFullError,
+    MessageTooLargeError,
+    OffsetOutOfRangeError,
+    StoreClosedError,
+    StoreError,
+    StoreLockedError,
+)
+from tidemq.protocol.record import (
+    INDEX_ENTRY_SIZE,
+    STORE_FIELDS,
+    STORE_FIELDS_OFFSET,
+    BatchView,
+    StoredMessage,
+    pack_host,
+    parse_unique_id,
+    seal_store_header,
+)
+from tidemq.store.checkpoint import (
+    Checkpoint,
+    load_checkpoint,
+    queue_key,
+    save_checkpoint,
+)
+from tidemq.store.commit_log import CommitLog
+from tidemq.store.config import StoreConfig
+from tidemq.store.consume_queue import ConsumeQueueTable
+from tidemq.store.flush import FlushCallback, FlushMode, FlushService
+from tidemq.store.index_file import IndexService
+from tidemq.store.recovery import RecoveryReport, scan
+from tidemq.store.retention import RetentionService
+
+log = logging.getLogger(__name__)
+
+_QUEUE_ID = struct.Struct("<I")
+_QUEUE_ID_OFFSET = 44
+_HOST = struct.Struct("<H16s")
+_HOST_OFFSET = 54
+_TAG_DTYPE = np.dtype([("tag", "<u8"), ("rel", "<u4")])
+assert _TAG_DTYPE.itemsize == INDEX_ENTRY_SIZE
+
+#: Messages per id-index block: a batch is indexed once per block of sequence ids it covers.
+ID_BLOCK_BITS = 10
+
+
+def id_block_key(producer_id: int, seq: int) -> str:
+    return f"#id#{producer_id:016X}#{seq >> ID_BLOCK_BITS:X}"
+
+
+def key_index_key(topic: str, key: str) -> str:
+    return f"{topic}#{key}"
+
+
+class PutStatus(enum.StrEnum):
+    PUT_OK = "PUT_OK"
+    FLUSH_DISK_TIMEOUT = "FLUSH_DISK_TIMEOUT"
+
+
+@dataclass(slots=True)
+class PutResult:
+    status: PutStatus
+    topic: str
+    queue_id: int
+    phys_offset: int
+    queue_offset: int  # of the batch's first message
+    count: int
+    size: int
+    store_ts: int
+
+    @property
+    def end_offset(self) -> int:
+        return self.phys_offset + self.size
+
+
+class GetStatus(enum.StrEnum):
+    """RocketMQ's GetMessageStatus."""
+
+    FOUND = "FOUND"
+    NO_MATCHED_MESSAGE = "NO_MATCHED_MESSAGE"
+    MESSAGE_WAS_REMOVING = "MESSAGE_WAS_REMOVING"
+    OFFSET_FOUND_NULL = "OFFSET_FOUND_NULL"
+    OFFSET_OVERFLOW_BADLY = "OFFSET_OVERFLOW_BADLY"
+    OFFSET_OVERFLOW_ONE = "OFFSET_OVERFLOW_ONE"
+    OFFSET_TOO_SMALL = "OFFSET_TOO_SMALL"
+    NO_MATCHED_LOGIC_QUEUE = "NO_MATCHED_LOGIC_QUEUE"
+    NO_MESSAGE_IN_QUEUE = "NO_MESSAGE_IN_QUEUE"
+
+
+@dataclass(slots=True)
+class ReadBatch:
+    """A whole stored batch (zero-copy view of the mapping) and the first message wanted."""
+
+    data: memoryview
+    first_index: int
+    queue_offset: int  # queue offset of message ``first_index``
+    count: int  # messages from first_index to the batch's end
+
+    def messages(self) -> list[StoredMessage]:
+        return list(BatchView(self.data).messages(self.first_index))
+
+
+@dataclass(slots=True)
+class GetResult:
+    status: GetStatus
+    next_begin_offset: int
+    min_offset: int
+    max_offset: int
+    batches: list[ReadBatch] = field(default_factory=list)
+
+    @property
+    def message_count(self) -> int:
+        return sum(b.count for b in self.batches)
+
+    def messages(self) -> list[StoredMessage]:
+        out: list[StoredMessage] = []
+        for b in self.batches:
+            out.extend(b.messages())
+        return out
+
+
+DispatchListener = Callable[[str, int, int, BatchView], None]
+
+
+class MessageStore:
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self.dir = Path(config.data_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = self._acquire_lock()
+        self._closed = False
+        self._put_lock = threading.Lock()
+        self._listeners: list[DispatchListener] = []
+        self._queue_offsets: dict[tuple[str, int], int] = {}
+        self._host = _HOST.pack(config.store_port, pack_host(config.store_host))
+        self.quarantine: dict[int, str] = {}  # phys offset -> reason (never served)
+        self.disk_full = False
+        self.stats = {"put_batches": 0, "put_messages": 0, "put_bytes": 0, "get_messages": 0}
+        try:
+            self.recovery_report = self._open()
+        except BaseException:
+            self._release_lock()
+            raise
+        self.flush_service = FlushService(self.commitlog, config.flush_mode, config.flush_interval_ms)
+        self.retention = RetentionService(self)
+        self._stop = threading.Event()
+        self._housekeeper = threading.Thread(
+            target=self._housekeeping, name="store-housekeeping", daemon=True
+        )
+        self._housekeeper.start()
+
+    # -- open / recover ----------------------------------------------------------------------
+    def _acquire_lock(self) -> int:
+        path = self.dir / "lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreLockedError(
+                f"{self.dir} is in use by another tidemq process (lock file {path}); stop it or "
+                "use another --data-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        return fd
+
+    def _release_lock(self) -> None:
+        with contextlib.suppress(OSError):
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+
+    def _open(self) -> RecoveryReport:
+        t0 = time.perf_counter()
+        cfg = self.config
+        report = self._scan_report = RecoveryReport()
+        abort = self.dir / "abort"
+        report.clean_shutdown = not abort.exists()
+        cp, problem = load_checkpoint(self.dir / "checkpoint")
+        if problem:
+            report.problems.append(problem)
+        self.commitlog = CommitLog(self.dir / "commitlog", cfg.segment_size, preallocate=cfg.preallocate)
+        report.problems += self.commitlog.open_segments()
+        self.cqs = ConsumeQueueTable(self.dir / "consumequeue", cfg.cq_units_per_file)
+        self.cqs.load()
+        self.index = IndexService(self.dir / "index", cfg.index_slots, cfg.index_max_entries)
+        report.problems += list(getattr(self.index, "load_errors", []))
+        cl_min = self.commitlog.min_offset
+        start = self._trusted_start(cp, report)
+        if start is None:  # rebuild every index from the CommitLog
+            report.rebuilt_indexes = True
+            self.cqs.close_all()
+            self.index.close()
+            shutil.rmtree(self.dir / "consumequeue", ignore_errors=True)
+            shutil.rmtree(self.dir / "index", ignore_errors=True)
+            self.cqs = ConsumeQueueTable(self.dir / "consumequeue", cfg.cq_units_per_file)
+            self.cqs.load()
+            self.index = IndexService(self.dir / "index", cfg.index_slots, cfg.index_max_entries)
+            start = cl_min
+        start = max(start, cl_min)
+        report.scanned_from = start
+        # Units and index entries at or beyond `start` may be stale or missing: drop, then
+        # re-dispatch them from the CommitLog.
+        for cq in self.cqs.all():
+            cq.truncate_dirty(start)
+        self.index.truncate_dirty(start)
+        for cq in self.cqs.all():
+            self._queue_offsets[(cq.topic, cq.queue_id)] = cq.max_offset
+        durable_end = cp.commitlog_flushed if cp is not None else start
+        if report.clean_shutdown and cp is not None:
+            durable_end = max(durable_end, cp.dispatched)
+        end = scan(self.commitlog, start, durable_end, self._dispatch_recovered, report)
+        self._truncate_tail(end, report)
+        self.commitlog.ensure_full_size()
+        for q in report.quarantined:
+            self.quarantine[q.phys_offset] = q.reason
+        abort.touch()
+        self._save_checkpoint()
+        report.seconds = time.perf_counter() - t0
+        if report.truncated or report.quarantined or report.problems or not report.clean_shutdown:
+            log.warning("store recovery: %s", report.summary())
+        return report
+
+    def _trusted_start(self, cp: Checkpoint | None, report: RecoveryReport) -> int | None:
+        """Where re-dispatch may start, or None when the indexes must be rebuilt entirely."""
+        if cp is None:
+            if self.commitlog.segments and (self.cqs.all() or report.problems):
+                report.problems.append("no usable checkpoint: rebuilding indexes")
+                return None
+            return self.commitlog.min_offset if self.commitlog.segments else 0
+        for key, durable_max in cp.queues.items():
+            topic, _, qid = key.rpartition("\x00")
+            cq = self.cqs.find(topic, int(qid))
+            if cq is None or cq.max_offset < durable_max:
+                report.problems.append(
+                    f"consume queue {topic}/{qid} is missing or shorter than its checkpoint "
+                    f"({durable_max} messages): rebuilding indexes from the CommitLog"
+                )
+                return None
+            bad = cq.validate(cp.dispatched)
+            if bad:
+                report.problems.append(f"{bad}: rebuilding indexes from the CommitLog")
+                return None
+        if getattr(self.index, "load_errors", None):
+            return None
+        return cp.dispatched
+
+    def _dispatch_recovered(self, v: BatchView, phys: int) -> None:
+        key = (v.topic, v.queue_id)
+        expected = self._queue_offsets.get(key, 0)
+        quarantined = self._scan_report.quarantined
+        if v.queue_offset > expected and quarantined:
+            # Messages of this queue were in a quarantined batch: keep offsets contiguous with
+            # units pointing at the quarantined batch (readers skip it).
+            qphys, qsize = quarantined[-1].phys_offset, quarantined[-1].size
+            gap = v.queue_offset - expected
+            self.cqs.get_or_create(*key).append_batch(expected, qphys, qsize, bytes(12 * gap))
+        self._dispatch(v, key, phys, v.queue_offset, v.total_size, v.store_ts)
+        self._queue_offsets[key] = v.queue_offset + v.count
+
+    def _truncate_tail(self, end: int, report: RecoveryReport) -> None:
+        cl = self.commitlog
+        if cl.segments:
+            seg = cl.segment_for(min(end, cl.segments[-1].end - 1)) if end < cl.segments[-1].end else None
+            if seg is not None:
+                rel = end - seg.start
+                arr = np.frombuffer(seg.mm, dtype=np.uint8, offset=rel)
+                nz = np.flatnonzero(arr)
+                if nz.size:
+                    report.truncated.append((str(seg.path), rel, int(nz[-1]) + 1))
+            for s in cl.segments:
+                if s.start > end:
+                    report.truncated.append((str(s.path), 0, s.size))
+        cl.truncate(end)
+        cl.flushed_pos = end
+        for cq in self.cqs.all():
+            cq.truncate_dirty(end)
+        self.index.truncate_dirty(end)
+
+    # -- writing -------------------------------------------------------------------------------
+    def put(
+        self,
+        data: bytes | bytearray | memoryview,
+        *,
+        queue_id: int | None = None,
+        on_durable: FlushCallback | None = None,
+    ) -> PutResult:
+        """Append one batch (as a producer encoded it). Raises a StoreError subclass on refusal.
+
+        SYNC_FLUSH: with ``on_durable`` the put returns at once and the callback fires (on the
+        flush thread) when the batch is on disk; without it, the call blocks until then and
+        answers FLUSH_DISK_TIMEOUT after sync_flush_timeout_ms. ASYNC_FLUSH: returns at once.
+        """
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+        size = len(data)
+        if size > self.config.max_batch_bytes:
+            raise MessageTooLargeError(
+                f"batch of {size} bytes exceeds max_batch_bytes={self.config.max_batch_bytes}; "
+                "send fewer or smaller messages per batch"
+            )
+        if self.disk_full:
+            raise DiskFullError(
+                f"disk holding {self.dir} is over {self.config.disk_refuse_writes_ratio:.0%} "
+                "full; writes are refused until retention frees space"
+            )
+        v = BatchView(data)
+        if v.total_size != size:
+            raise CorruptBatchError(f"batch says {v.total_size} bytes but {size} were given")
+        if not v.batch_crc_ok():
+            raise CorruptBatchError("batch CRC32C mismatch: the batch was damaged on its way")
+        topic = v.topic
+        qid = v.queue_id if queue_id is None else queue_id
+        key = (topic, qid)
+        p_start = v.producer_start
+        with self._put_lock:
+            cl = self.commitlog
+            seg, rel = cl.reserve(size)
+            mm = seg.mm
+            phys = seg.start + rel
+            qoff = self._queue_offsets.get(key, 0)
+            now = time.time_ns() // 1_000_000
+            mm[rel : rel + size] = data
+            STORE_FIELDS.pack_into(mm, rel + STORE_FIELDS_OFFSET, phys, qoff, now)
+            _QUEUE_ID.pack_into(mm, rel + _QUEUE_ID_OFFSET, qid)
+            mm[rel + _HOST_OFFSET : rel + _HOST_OFFSET + 18] = self._host
+            seal_store_header(mm, rel, p_start)
+            cl.advance(size)
+            self._dispatch(v, key, phys, qoff, size, now)
+            self._queue_offsets[key] = qoff + v.count
+            if self._listeners:
+                stored = BatchView(mm, rel)
+                for cb in self._listeners:
+                    cb(topic, qid, qoff + v.count, stored)
+        st = self.stats
+        st["put_batches"] += 1
+        st["put_messages"] += v.count
+        st["put_bytes"] += size
+        result = PutResult(PutStatus.PUT_OK, topic, qid, phys, qoff, v.count, size, now)
+        if self.config.flush_mode is FlushMode.SYNC:
+            if on_durable is not None:
+                self.flush_service.request(phys + size, on_durable)
+            else:
+                try:
+                    self.flush_service.wait(phys + size, self.config.sync_flush_timeout_ms / 1000)
+                except TimeoutError:
+                    result.status = PutStatus.FLUSH_DISK_TIMEOUT
+        elif on_durable is not None:
+            on_durable(None)
+        return result
+
+    def _dispatch(
+        self, v: BatchView, key: tuple[str, int], phys: int, qoff: int, size: int, ts: int
+    ) -> None:
+        """Build the consume queue units and index entries of one batch (per batch, not per
+        message, except for messages that carry keys)."""
+        self.cqs.get_or_create(*key).append_batch(qoff, phys, size, v.index_view())
+        if not self.config.index_enabled:
+            return
+        idx = self.index
+        if v.keys_size:
+            topic = key[0]
+            names = [
+                key_index_key(topic, k) for ks in v.keys().values() for k in ks.split() if k
+            ]
+            if names:
+                idx.put_many(names, phys, ts)
+        if v.producer_id:
+            first = v.base_seq >> ID_BLOCK_BITS
+            last = (v.base_seq + v.count - 1) >> ID_BLOCK_BITS
+            idx.put_many(
+                [f"#id#{v.producer_id:016X}#{b:X}" for b in range(first, last + 1)], phys, ts
+            )
+
+    def add_dispatch_listener(self, listener: DispatchListener) -> None:
+        """``listener(topic, queue_id, new_max_offset, stored_batch)`` after every put (the
+        broker wakes held pulls with it). Runs on the putting thread inside the put lock."""
+        self._listeners.append(listener)
+
+    # -- reading -------------------------------------------------------------------------------
+    def get_messages(
+        self,
+        topic: str,
+        queue_id: int,
+        offset: int,
+        max_messages: int = 32,
+        tag_hashes: frozenset[int] | None = None,
+    ) -> GetResult:
+        """Read from queue offset ``offset``: whole batches, each with its first wanted message.
+
+        ``tag_hashes``: only batches holding at least one message with one of these tag hashes
+        are returned (the client re-checks each message). Statuses and the next begin offset
+        follow RocketMQ's DefaultMessageStore.getMessage.
+        """
+        cq = self.cqs.find(topic, queue_id)
+        if cq is None:
+            return GetResult(GetStatus.NO_MATCHED_LOGIC_QUEUE, 0, 0, 0)
+        mn, mx = cq.min_offset, cq.max_offset
+        if mx == 0:
+            return GetResult(GetStatus.NO_MESSAGE_IN_QUEUE, 0, mn, mx)
+        if offset < mn:
+            return GetResult(GetStatus.OFFSET_TOO_SMALL, mn, mn, mx)
+        if offset == mx:
+            return GetResult(GetStatus.OFFSET_OVERFLOW_ONE, offset, mn, mx)
+        if offset > mx:
+            return GetResult(GetStatus.OFFSET_OVERFLOW_BADLY, mn if mn == 0 else mx, mn, mx)
+        cl = self.commitlog
+        cl_min = cl.min_offset
+        wanted = np.fromiter(tag_hashes, dtype=np.uint64) if tag_hashes else None
+        batches: list[ReadBatch] = []
+        n = 0
+        nbytes = 0
+        q = offset
+        removed = False
+        verify = self.config.verify_reads
+        while q < mx and n < max_messages and nbytes < self.config.max_read_bytes:
+            unit = cq.get(q)
+            if unit is None:
+                break
+            phys, size, _tag = unit
+            if phys < cl_min:
+                removed = True
+                q += 1
+                continue
+            if phys in self.quarantine:
+                q = self._skip_batch(cq, q, phys, mx)
+                continue
+            try:
+                v = cl.read_batch(phys)
+                if verify:
+                    v.verify()
+            except (CorruptBatchError, OffsetOutOfRangeError) as exc:
+                self._report_corrupt(phys, str(exc))
+                q = self._skip_batch(cq, q, phys, mx)
+                continue
+            first = q - v.queue_offset
+            if not 0 <= first < v.count:
+                self._report_corrupt(phys, f"consume queue unit {q} does not match the batch")
+                q = self._skip_batch(cq, q, phys, mx)
+                continue
+            if wanted is not None:
+                tags = np.frombuffer(v.index_view(), dtype=_TAG_DTYPE)["tag"][first:]
+                mask = np.isin(tags, wanted)
+                if not mask.any():
+                    q = v.queue_offset + v.count
+                    continue
+                first += int(mask.argmax())
+            batches.append(
+                ReadBatch(v.bytes_view, first, v.queue_offset + first, v.count - first)
+            )
+            n += v.count - first
+            nbytes += v.total_size
+            q = v.queue_offset + v.count
+        self.stats["get_messages"] += n
+        if batches:
+            status = GetStatus.FOUND
+        elif removed:
+            status = GetStatus.MESSAGE_WAS_REMOVING
+        else:
+            status = GetStatus.NO_MATCHED_MESSAGE
+        return GetResult(status, q, mn, mx, batches)
+
+    def _skip_batch(self, cq, q: int, phys: int, mx: int) -> int:
+        """First queue offset after ``q`` whose unit points to another batch."""
+        q += 1
+        while q < mx:
+            unit = cq.get(q)
+            if unit is None or unit[0] != phys:
+                break
+            q += 1
+        return q
+
+    def _report_corrupt(self, phys: int, reason: str) -> None:
+        if phys in self.quarantine:
+            return
+        self.quarantine[phys] = reason
+        try:
+            seg = self.commitlog.segment_for(phys)
+            where = f"{seg.path} position {phys - seg.start}"
+        except OffsetOutOfRangeError:
+            where = f"physical offset {phys}"
+        log.error("corrupt batch in %s: %s; quarantined, not served", where, reason)
+
+    def read_batch(self, phys: int) -> BatchView:
+        return self.commitlog.read_batch(phys)
+
+    def min_offset(self, topic: str, queue_id: int) -> int:
+        cq = self.cqs.find(topic, queue_id)
+        return cq.min_offset if cq else 0
+
+    def max_offset(self, topic: str, queue_id: int) -> int:
+        cq = self.cqs.find(topic, queue_id)
+        return cq.max_offset if cq else 0
+
+    def queues(self) -> list[tuple[str, int]]:
+        return sorted((cq.topic, cq.queue_id) for cq in self.cqs.all())
+
+    def offset_for_timestamp(self, topic: str, queue_id: int, ts_ms: int) -> int:
+        cq = self.cqs.find(topic, queue_id)
+        if cq is None:
+            return 0
+        return cq.offset_for_timestamp(ts_ms, self.commitlog.store_ts_at)
+
+    def query_by_key(
+        self, topic: str, key: str, begin_ts: int = 0, end_ts: int = 2**62, max_num: int = 64
+    ) -> list[StoredMessage]:
+        """Messages of ``topic`` carrying ``key`` stored within [begin_ts, end_ts], newest first."""
+        out: list[StoredMessage] = []
+        for phys in self.index.query(key_index_key(topic, key), begin_ts, end_ts, max_num):
+            v = self._readable(phys)
+            if v is None or v.topic != topic:
+                continue
+            for i, ks in v.keys().items():
+                if key in ks.split():
+                    out.extend(v.messages(i))
+                    out = [m for m in out if m.keys and key in m.keys.split()]
+        return out[:max_num]
+
+    def get_by_id(self, msg_id: str) -> StoredMessage | None:
+        """The message with this unique id (32 hex digits), or None."""
+        producer_id, seq = parse_unique_id(msg_id)
+        for phys in self.index.query(id_block_key(producer_id, seq), 0, 2**62, 256):
+            v = self._readable(phys)
+            if v is None or v.producer_id != producer_id:
+                continue
+            if v.base_seq <= seq < v.base_seq + v.count:
+                return next(v.messages(seq - v.base_seq))
+        return None
+
+    def _readable(self, phys: int) -> BatchView | None:
+        if phys in self.quarantine or phys < self.commitlog.min_offset:
+            return None
+        try:
+            v = self.commitlog.read_batch(phys)
+            v.verify()
+            return v
+        except (CorruptBatchError, OffsetOutOfRangeError) as exc:
+            self._report_corrupt(phys, str(exc))
+            return None
+
+    # -- topics --------------------------------------------------------------------------------
+    def delete_topic(self, topic: str) -> None:
+        """Drop the topic's consume queues (its batches age out of the CommitLog)."""
+        with self._put_lock:
+            self.cqs.delete_topic(topic)
+            for key in [k for k in self._queue_offsets if k[0] == topic]:
+                del self._queue_offsets[key]
+
+    # -- durability and housekeeping ----------------------------------------------------------
+    def _save_checkpoint(self) -> None:
+        """Flush CommitLog, consume queues and index, then record what is durable."""
+        with self._put_lock:
+            dispatched = self.commitlog.write_pos
+            queues = {queue_key(t, q): o for (t, q), o in self._queue_offsets.items()}
+        flushed = self.commitlog.flush()
+        self.cqs.flush_all()
+        self.index.flush()
+        cp = Checkpoint(
+            commitlog_flushed=flushed,
+            dispatched=min(dispatched, flushed),
+            queues=queues,
+            written_at=time.time_ns() // 1_000_000,
+        )
+        save_checkpoint(self.dir / "checkpoint", cp)
+
+    def flush(self) -> None:
+        """Make everything put so far durable, indexes and checkpoint included."""
+        self._save_checkpoint()
+
+    def _housekeeping(self) -> None:
+        cfg = self.config
+        next_retention = 0.0
+        while not self._stop.wait(cfg.checkpoint_interval_ms / 1000):
+            try:
+                self._save_checkpoint()
+                now = time.monotonic()
+                if now >= next_retention:
+                    next_retention = now + cfg.retention_check_interval_ms / 1000
+                    self.retention.run_once()
+            except StoreError as exc:
+                log.error("store housekeeping: %s", exc)
+            except Exception:  # never let the thread die silently
+                log.exception("store housekeeping failed")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._housekeeper.join()
+        self.flush_service.close()
+        self._save_checkpoint()
+        self.cqs.close_all()
+        self.index.close()
+        self.commitlog.close()
+        with contextlib.suppress(FileNotFoundError):
+            (self.dir / "abort").unlink()
+        self._release_lock()
+
+    def __enter__(self) -> MessageStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
