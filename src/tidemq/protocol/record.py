@@ -459,14 +459,16 @@ class BatchView:
         if avail < STORE_HEADER_SIZE:
             raise CorruptBatchError(f"{avail} bytes cannot hold a batch header (72 needed)")
         (
-            self.total_size, magic, version, _r, self.store_crc, self.phys_offset,
+            self.total_size, magic, version, reserved, self.store_crc, self.phys_offset,
             self.queue_offset, self.store_ts, self.prepared_offset, self.queue_id,
             self.reconsume_times, self.topic_len, self.store_port, self.store_host_raw,
         ) = STORE_HEADER.unpack_from(mv, pos)
         if magic != BATCH_MAGIC:
             raise CorruptBatchError(f"bad batch magic 0x{magic:04X} (expected 0x{BATCH_MAGIC:04X})")
-        if version != FORMAT_VERSION:
-            raise CorruptBatchError(f"unsupported batch format version {version}")
+        if version != FORMAT_VERSION or reserved:
+            raise CorruptBatchError(
+                f"unsupported batch format version {version} / reserved byte {reserved}"
+            )
         total = self.total_size
         p = STORE_HEADER_SIZE + self.topic_len
         if total > avail or total < p + PRODUCER_HEADER_SIZE:

@@ -6,11 +6,13 @@ File ``<data>/checkpoint`` is JSON (msgspec), replaced by write-tmp, fsync, rena
      "commitlog_flushed": <phys offset below which the CommitLog is durable>,
      "dispatched": <phys offset below which every consume queue and the index are durable>,
      "queues": {"<topic>\\u0000<queue id>": <max queue offset durable in that queue>, ...},
+     "index_phys": <CommitLog offset of the last batch in the durable index, -1 if none>,
      "written_at": <ms since epoch>}
 
 ``dispatched`` is always a batch boundary and never above ``commitlog_flushed``. Recovery scans
-the CommitLog from ``dispatched`` and rebuilds what lies beyond it; ``queues`` lets it notice a
-consume queue that was deleted or damaged (then everything is rebuilt from the CommitLog).
+the CommitLog from ``dispatched`` and rebuilds what lies beyond it; ``queues`` and
+``index_phys`` let it notice a consume queue or index that was deleted or damaged (then
+everything is rebuilt from the CommitLog).
 A second file, ``<data>/abort``, exists while the store is open: found at start-up it means the
 last run did not close cleanly.
 """
@@ -30,6 +32,7 @@ class Checkpoint(msgspec.Struct):
     commitlog_flushed: int = 0
     dispatched: int = 0
     queues: dict[str, int] = {}
+    index_phys: int = -1
     written_at: int = 0
 
 

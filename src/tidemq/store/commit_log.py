@@ -8,8 +8,8 @@ Invariants:
 - ``write_pos`` is the physical offset of the next batch; everything below it has been written
   through the mapping; ``flushed_pos`` <= ``write_pos`` is what fdatasync has made durable.
 
-Thread contract: ``append`` / ``truncate`` / ``delete_segments_before`` are called by one writer at a
-time (MessageStore holds its put lock); ``flush`` may run on the flush thread concurrently with
+Thread contract: ``reserve`` / ``advance`` / ``truncate`` / ``delete_segments`` are called by one
+writer at a time (MessageStore holds its put lock); ``flush`` may run on the flush thread concurrently with
 appends; ``view``/``read_batch`` may be called from any thread.
 """
 
@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 
 
 class CommitLog:
-    def __init__(self, directory: str | os.PathLike, segment_size: int, *, preallocate: bool = True):
+    def __init__(
+        self, directory: str | os.PathLike, segment_size: int, *, preallocate: bool = True
+    ):
         if segment_size < 4096:
             raise ValueError("segment_size must be at least 4096 bytes")
         self.dir = Path(directory)
@@ -86,7 +88,8 @@ class CommitLog:
         i = (phys - segs[0].start) // self.segment_size
         if i < 0 or i >= len(segs):
             raise OffsetOutOfRangeError(
-                f"physical offset {phys} is outside the CommitLog [{segs[0].start}, {self.write_pos})"
+                f"physical offset {phys} is outside the CommitLog "
+                f"[{segs[0].start}, {self.write_pos})"
             )
         return segs[i]
 

@@ -181,7 +181,9 @@ class MessageStore:
         except BaseException:
             self._release_lock()
             raise
-        self.flush_service = FlushService(self.commitlog, config.flush_mode, config.flush_interval_ms)
+        self.flush_service = FlushService(
+            self.commitlog, config.flush_mode, config.flush_interval_ms
+        )
         self.retention = RetentionService(self)
         self._stop = threading.Event()
         self._housekeeper = threading.Thread(
@@ -219,12 +221,14 @@ class MessageStore:
         cp, problem = load_checkpoint(self.dir / "checkpoint")
         if problem:
             report.problems.append(problem)
-        self.commitlog = CommitLog(self.dir / "commitlog", cfg.segment_size, preallocate=cfg.preallocate)
+        self.commitlog = CommitLog(
+            self.dir / "commitlog", cfg.segment_size, preallocate=cfg.preallocate
+        )
         report.problems += self.commitlog.open_segments()
         self.cqs = ConsumeQueueTable(self.dir / "consumequeue", cfg.cq_units_per_file)
         self.cqs.load()
         self.index = IndexService(self.dir / "index", cfg.index_slots, cfg.index_max_entries)
-        report.problems += list(getattr(self.index, "load_errors", []))
+        report.problems += self.index.load_errors
         cl_min = self.commitlog.min_offset
         start = self._trusted_start(cp, report)
         if start is None:  # rebuild every index from the CommitLog
@@ -281,7 +285,13 @@ class MessageStore:
             if bad:
                 report.problems.append(f"{bad}: rebuilding indexes from the CommitLog")
                 return None
-        if getattr(self.index, "load_errors", None):
+        if self.index.load_errors:
+            return None
+        if self.index.max_phys_offset < cp.index_phys:
+            report.problems.append(
+                f"index ends at batch {self.index.max_phys_offset} but the checkpoint recorded "
+                f"{cp.index_phys}: rebuilding indexes from the CommitLog"
+            )
             return None
         return cp.dispatched
 
@@ -301,7 +311,11 @@ class MessageStore:
     def _truncate_tail(self, end: int, report: RecoveryReport) -> None:
         cl = self.commitlog
         if cl.segments:
-            seg = cl.segment_for(min(end, cl.segments[-1].end - 1)) if end < cl.segments[-1].end else None
+            seg = (
+                cl.segment_for(min(end, cl.segments[-1].end - 1))
+                if end < cl.segments[-1].end
+                else None
+            )
             if seg is not None:
                 rel = end - seg.start
                 arr = np.frombuffer(seg.mm, dtype=np.uint8, offset=rel)
@@ -400,9 +414,7 @@ class MessageStore:
         idx = self.index
         if v.keys_size:
             topic = key[0]
-            names = [
-                key_index_key(topic, k) for ks in v.keys().values() for k in ks.split() if k
-            ]
+            names = [key_index_key(topic, k) for ks in v.keys().values() for k in ks.split() if k]
             if names:
                 idx.put_many(names, phys, ts)
         if v.producer_id:
@@ -485,9 +497,7 @@ class MessageStore:
                     q = v.queue_offset + v.count
                     continue
                 first += int(mask.argmax())
-            batches.append(
-                ReadBatch(v.bytes_view, first, v.queue_offset + first, v.count - first)
-            )
+            batches.append(ReadBatch(v.bytes_view, first, v.queue_offset + first, v.count - first))
             n += v.count - first
             nbytes += v.total_size
             q = v.queue_offset + v.count
@@ -550,10 +560,9 @@ class MessageStore:
             v = self._readable(phys)
             if v is None or v.topic != topic:
                 continue
-            for i, ks in v.keys().items():
-                if key in ks.split():
-                    out.extend(v.messages(i))
-                    out = [m for m in out if m.keys and key in m.keys.split()]
+            wanted = [i for i, ks in v.keys().items() if key in ks.split()]
+            if wanted:
+                out.extend(m for m in v.messages(wanted[0]) if m.index in wanted)
         return out[:max_num]
 
     def get_by_id(self, msg_id: str) -> StoredMessage | None:
@@ -592,6 +601,7 @@ class MessageStore:
         with self._put_lock:
             dispatched = self.commitlog.write_pos
             queues = {queue_key(t, q): o for (t, q), o in self._queue_offsets.items()}
+            index_phys = self.index.max_phys_offset
         flushed = self.commitlog.flush()
         self.cqs.flush_all()
         self.index.flush()
@@ -599,6 +609,7 @@ class MessageStore:
             commitlog_flushed=flushed,
             dispatched=min(dispatched, flushed),
             queues=queues,
+            index_phys=index_phys,
             written_at=time.time_ns() // 1_000_000,
         )
         save_checkpoint(self.dir / "checkpoint", cp)

@@ -5,12 +5,14 @@ boundary: the checkpoint's ``dispatched`` offset, or the CommitLog's first offse
 rebuilt), verifies each batch's framing and both CRC32Cs, hands every good batch to ``dispatch``
 and returns where valid data ends. How a bad batch is treated depends on where it lies:
 
-- at or beyond ``durable_end`` (bytes that were never known to be fsynced): a torn write. The log
-  ends there; everything from that position on is truncated and reported (file, position).
-- below ``durable_end`` (bytes that had been fsynced, so damage came later: a bit flip): the batch
-  is quarantined and reported (file, position, reason), never served, and the scan resumes at the
-  next valid batch (found by the batch's own size when its framing is intact, else by searching
-  for the next batch magic whose CRCs check). Nothing after it is lost.
+- followed by valid data (found by the batch's own size when its framing is intact, else by
+  searching for the next batch magic whose CRCs check, else at the next segment): damage in the
+  middle of the log, e.g. a bit flip. The batch is quarantined and reported (file, position,
+  reason), never served, and the scan resumes after it. Nothing after it is lost.
+- with nothing valid after it: a torn tail (a write cut short by a crash). The log ends there;
+  the caller truncates from that position and reports file, position and bytes dropped. When the
+  batch lay below ``durable_end`` (it had been fsynced, so the damage came later) the report
+  says so.
 """
 
 from __future__ import annotations
@@ -61,7 +63,9 @@ class RecoveryReport:
         if self.rebuilt_indexes:
             parts.append("indexes rebuilt from the CommitLog")
         parts += [f"truncated {n} bytes of {f} at position {p}" for f, p, n in self.truncated]
-        parts += [f"quarantined {q.file} position {q.position}: {q.reason}" for q in self.quarantined]
+        parts += [
+            f"quarantined {q.file} position {q.position}: {q.reason}" for q in self.quarantined
+        ]
         parts += self.problems
         return "; ".join(parts) + f" ({self.seconds:.3f} s)"
 
@@ -120,9 +124,8 @@ def scan(
             pos += v.total_size
             continue
         reason = _describe(mv, rel)
-        if pos >= durable_end:
-            break  # torn tail: truncated by the caller
-        # Damage inside data that had been fsynced: quarantine it and carry on.
+        # Is valid data further on? Then this is damage in the middle of the log, not a torn
+        # tail: quarantine it and keep everything after it.
         nxt = None
         if magic == BATCH_MAGIC and 0 < total <= seg.size - rel:
             after = rel + total
@@ -130,15 +133,28 @@ def scan(
                 nxt = after
         if nxt is None:
             nxt = _resync(seg, mv, rel)
+        if nxt is None and seg is not cl.segments[-1] and _has_data(cl, seg.end):
+            nxt = seg.size  # the rest of this segment is lost; the next one has data
         if nxt is None:
-            if seg is cl.segments[-1]:
-                break
-            nxt = seg.size  # rest of this segment is lost; continue with the next one
+            if pos < durable_end:
+                reason += " (in data that had been fsynced: damaged afterwards)"
+            log.error(
+                "CommitLog ends in a damaged batch in %s at position %d (%s)", seg.path, rel, reason
+            )
+            break  # the tail is torn: the caller truncates and reports it
         report.quarantined.append(Quarantined(str(seg.path), rel, pos, nxt - rel, reason))
         log.error("corrupt batch in %s at position %d (%s); quarantined", seg.path, rel, reason)
         pos = seg.start + nxt
     report.end_offset = pos
     return pos
+
+
+def _has_data(cl: CommitLog, pos: int) -> bool:
+    try:
+        seg = cl.segment_for(pos)
+    except Exception:
+        return False
+    return _valid_at(memoryview(seg.mm), pos - seg.start) is not None
 
 
 def _is_filler(seg: Segment, rel: int) -> bool:

@@ -55,7 +55,9 @@ class RetentionService:
         if store.disk_full:
             log.error(
                 "disk %.0f%% full (limit %.0f%%): refusing writes to %s",
-                ratio * 100, cfg.disk_refuse_writes_ratio * 100, store.dir,
+                ratio * 100,
+                cfg.disk_refuse_writes_ratio * 100,
+                store.dir,
             )
         now = self.clock()
         hour_ok = time.localtime(now).tm_hour == cfg.delete_when_hour

@@ -1,0 +1,306 @@
+"""Typed frame headers: the MessagePack map between a frame's prefix and its body.
+
+Every header is a msgspec Struct encoded as a map keyed by field name; fields equal to their
+default are left out, and unknown keys are ignored on decode, so a peer may add a field with a
+default without breaking older peers (renaming or removing one is a protocol change). Bodies
+are not described here: a send request and a pull response carry batches (``record.py``).
+
+Which header goes with which frame (request code -> request header / response header)::
+
+    +-------------------------+----------------------------+----------------------------------+
+    | request code            | request header             | response header                  |
+    +-------------------------+----------------------------+----------------------------------+
+    | SEND_MESSAGE/SEND_BATCH | SendMessageRequestHeader   | SendMessageResponseHeader        |
+    |                         |   body: one batch          |   (also on FLUSH_*_TIMEOUT,      |
+    |                         |                            |   SLAVE_NOT_AVAILABLE)           |
+    | PULL_MESSAGE            | PullMessageRequestHeader   | PullMessageResponseHeader        |
+    |                         |                            |   body: whole batches (SUCCESS); |
+    |                         |                            |   also on PULL_NOT_FOUND,        |
+    |                         |                            |   PULL_RETRY_IMMEDIATELY,        |
+    |                         |                            |   PULL_OFFSET_MOVED              |
+    | REGISTER_BROKER         | RegisterBrokerRequestHeader| RegisterBrokerResponseHeader     |
+    | GET_ROUTEINFO_BY_TOPIC  | GetRouteInfoRequestHeader  | TopicRouteData                   |
+    | (any, on an error code) |                            | ErrorResponseHeader              |
+    +-------------------------+----------------------------+----------------------------------+
+
+An error response's code is the frame's ``code`` field; its header carries only the message
+(:func:`error_response` builds one, ``BrokerError.from_response`` turns one into an exception).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from tidemq.protocol.codes import RequestCode, ResponseCode, describe
+from tidemq.protocol.errors import LocalProtocolError
+from tidemq.protocol.frame import Frame, decode_header, encode_header
+
+__all__ = [
+    "Header",
+    "SendMessageRequestHeader",
+    "SendMessageResponseHeader",
+    "PullSysFlag",
+    "pull_sys_flag",
+    "PullMessageRequestHeader",
+    "PullMessageResponseHeader",
+    "ErrorResponseHeader",
+    "Perm",
+    "TopicConfig",
+    "RegisterBrokerRequestHeader",
+    "RegisterBrokerResponseHeader",
+    "GetRouteInfoRequestHeader",
+    "BrokerData",
+    "QueueData",
+    "TopicRouteData",
+    "REQUEST_HEADER_TYPES",
+    "RESPONSE_HEADER_TYPES",
+    "request_header_type",
+    "response_header_type",
+    "error_response",
+    "encode_header",
+    "decode_header",
+]
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+MASTER_ID = 0  # broker id of a master in BrokerData.broker_addrs
+
+
+class Header(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """Base of every header (map encoding, defaults omitted, never in a reference cycle)."""
+
+
+# -- send ---------------------------------------------------------------------------------------
+
+
+class SendMessageRequestHeader(Header):
+    """SEND_MESSAGE / SEND_BATCH. The body is one batch; topic and queue_id repeat the batch's
+    so the broker can route and check permissions before parsing it."""
+
+    producer_group: str
+    topic: str
+    queue_id: U32
+    born_timestamp: int = 0  # ms since the epoch, when the producer built the batch
+    flag: int = 0
+    properties: dict[str, str] = {}
+    batch: bool = False  # True: SEND_BATCH semantics, the batch may hold many messages
+    reconsume_times: NonNeg = 0
+
+
+class SendMessageResponseHeader(Header):
+    """The batch's place: message ``i`` has queue offset ``queue_offset + i``."""
+
+    msg_id: str  # unique id of message 0 (record.unique_id); message i: base_seq + i
+    queue_id: U32
+    queue_offset: NonNeg
+    count: Positive = 1  # messages stored
+    transaction_id: str | None = None
+
+
+# -- pull ---------------------------------------------------------------------------------------
+
+
+class PullSysFlag:
+    """Bits of PullMessageRequestHeader.sys_flag (RocketMQ's PullSysFlag)."""
+
+    COMMIT_OFFSET = 0x1  # commit_offset is set: store it as the group's offset
+    SUSPEND = 0x2  # long polling: hold the request up to suspend_timeout_millis
+    SUBSCRIPTION = 0x4  # subscription is set: use it instead of the group's registered one
+    CLASS_FILTER = 0x8  # filter class mode (reserved; tidemq filters by tag and SQL only)
+
+
+def pull_sys_flag(
+    *,
+    commit_offset: bool = False,
+    suspend: bool = False,
+    subscription: bool = False,
+    class_filter: bool = False,
+) -> int:
+    return (
+        (PullSysFlag.COMMIT_OFFSET if commit_offset else 0)
+        | (PullSysFlag.SUSPEND if suspend else 0)
+        | (PullSysFlag.SUBSCRIPTION if subscription else 0)
+        | (PullSysFlag.CLASS_FILTER if class_filter else 0)
+    )
+
+
+class PullMessageRequestHeader(Header):
+    consumer_group: str
+    topic: str
+    queue_id: U32
+    queue_offset: NonNeg  # first message wanted
+    max_msg_nums: Positive = 32
+    sys_flag: NonNeg = 0  # PullSysFlag bits
+    commit_offset: NonNeg = 0
+    suspend_timeout_millis: NonNeg = 15_000
+    subscription: str | None = None  # tag expression ("TagA || TagB", "*") or SQL92
+    sub_version: int = 0
+    expression_type: str = "TAG"  # "TAG" or "SQL92"
+
+    @property
+    def has_commit_offset(self) -> bool:
+        return bool(self.sys_flag & PullSysFlag.COMMIT_OFFSET)
+
+    @property
+    def has_suspend(self) -> bool:
+        return bool(self.sys_flag & PullSysFlag.SUSPEND)
+
+    @property
+    def has_subscription(self) -> bool:
+        return bool(self.sys_flag & PullSysFlag.SUBSCRIPTION)
+
+    @property
+    def has_class_filter(self) -> bool:
+        return bool(self.sys_flag & PullSysFlag.CLASS_FILTER)
+
+
+class PullMessageResponseHeader(Header):
+    """The body holds whole batches; the first may start before the requested offset, so the
+    client skips its messages below ``queue_offset`` (``BatchView.messages(start)``)."""
+
+    next_begin_offset: NonNeg
+    min_offset: NonNeg
+    max_offset: NonNeg
+    suggest_which_broker_id: NonNeg = MASTER_ID
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+class ErrorResponseHeader(Header):
+    """Header of any error response; the response code is the frame's ``code``."""
+
+    message: str = ""
+
+
+# -- name server --------------------------------------------------------------------------------
+
+
+class Perm:
+    """Permission bits of a topic or broker (RocketMQ's PermName)."""
+
+    PRIORITY = 0x8
+    READ = 0x4
+    WRITE = 0x2
+    INHERIT = 0x1
+    READ_WRITE = READ | WRITE
+
+
+class TopicConfig(Header):
+    topic_name: str
+    read_queue_nums: U32 = 8
+    write_queue_nums: U32 = 8
+    perm: int = Perm.READ_WRITE
+    topic_sys_flag: int = 0
+    order: bool = False
+
+
+class RegisterBrokerRequestHeader(Header):
+    """REGISTER_BROKER, sent to every name server every 30 s; topics are all the broker has."""
+
+    cluster_name: str
+    broker_name: str
+    broker_id: NonNeg  # 0 = master
+    broker_addr: str  # "host:port" clients connect to
+    ha_server_addr: str = ""
+    heartbeat_timeout_millis: Positive = 120_000
+    data_version: NonNeg = 0  # bumps when the topic set changes
+    topics: dict[str, TopicConfig] = {}
+
+
+class RegisterBrokerResponseHeader(Header):
+    ha_server_addr: str = ""
+    master_addr: str = ""
+
+
+class GetRouteInfoRequestHeader(Header):
+    topic: str
+
+
+class BrokerData(Header):
+    cluster: str
+    broker_name: str
+    broker_addrs: dict[int, str] = {}  # broker id -> "host:port"; MASTER_ID is the master
+
+
+class QueueData(Header):
+    broker_name: str
+    read_queue_nums: U32
+    write_queue_nums: U32
+    perm: int = Perm.READ_WRITE
+    topic_sys_flag: int = 0
+
+
+class TopicRouteData(Header):
+    """Response header of GET_ROUTEINFO_BY_TOPIC."""
+
+    queue_datas: list[QueueData] = []
+    broker_datas: list[BrokerData] = []
+    order_topic_conf: str | None = None
+
+
+# -- which header for which frame ---------------------------------------------------------------
+
+REQUEST_HEADER_TYPES: dict[int, type[Header]] = {
+    RequestCode.SEND_MESSAGE: SendMessageRequestHeader,
+    RequestCode.SEND_BATCH: SendMessageRequestHeader,
+    RequestCode.PULL_MESSAGE: PullMessageRequestHeader,
+    RequestCode.REGISTER_BROKER: RegisterBrokerRequestHeader,
+    RequestCode.GET_ROUTEINFO_BY_TOPIC: GetRouteInfoRequestHeader,
+}
+
+RESPONSE_HEADER_TYPES: dict[int, type[Header]] = {
+    RequestCode.SEND_MESSAGE: SendMessageResponseHeader,
+    RequestCode.SEND_BATCH: SendMessageResponseHeader,
+    RequestCode.PULL_MESSAGE: PullMessageResponseHeader,
+    RequestCode.REGISTER_BROKER: RegisterBrokerResponseHeader,
+    RequestCode.GET_ROUTEINFO_BY_TOPIC: TopicRouteData,
+}
+
+_SEND_OUTCOMES = frozenset(
+    {
+        ResponseCode.SUCCESS,
+        ResponseCode.FLUSH_DISK_TIMEOUT,
+        ResponseCode.FLUSH_SLAVE_TIMEOUT,
+        ResponseCode.SLAVE_NOT_AVAILABLE,
+    }
+)
+_PULL_OUTCOMES = frozenset(
+    {
+        ResponseCode.SUCCESS,
+        ResponseCode.PULL_NOT_FOUND,
+        ResponseCode.PULL_RETRY_IMMEDIATELY,
+        ResponseCode.PULL_OFFSET_MOVED,
+    }
+)
+_OUTCOMES: dict[int, frozenset[int]] = {
+    RequestCode.SEND_MESSAGE: _SEND_OUTCOMES,
+    RequestCode.SEND_BATCH: _SEND_OUTCOMES,
+    RequestCode.PULL_MESSAGE: _PULL_OUTCOMES,
+}
+_SUCCESS_ONLY = frozenset({ResponseCode.SUCCESS})
+
+
+def request_header_type(code: int) -> type[Header] | None:
+    """Header type of a request; None (decode as a dict) for codes without one here."""
+    return REQUEST_HEADER_TYPES.get(code)
+
+
+def response_header_type(request_code: int, response_code: int) -> type[Header] | None:
+    """Header type of the response to a ``request_code`` request that came back with
+    ``response_code``: the request's response header for its non-error outcomes, else
+    ErrorResponseHeader. None (decode as a dict) for success of requests without one here."""
+    if response_code in _OUTCOMES.get(request_code, _SUCCESS_ONLY):
+        return RESPONSE_HEADER_TYPES.get(request_code)
+    return ErrorResponseHeader
+
+
+def error_response(request: Frame, code: int, message: str | None = None) -> Frame:
+    """The error response to ``request``; an empty ``message`` takes :func:`describe`'s text."""
+    if code == ResponseCode.SUCCESS:
+        raise LocalProtocolError("an error response needs a non-zero response code")
+    return request.response(code, ErrorResponseHeader(message or describe(code)))
+
