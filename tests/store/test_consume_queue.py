@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -163,15 +165,21 @@ class ConsumeQueueMachine(RuleBasedStateMachine):
         self.min = min(self.min, cut)
         self.next_phys = cut_phys
 
+    def draw_min_phys(self, data: st.DataObject) -> int:
+        # Retention only moves forward; hitting a batch start exactly is the edge that matters.
+        starts = [b[1] for b in self.batches if b[1] >= self.min_phys]
+        exact = st.sampled_from(starts) if starts else st.nothing()
+        return data.draw(exact | st.integers(self.min_phys, self.next_phys))
+
     @rule(data=st.data())
     def correct_min_offset(self, data: st.DataObject) -> None:
-        self.min_phys = data.draw(st.integers(self.min_phys, self.next_phys))
+        self.min_phys = self.draw_min_phys(data)
         self.cq.correct_min_offset(self.min_phys)
         self.model_correct_min()
 
     @rule(data=st.data())
     def delete_expired_files(self, data: st.DataObject) -> None:
-        self.min_phys = data.draw(st.integers(self.min_phys, self.next_phys))
+        self.min_phys = self.draw_min_phys(data)
         deleted = self.cq.delete_expired_files(self.min_phys)
         last_file = (self.max - 1) // UPF if self.max > self.first else self.first // UPF
         want = 0
@@ -185,7 +193,7 @@ class ConsumeQueueMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def offset_for_timestamp(self, data: st.DataObject) -> None:
-        target = data.draw(st.integers(self.last_ts - 40, self.last_ts + 2))
+        target = data.draw(st.sampled_from(sorted(self.ts.values()) or [0]) | st.integers(0, 2000))
         got = self.cq.offset_for_timestamp(target, self.ts.__getitem__)
         want = next(
             (i for i in range(self.min, self.max) if self.ts[self.units[i][0]] >= target),
@@ -217,8 +225,8 @@ class ConsumeQueueMachine(RuleBasedStateMachine):
 
 
 ConsumeQueueMachine.TestCase.settings = settings(
-    max_examples=60,
-    stateful_step_count=40,
+    max_examples=200,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -359,13 +367,18 @@ def test_readers_see_only_whole_units_during_appends(tmp_path):
                     errors.append(f"units view at {mx - 8}: {arr}")
 
     threads = [threading.Thread(target=reader) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for i in range(3000):
-        cq.append_batch(i, i * 10, 10, index_of([i + 1]))
-    stop.set()
-    for t in threads:
-        t.join()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often, so reads land inside appends
+    try:
+        for t in threads:
+            t.start()
+        for i in range(1500):
+            cq.append_batch(i, i * 10, 10, index_of([i + 1]))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        sys.setswitchinterval(interval)
     assert errors == []
     cq.close()
 
@@ -499,7 +512,34 @@ def test_batch_bytes_match_unit_struct(tmp_path):
     cq.append_batch(12, 86, 4, index_of([5]))
     cq.flush()
     d = qdir(str(tmp_path), "T", 0)
-    raw = b"".join(open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d)))
+    raw = b"".join((Path(d) / n).read_bytes() for n in sorted(os.listdir(d)))
     want = b"".join(UNIT.pack(77, 9, t) for t in tags) + UNIT.pack(86, 4, 5)
     assert raw == want + bytes(len(raw) - len(want))
+    cq.close()
+
+
+def test_flush_thread_races_appends_and_deletions(tmp_path):
+    cq = ConsumeQueue(tmp_path, "T", 3, units_per_file=8)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def flusher() -> None:
+        while not stop.is_set():
+            try:
+                cq.flush()
+            except BaseException as exc:  # any failure, reported to the main thread
+                errors.append(exc)
+
+    t = threading.Thread(target=flusher)
+    t.start()
+    try:
+        for i in range(400):
+            cq.append_batch(i, i * 10, 10, index_of([i]))
+            if i % 50 == 49:
+                cq.delete_expired_files(i * 10 - 100)
+    finally:
+        stop.set()
+        t.join()
+    assert errors == []
+    assert cq.validate(4000) is None and cq.max_offset == 400
     cq.close()

@@ -175,10 +175,11 @@ def test_sigkill_during_sync_flush_loses_no_acknowledged_put(tmp_path):
             stderr=subprocess.PIPE,
             text=True,
         )
-        time.sleep(0.5 + rng.random() * 0.5)
+        first = p.stdout.readline()  # the writer is up and has had one put acknowledged
+        time.sleep(rng.random() * 0.3)  # then it dies at a random moment
         p.send_signal(signal.SIGKILL)
         out, err = p.communicate()
-        lines = [ln for ln in out.splitlines() if ln.count(" ") == 2]
+        lines = [ln for ln in (first + out).splitlines() if ln.count(" ") == 2]
         assert lines, err
         for ln in lines:
             qoff, count, k = map(int, ln.split())

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
+import threading
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -75,7 +77,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(
         key=st.sampled_from(KEYS),
-        dphys=st.integers(0, 300),
+        dphys=st.just(0) | st.integers(0, 300),  # 0: another key of the same batch
         dts=st.integers(0, 20) | st.just(I32_MAX + 1),
     )
     def put(self, key: str, dphys: int, dts: int) -> None:
@@ -110,8 +112,10 @@ class IndexMachine(RuleBasedStateMachine):
         max_num=st.integers(1, 70),
     )
     def query(self, key: str, data: st.DataObject, max_num: int) -> None:
-        begin = data.draw(st.integers(T0 - 5, self.ts + 5))
-        end = data.draw(st.integers(begin - 3, self.ts + 5))
+        stamps = sorted({e[2] for f in self.files for e in f.entries}) or [T0]
+        near = st.sampled_from(stamps).flatmap(lambda t: st.integers(t - 1, t + 1))
+        begin = data.draw(near | st.just(0))
+        end = data.draw(near | st.just(2**62) | st.integers(begin - 3, begin + 30))
         want: list[int] = []
         for f in reversed(self.files):
             for k, phys, ts in reversed(f.entries):
@@ -132,8 +136,12 @@ class IndexMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.files)
     @rule(data=st.data())
     def truncate_dirty(self, data: st.DataObject) -> None:
-        all_phys = sorted({e[1] for f in self.files for e in f.entries})
-        cut = data.draw(st.sampled_from(all_phys) | st.integers(0, self.phys + 1))
+        # The CommitLog's recovered end: never below what retention already removed.
+        starts = sorted({e[1] for f in self.files for e in f.entries if e[1] >= self.min_phys})
+        cut = data.draw(
+            (st.sampled_from(starts) if starts else st.nothing())
+            | st.integers(self.min_phys, self.phys + 1)
+        )
         self.ix.truncate_dirty(cut)
         for f in self.files:
             f.entries = [e for e in f.entries if e[1] < cut]
@@ -142,7 +150,12 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def delete_expired(self, data: st.DataObject) -> None:
-        self.min_phys = data.draw(st.integers(self.min_phys, self.phys + 1))
+        ends = [f.entries[-1][1] for f in self.files if f.entries[-1][1] >= self.min_phys]
+        self.min_phys = data.draw(
+            (st.sampled_from(ends).flatmap(lambda p: st.sampled_from([p, p + 1])) if ends
+             else st.nothing())
+            | st.integers(self.min_phys, self.phys + 1)
+        )
         want = 0
         for f in self.files[:-1]:
             if f.entries[-1][1] >= self.min_phys:
@@ -159,8 +172,8 @@ class IndexMachine(RuleBasedStateMachine):
 
 
 IndexMachine.TestCase.settings = settings(
-    max_examples=60,
-    stateful_step_count=40,
+    max_examples=150,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -177,12 +190,13 @@ def test_golden_header_and_entry(tmp_path):
     ix.flush()
     [path] = ix.files
     assert os.path.basename(path) == "20231114221320000"  # UTC yyyyMMddHHmmssSSS
-    raw = open(path, "rb").read()
+    with open(path, "rb") as f:
+        raw = f.read()
     assert len(raw) == 40 + 4 * 4 + 2 * 20
     assert key_hash("hello") == 0x9A71BB4C  # crc32c; slot 0x...4c % 4 == 0
     assert raw[:40].hex() == (
-        "0068f2cd8b010000"  # begin_ts 1_700_000_000_000
-        "fa68f2cd8b010000"  # end_ts   1_700_000_000_250
+        "0068e5cf8b010000"  # begin_ts 1_700_000_000_000
+        "fa68e5cf8b010000"  # end_ts   1_700_000_000_250
         "0807060504030201"  # begin_phys
         "0907060504030201"  # end_phys
         "01000000"  # hash_slot_count
@@ -214,6 +228,31 @@ def test_file_names_are_unique_and_ordered(tmp_path):
     names = [os.path.basename(p) for p in ix.files]
     assert names == sorted(names) and len(set(names)) == 5
     ix.close()
+
+
+def test_names_keep_creation_order_when_the_clock_goes_back(tmp_path):
+    ix = IndexService(tmp_path, slots=4, max_entries=1)
+    ix.put("k", 1, T0)
+    ix.put("k", 2, T0 - 60_000)  # new file, store time a minute earlier
+    names = [os.path.basename(p) for p in ix.files]
+    assert names == ["20231114221320000", "20231114221320001"]
+    ix.close()
+    ix = IndexService(tmp_path, slots=4, max_entries=1)
+    assert ix.max_phys_offset == 2 and ix.load_errors == []
+    ix.close()
+
+
+def test_truncate_rewrites_the_header(tmp_path):
+    ix = IndexService(tmp_path, slots=4, max_entries=10)
+    for i in range(6):
+        ix.put(KEYS[i], 100 * i, T0 + 10 * i)
+    ix.truncate_dirty(300)
+    [path] = ix.files
+    ix.close()
+    with open(path, "rb") as f:
+        header = HEADER.unpack(f.read(HEADER_SIZE))
+    slots_used = len({key_hash(k) % 4 for k in KEYS[:3]})
+    assert header == (T0, T0 + 20, 0, 200, slots_used, 3)
 
 
 def test_query_dedupes_and_limits(tmp_path):
@@ -249,7 +288,7 @@ def test_empty_file_is_dropped_on_load(tmp_path):
 # -- faults --------------------------------------------------------------------------------
 
 
-def _three_files(root: str) -> list[str]:
+def _five_files(root: str) -> list[str]:
     ix = IndexService(root, slots=4, max_entries=10)
     for i in range(25):
         ix.put_many([KEYS[i % 5], "common"], 100 * i, T0 + i)
@@ -269,7 +308,7 @@ def _reload(root: str) -> IndexService:
 
 
 def test_truncated_file_is_dropped_with_newer_ones(tmp_path):
-    paths = _three_files(str(tmp_path))
+    paths = _five_files(str(tmp_path))
     os.truncate(paths[2], 100)
     ix = _reload(str(tmp_path))
     assert paths[2] in ix.load_errors[0] and "100 bytes" in ix.load_errors[0]
@@ -281,7 +320,7 @@ def test_truncated_file_is_dropped_with_newer_ones(tmp_path):
 
 
 def test_max_phys_falls_back_to_last_good_file(tmp_path):
-    paths = _three_files(str(tmp_path))
+    paths = _five_files(str(tmp_path))
     with open(paths[3], "r+b") as f:
         f.seek(36)
         f.write((10**6).to_bytes(4, "little"))  # index_count beyond max_entries
@@ -303,7 +342,7 @@ def test_max_phys_falls_back_to_last_good_file(tmp_path):
     ],
 )
 def test_garbled_newest_file_is_reported_with_position(tmp_path, pos, value, expect):
-    paths = _three_files(str(tmp_path))
+    paths = _five_files(str(tmp_path))
     with open(paths[-1], "r+b") as f:
         f.seek(pos)
         f.write(value)
@@ -315,7 +354,7 @@ def test_garbled_newest_file_is_reported_with_position(tmp_path, pos, value, exp
 
 
 def test_slot_pointing_past_the_entries_is_reported(tmp_path):
-    paths = _three_files(str(tmp_path))
+    paths = _five_files(str(tmp_path))
     slot = key_hash("common") % 4  # in use, so only the head's target is wrong
     with open(paths[-1], "r+b") as f:
         f.seek(HEADER_SIZE + 4 * slot)
@@ -327,8 +366,21 @@ def test_slot_pointing_past_the_entries_is_reported(tmp_path):
     ix.close()
 
 
+@pytest.mark.timeout(20)
+def test_looping_chain_in_an_old_file_terminates(tmp_path):
+    paths = _five_files(str(tmp_path))
+    # Entry 4 of the first file points back at itself; only the newest file is deep-checked.
+    with open(paths[0], "r+b") as f:
+        f.seek(HEADER_SIZE + 16 + 3 * ENTRY_SIZE + 16)
+        f.write((4).to_bytes(4, "little"))
+    ix = IndexService(tmp_path, slots=4, max_entries=10)
+    assert ix.load_errors == []
+    assert 100 in ix.query("common", 0, 2**62, 1000)  # entry 4 is "common" at phys 100
+    ix.close()
+
+
 def test_unparseable_name_is_reported(tmp_path):
-    paths = _three_files(str(tmp_path))
+    paths = _five_files(str(tmp_path))
     bad = os.path.join(tmp_path, "20231399999999999")  # 17 digits, no date; sorts last
     shutil.copy(paths[-1], bad)
     ix = _reload(str(tmp_path))
@@ -339,16 +391,16 @@ def test_unparseable_name_is_reported(tmp_path):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     flips=st.lists(
-        st.tuples(st.integers(0, 5 * 296 - 1), st.integers(0, 255)), min_size=1, max_size=8
+        st.tuples(st.integers(0, 5 * 256 - 1), st.integers(0, 255)), min_size=1, max_size=8
     ),
-    cut=st.none() | st.tuples(st.integers(0, 4), st.integers(0, 295)),
+    cut=st.none() | st.tuples(st.integers(0, 4), st.integers(0, 255)),
 )
 def test_random_damage_never_crashes(flips, cut):
     root = tempfile.mkdtemp(prefix="ix-dmg-")
     try:
-        paths = _three_files(root)
+        paths = _five_files(root)
         size = os.path.getsize(paths[0])
-        assert size == HEADER.size + 4 * SLOT.size + 10 * ENTRY_SIZE == 296
+        assert size == HEADER.size + 4 * SLOT.size + 10 * ENTRY_SIZE == 256
         for pos, byte in flips:
             with open(paths[pos // size], "r+b") as f:
                 f.seek(pos % size)
@@ -365,3 +417,33 @@ def test_random_damage_never_crashes(flips, cut):
         ix.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_queries_during_puts_see_a_consistent_prefix(tmp_path):
+    ix = IndexService(tmp_path, slots=3, max_entries=64)
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            got = ix.query("hot", 0, 2**62, 10_000)
+            # every hit is a real batch of "hot" (multiples of 7), newest first, no repeats
+            if got != sorted(set(got), reverse=True) or any(p % 7 for p in got):
+                errors.append(str(got))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for i in range(1, 600):
+            ix.put_many(["hot", f"cold-{i % 5}"] if i % 7 == 0 else [f"cold-{i % 5}"], i, T0 + i)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert ix.query("hot", 0, 2**62, 10_000) == list(range(595, 0, -7))
+    ix.close()

@@ -110,8 +110,11 @@ class StoreMachine(RuleBasedStateMachine):
         s.close()
         seg_start = phys - phys % OPTS["segment_size"]
         with open(img / "commitlog" / f"{seg_start:020d}", "r+b") as f:
-            f.seek(phys + min(cut, size - 1) - seg_start)
-            f.write(b"\xff")  # garbage in the unflushed tail
+            at = phys + min(cut, size - 1) - seg_start
+            f.seek(at)
+            byte = f.read(1)[0]
+            f.seek(at)
+            f.write(bytes([byte ^ 0xFF]))  # garbage in the unflushed tail
         # the checkpoint must not claim the torn batch was durable
         import msgspec
 

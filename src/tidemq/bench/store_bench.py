@@ -18,11 +18,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from tidemq.protocol.record import MessageData, encode_batch
 from tidemq.store.config import StoreConfig
-from tidemq.store.flush import FlushMode
+from tidemq.store.flush import CallbackBatcher, FlushMode
 from tidemq.store.message_store import MessageStore
 
 Progress = Callable[[int], None]
@@ -94,6 +95,7 @@ def _write_sync(
 ) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
+        batcher = CallbackBatcher(loop.call_soon_threadsafe)
         counter = iter(range(n_puts))
         step = max(1, n_puts // 100)
 
@@ -101,11 +103,7 @@ def _write_sync(
             nb = len(batches)
             for i in counter:
                 fut = loop.create_future()
-
-                def done(err, fut=fut):
-                    loop.call_soon_threadsafe(_resolve, fut, err)
-
-                store.put(batches[(i + w) % nb], on_durable=done)
+                store.put(batches[(i + w) % nb], on_durable=batcher.wrap(partial(_resolve, fut)))
                 await fut
                 if i % step == 0:
                     tick(step)

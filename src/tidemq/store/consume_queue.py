@@ -47,6 +47,9 @@ UNIT = struct.Struct("<QIQ")  # phys_offset, size, tag_hash
 UNIT_SIZE = 20
 assert UNIT.size == UNIT_SIZE
 
+_SIZE_FIELD = struct.Struct("<I")  # the unit's size alone: 0 = end of written units
+_SIZE_FIELD_OFFSET = 8
+
 # The same unit as a numpy record, for building a batch's units and for zero-copy reads.
 UNIT_DTYPE = np.dtype([("phys", "<u8"), ("size", "<u4"), ("tag", "<u8")])
 assert UNIT_DTYPE.itemsize == UNIT_SIZE
@@ -66,11 +69,12 @@ class ConsumeQueue:
 
     Threads: one writer -- the store's dispatch thread, under the store's put lock -- calls
     :meth:`append_batch`, :meth:`truncate_dirty`, :meth:`correct_min_offset`,
-    :meth:`delete_expired_files`, :meth:`flush`, :meth:`close` and :meth:`destroy`. Any thread
-    may call :meth:`get`, :meth:`units`, :meth:`offset_for_timestamp` and read ``min_offset``,
-    ``max_offset`` and ``max_phys_offset`` concurrently: the writer fills units before it
-    publishes the new ``max_offset``, and readers read ``max_offset`` before the units below it.
-    :meth:`validate` is for load time, before readers exist.
+    :meth:`delete_expired_files`, :meth:`close` and :meth:`destroy`. :meth:`flush` may run on
+    one other thread (the store's flush/checkpoint thread) concurrently with that writer. Any
+    thread may call :meth:`get`, :meth:`units`, :meth:`offset_for_timestamp` and read
+    ``min_offset``, ``max_offset`` and ``max_phys_offset`` concurrently: the writer fills
+    units before it publishes the new ``max_offset``, and readers read ``max_offset`` before
+    the units below it. :meth:`validate` is for load time, before readers exist.
     """
 
     UNIT_SIZE = UNIT_SIZE
@@ -488,10 +492,9 @@ class ConsumeQueue:
 def _count_prefix(mm: memoryview | bytes, units_per_file: int) -> int:
     """Number of units before the first empty one (binary search: units are a prefix)."""
     lo, hi = 0, units_per_file
-    size_at = struct.Struct("<I").unpack_from
     while lo < hi:
         mid = (lo + hi) // 2
-        if size_at(mm, mid * UNIT_SIZE + 8)[0]:
+        if _SIZE_FIELD.unpack_from(mm, mid * UNIT_SIZE + _SIZE_FIELD_OFFSET)[0]:
             lo = mid + 1
         else:
             hi = mid
@@ -564,11 +567,11 @@ def _check_topic(topic: str) -> None:
 class ConsumeQueueTable:
     """All consume queues under one root, created on first use.
 
-    Threads: :meth:`get_or_create` may be called from any thread (creation takes a lock;
-    lookups of existing queues do not). :meth:`load`, :meth:`validate_all`,
-    :meth:`flush_all`, :meth:`close_all`, :meth:`delete_topic` and :meth:`destroy_queue`
-    belong to the store's writer side (load/recovery, the flush thread, admin under the put
-    lock). Each queue keeps its own thread contract (see :class:`ConsumeQueue`).
+    Threads: :meth:`get_or_create`, :meth:`find` and :meth:`all` may be called from any
+    thread (creation and snapshots take a lock; :meth:`find` does not). :meth:`flush_all`
+    may run on the flush thread. :meth:`load`, :meth:`validate_all`, :meth:`close_all`,
+    :meth:`delete_topic` and :meth:`destroy_queue` belong to the writer side (recovery, or
+    admin under the store's put lock). Each queue keeps its own contract (:class:`ConsumeQueue`).
     """
 
     def __init__(self, root: str | os.PathLike[str], units_per_file: int = 300_000) -> None:
@@ -618,12 +621,15 @@ class ConsumeQueueTable:
         return self._queues.get((topic, queue_id))
 
     def all(self) -> list[ConsumeQueue]:
-        return list(self._queues.values())
+        with self._lock:  # a creation elsewhere must not resize the dict under the copy
+            return list(self._queues.values())
 
     def validate_all(self, max_phys: int) -> dict[tuple[str, int], str]:
         """(topic, queue id) -> problem for every queue failing :meth:`ConsumeQueue.validate`."""
         out = {}
-        for key, cq in list(self._queues.items()):
+        with self._lock:
+            items = list(self._queues.items())
+        for key, cq in items:
             problem = cq.validate(max_phys)
             if problem is not None:
                 out[key] = problem
@@ -639,7 +645,7 @@ class ConsumeQueueTable:
             shutil.rmtree(os.path.join(self.root, topic, str(queue_id)), ignore_errors=True)
 
     def flush_all(self) -> None:
-        for cq in list(self._queues.values()):
+        for cq in self.all():
             cq.flush()
 
     def close_all(self) -> None:

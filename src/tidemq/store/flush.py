@@ -112,3 +112,39 @@ class FlushService:
             rest, self._requests = self._requests, []
         for _off, cb in rest:
             cb(StoreError("store closed before the put was flushed"))
+
+
+class CallbackBatcher:
+    """Hands durability callbacks from the flush thread to an event loop, one wake per round.
+
+    ``call_soon_threadsafe`` costs a self-pipe write and a loop wake-up; a group commit that
+    completes 64 puts would pay that 64 times. ``wrap(fn)`` returns a FlushCallback that queues
+    ``fn(err)`` and wakes the loop only when the queue was empty, so the loop runs every callback
+    of a flush round in one go. ``schedule`` is e.g. ``loop.call_soon_threadsafe`` (this module
+    stays free of asyncio). ``wrap`` may be called from any thread; ``fn`` runs on the loop.
+    """
+
+    def __init__(self, schedule: Callable[[Callable[[], None]], object]) -> None:
+        self._schedule = schedule
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Callable[[StoreError | None], None], StoreError | None]] = []
+
+    def wrap(self, fn: Callable[[StoreError | None], None]) -> FlushCallback:
+        def callback(err: StoreError | None) -> None:
+            with self._lock:
+                first = not self._pending
+                self._pending.append((fn, err))
+            if first:
+                self._schedule(self._drain)
+
+        return callback
+
+    def _drain(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        for fn, err in batch:
+            try:
+                fn(err)
+            except Exception:  # one failing callback must not starve the others
+                log.exception("durability callback failed")
+

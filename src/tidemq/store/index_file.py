@@ -299,10 +299,11 @@ class IndexService:
     """All index files under ``root``: puts go to the newest, queries walk newest to oldest.
 
     Threads: one writer -- the store's dispatch thread -- calls :meth:`put`,
-    :meth:`put_many`, :meth:`truncate_dirty`, :meth:`delete_expired`, :meth:`flush` and
-    :meth:`close`. Any thread may call :meth:`query` and read :attr:`max_phys_offset`
-    concurrently (the file list is replaced, never mutated, and entries are complete before
-    a slot head points at them).
+    :meth:`put_many`, :meth:`truncate_dirty`, :meth:`delete_expired` and :meth:`close`.
+    :meth:`flush` may run on one other thread (the flush/checkpoint thread) concurrently.
+    Any thread may call :meth:`query` and read :attr:`max_phys_offset` concurrently (the file
+    list is replaced, never mutated, and an entry is complete before a slot head points at
+    it).
 
     Damaged files do not stop the service (no exception from the constructor): loading checks
     every file's length and header, and every slot and entry of the newest file (the only

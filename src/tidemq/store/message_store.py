@@ -249,6 +249,7 @@ class MessageStore:
             cq.truncate_dirty(start)
         self.index.truncate_dirty(start)
         for cq in self.cqs.all():
+            cq.correct_min_offset(cl_min)
             self._queue_offsets[(cq.topic, cq.queue_id)] = cq.max_offset
         durable_end = cp.commitlog_flushed if cp is not None else start
         if report.clean_shutdown and cp is not None:
@@ -272,6 +273,11 @@ class MessageStore:
                 report.problems.append("no usable checkpoint: rebuilding indexes")
                 return None
             return self.commitlog.min_offset if self.commitlog.segments else 0
+        segs = self.commitlog.segments
+        bad = self.cqs.validate_all(segs[-1].end if segs else 0)
+        if bad:
+            report.problems += [f"{p}: rebuilding indexes from the CommitLog" for p in bad.values()]
+            return None
         for key, durable_max in cp.queues.items():
             topic, _, qid = key.rpartition("\x00")
             cq = self.cqs.find(topic, int(qid))
@@ -280,10 +286,6 @@ class MessageStore:
                     f"consume queue {topic}/{qid} is missing or shorter than its checkpoint "
                     f"({durable_max} messages): rebuilding indexes from the CommitLog"
                 )
-                return None
-            bad = cq.validate(cp.dispatched)
-            if bad:
-                report.problems.append(f"{bad}: rebuilding indexes from the CommitLog")
                 return None
         if self.index.load_errors:
             return None
@@ -323,7 +325,7 @@ class MessageStore:
                 if nz.size:
                     report.truncated.append((str(seg.path), rel, int(nz[-1]) + 1))
             for s in cl.segments:
-                if s.start > end:
+                if s.start > end and np.frombuffer(s.mm, dtype=np.uint8).any():
                     report.truncated.append((str(s.path), 0, s.size))
         cl.truncate(end)
         cl.flushed_pos = end
