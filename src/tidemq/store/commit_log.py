@@ -195,8 +195,9 @@ class CommitLog:
             return target
 
     # -- truncation and retention -------------------------------------------------------------
-    def truncate(self, end: int) -> list[str]:
-        """Make ``end`` the write position: zero bytes after it, delete later segments."""
+    def truncate(self, end: int, dirty_end: int | None = None) -> list[str]:
+        """Make ``end`` the write position: zero bytes after it (up to ``dirty_end`` when the
+        caller knows where non-zero bytes stop), delete later segments."""
         removed = []
         keep: list[Segment] = []
         for seg in self.segments:
@@ -210,8 +211,9 @@ class CommitLog:
         if keep:
             seg = keep[-1]
             rel = end - seg.start
-            if rel < seg.size:
-                seg.mm[rel:] = bytes(seg.size - rel)
+            stop = seg.size if dirty_end is None else min(seg.size, dirty_end - seg.start)
+            if rel < stop:
+                seg.mm[rel:stop] = bytes(stop - rel)
                 seg.sync()
         self.write_pos = end
         self.flushed_pos = min(self.flushed_pos, end)

@@ -51,6 +51,7 @@ from tidemq.protocol.record import (
     INDEX_ENTRY_SIZE,
     STORE_FIELDS,
     STORE_FIELDS_OFFSET,
+    TOTAL_SIZE_MAGIC,
     BatchView,
     StoredMessage,
     pack_host,
@@ -82,6 +83,26 @@ assert _TAG_DTYPE.itemsize == INDEX_ENTRY_SIZE
 
 #: Messages per id-index block: a batch is indexed once per block of sequence ids it covers.
 ID_BLOCK_BITS = 10
+
+
+_ZERO_CHUNK = bytes(1 << 20)
+
+
+def _garbage_end(fd: int, rel: int, size: int) -> int:
+    """End of the non-zero bytes after ``rel``: the torn tail ends at the first all-zero MiB.
+
+    Writes are sequential, so whatever a crash left after the last valid batch is contiguous;
+    reading with pread (not through the mapping) avoids faulting in a pre-allocated segment.
+    """
+    pos = rel
+    end = rel
+    while pos < size:
+        chunk = os.pread(fd, min(len(_ZERO_CHUNK), size - pos), pos)
+        if not chunk or chunk == _ZERO_CHUNK[: len(chunk)]:
+            break
+        end = pos + len(chunk.rstrip(b"\0"))
+        pos += len(chunk)
+    return end
 
 
 def id_block_key(producer_id: int, seq: int) -> str:
@@ -311,23 +332,20 @@ class MessageStore:
         self._queue_offsets[key] = v.queue_offset + v.count
 
     def _truncate_tail(self, end: int, report: RecoveryReport) -> None:
+        """Cut the CommitLog at ``end``: zero the torn bytes after it, drop later segments."""
         cl = self.commitlog
-        if cl.segments:
-            seg = (
-                cl.segment_for(min(end, cl.segments[-1].end - 1))
-                if end < cl.segments[-1].end
-                else None
-            )
-            if seg is not None:
-                rel = end - seg.start
-                arr = np.frombuffer(seg.mm, dtype=np.uint8, offset=rel)
-                nz = np.flatnonzero(arr)
-                if nz.size:
-                    report.truncated.append((str(seg.path), rel, int(nz[-1]) + 1))
-            for s in cl.segments:
-                if s.start > end and np.frombuffer(s.mm, dtype=np.uint8).any():
-                    report.truncated.append((str(s.path), 0, s.size))
-        cl.truncate(end)
+        dirty_end = end
+        if cl.segments and end < cl.segments[-1].end:
+            seg = cl.segment_for(end)
+            rel = end - seg.start
+            dirty_end = seg.start + _garbage_end(seg.fd, rel, seg.size)
+            if dirty_end > end:
+                report.truncated.append((str(seg.path), rel, dirty_end - end))
+        for s in cl.segments:
+            # a segment after the end holding only zeros is the allocator's next segment
+            if s.start > end and TOTAL_SIZE_MAGIC.unpack_from(s.mm, 0) != (0, 0):
+                report.truncated.append((str(s.path), 0, s.size))
+        cl.truncate(end, dirty_end)
         cl.flushed_pos = end
         for cq in self.cqs.all():
             cq.truncate_dirty(end)
