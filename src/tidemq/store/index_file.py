@@ -230,6 +230,29 @@ class IndexFile:
         self.index_count = n
         self.mf.dirty = True
 
+    def add_one(self, h: int, phys: int, ts: int) -> None:
+        """:meth:`add` for a single hash: the hot path (one id-index entry per batch)."""
+        mm = self.mf.mm
+        n = self.index_count + 1
+        if n == 1:
+            self.begin_ts = self.end_ts = ts
+            self.begin_phys = phys
+        diff = ts - self.begin_ts
+        spos = HEADER_SIZE + (h % self.slots) * SLOT_SIZE
+        head = SLOT.unpack_from(mm, spos)[0]
+        ENTRY.pack_into(
+            mm, self.entries_start + (n - 1) * ENTRY_SIZE, h, phys, diff if diff > 0 else 0, head
+        )
+        SLOT.pack_into(mm, spos, n)
+        if not head:
+            self.hash_slot_count += 1
+        if ts > self.end_ts:
+            self.end_ts = ts
+        self.end_phys = phys
+        self._write_header(n)
+        self.index_count = n
+        self.mf.dirty = True
+
     def _write_header(self, count: int) -> None:
         HEADER.pack_into(
             self.mf.mm, 0, self.begin_ts, self.end_ts, self.begin_phys, self.end_phys,
@@ -380,6 +403,16 @@ class IndexService:
     # -- writing ---------------------------------------------------------------------------
     def put(self, key: str, phys_offset: int, store_ts: int) -> None:
         self.put_many((key,), phys_offset, store_ts)
+
+    def put_one(self, key: str, phys_offset: int, store_ts: int) -> None:
+        """:meth:`put` without the generality of :meth:`put_many` (the per-batch hot path)."""
+        files = self._files
+        f = files[-1] if files else None
+        if f is not None and phys_offset < f.end_phys:
+            return
+        if f is None or not f.fits(store_ts):
+            f = self._roll(store_ts)
+        f.add_one(_crc32c(key.encode()), phys_offset, store_ts)
 
     def put_many(self, keys: Iterable[str], phys_offset: int, store_ts: int) -> None:
         """Index every non-empty key of ``keys`` to the batch at ``phys_offset``.

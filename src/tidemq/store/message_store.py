@@ -437,12 +437,14 @@ class MessageStore:
             names = [key_index_key(topic, k) for ks in v.keys().values() for k in ks.split() if k]
             if names:
                 idx.put_many(names, phys, ts)
-        if v.producer_id:
+        pid = v.producer_id
+        if pid:
             first = v.base_seq >> ID_BLOCK_BITS
             last = (v.base_seq + v.count - 1) >> ID_BLOCK_BITS
-            idx.put_many(
-                [f"#id#{v.producer_id:016X}#{b:X}" for b in range(first, last + 1)], phys, ts
-            )
+            if first == last:
+                idx.put_one(f"#id#{pid:016X}#{first:X}", phys, ts)
+            else:
+                idx.put_many([f"#id#{pid:016X}#{b:X}" for b in range(first, last + 1)], phys, ts)
 
     def add_dispatch_listener(self, listener: DispatchListener) -> None:
         """``listener(topic, queue_id, new_max_offset, stored_batch)`` after every put (the
