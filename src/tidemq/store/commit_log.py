@@ -8,8 +8,8 @@ Invariants:
 - ``write_pos`` is the physical offset of the next batch; everything below it has been written
   through the mapping; ``flushed_pos`` <= ``write_pos`` is what fdatasync has made durable.
 
-Thread contract: ``reserve`` / ``advance`` / ``truncate`` / ``delete_segments`` are called by one
-writer at a time (MessageStore holds its put lock); ``flush`` may run on the flush thread concurrently with
+Thread contract: ``reserve`` / ``advance`` / ``truncate`` / ``delete_segments`` are called by
+one writer at a time (MessageStore holds its put lock); ``flush`` may run on the flush thread concurrently with
 appends; ``view``/``read_batch`` may be called from any thread.
 """
 
@@ -95,7 +95,10 @@ class CommitLog:
 
     # -- writing ---------------------------------------------------------------------------
     def _roll(self, start: int) -> Segment:
+        first = not self.segments
         seg = self._allocator.take(self.dir / segment_name(start), start, self.segment_size)
+        if first:  # nobody prepared the very first segment: warm it while it is written
+            self._allocator.warm_async(seg)
         self.segments.append(seg)
         nxt = start + self.segment_size
         self._allocator.prepare(self.dir / segment_name(nxt), nxt, self.segment_size)
@@ -218,6 +221,14 @@ class CommitLog:
         self.write_pos = end
         self.flushed_pos = min(self.flushed_pos, end)
         return removed
+
+    def warm_active(self) -> None:
+        """After start-up: warm the rest of the active segment and prepare the next one."""
+        if self.segments:
+            seg = self.segments[-1]
+            self._allocator.warm_async(seg, self.write_pos - seg.start)
+            nxt = seg.end
+            self._allocator.prepare(self.dir / segment_name(nxt), nxt, self.segment_size)
 
     def ensure_full_size(self) -> None:
         """Grow a short last segment (a truncated file) back to segment_size with zeros."""

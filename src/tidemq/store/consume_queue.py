@@ -39,7 +39,7 @@ import numpy as np
 
 from tidemq.protocol.errors import StoreClosedError, StoreError
 from tidemq.protocol.record import INDEX_ENTRY, INDEX_ENTRY_SIZE, MAX_BATCH_SIZE
-from tidemq.store.mapped_file import MappedFile, fsync_dir
+from tidemq.store.mapped_file import ALLOCATE_CHUNK, MappedFile, fsync_dir
 
 __all__ = ["UNIT", "UNIT_SIZE", "UNIT_DTYPE", "ConsumeQueue", "ConsumeQueueTable"]
 
@@ -292,7 +292,9 @@ class ConsumeQueue:
         mf = self._file_for_write(offset)
         if mf is None:
             return
-        UNIT.pack_into(mf.mm, (offset - mf.base) * UNIT_SIZE, phys, size, tag)
+        pos = (offset - mf.base) * UNIT_SIZE
+        mf.ensure_allocated(pos + UNIT_SIZE)
+        UNIT.pack_into(mf.mm, pos, phys, size, tag)
         mf.dirty = True
 
     def _write_units(self, offset: int, units: np.ndarray) -> None:
@@ -307,6 +309,7 @@ class ConsumeQueue:
             assert mf is not None
             first = o - mf.base
             k = min(n - i, upf - first)
+            mf.ensure_allocated((first + k) * UNIT_SIZE)
             mf.mm[first * UNIT_SIZE : (first + k) * UNIT_SIZE] = units[i : i + k]
             mf.dirty = True
             i += k
@@ -326,7 +329,7 @@ class ConsumeQueue:
     def _new_file(self, base: int) -> MappedFile:
         os.makedirs(self.dir, exist_ok=True)
         path = os.path.join(self.dir, f"{base * UNIT_SIZE:0{_NAME_DIGITS}d}")
-        mf = MappedFile.create(path, self.file_size, base=base)
+        mf = MappedFile.create(path, self.file_size, base=base, allocate=ALLOCATE_CHUNK)
         self._files = [*self._files, mf]
         self._dir_dirty = True
         return mf

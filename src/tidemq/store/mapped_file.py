@@ -7,9 +7,15 @@ with its full length allocated (zeros), mapped ``MAP_SHARED`` read-write, and ne
     | size bytes, meaning defined by the owner (ConsumeQueue, IndexFile) |
     +-----------------------------------------------------------------+
 
-Why the full length is allocated up front (``posix_fallocate``, not a sparse ``ftruncate``):
-a store through a mapping into a hole of a sparse file on a full disk kills the process with
-SIGBUS; allocating at creation turns that into a :class:`DiskFullError` at a safe point.
+Disk blocks are reserved with ``posix_fallocate`` before any byte is written through the
+mapping: a store into a hole of a sparse file on a full disk kills the process with SIGBUS,
+whereas a failed fallocate is a :class:`DiskFullError` at a safe point. Index files reserve their
+whole length at creation; consume-queue files reserve ``ALLOCATE_CHUNK`` bytes at a time ahead of
+the write position (``ensure_allocated``), so 10,000 mostly idle queues do not reserve 60 GB.
+
+Only the mapping holds the file open (Python's mmap keeps its own duplicate descriptor); ours is
+closed right after mapping and the file is reopened briefly to fdatasync or fallocate, so a store
+with 10,000 queues needs 10,000 descriptors, not 20,000.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import threading
 
 from tidemq.protocol.errors import DiskFullError, StoreError, StoreWriteError
 
-__all__ = ["MappedFile", "fsync_dir"]
+__all__ = ["ALLOCATE_CHUNK", "MappedFile", "fsync_dir"]
+
+ALLOCATE_CHUNK = 64 * 1024
 
 _NO_FALLOCATE = {errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS}
 
@@ -39,20 +47,26 @@ class MappedFile:
     that still hold this object; it is unmapped when the last reference goes.
     """
 
-    __slots__ = ("path", "size", "base", "mm", "dirty", "_fd", "_lock")
+    __slots__ = ("path", "size", "base", "mm", "dirty", "allocated", "_open", "_lock")
 
-    def __init__(self, path: str, size: int, fd: int, mm: mmap.mmap, base: int = 0) -> None:
+    def __init__(
+        self, path: str, size: int, mm: mmap.mmap, base: int = 0, allocated: int = 0
+    ) -> None:
         self.path = path
         self.size = size
         self.base = base
         self.mm = mm
         self.dirty = False
-        self._fd = fd
+        self.allocated = allocated  # bytes [0, allocated) have disk blocks reserved
+        self._open = True
         self._lock = threading.Lock()
 
     @classmethod
-    def create(cls, path: str, size: int, base: int = 0) -> MappedFile:
-        """Create ``path`` (it must not exist) with ``size`` zero bytes allocated and map it."""
+    def create(
+        cls, path: str, size: int, base: int = 0, allocate: int | None = None
+    ) -> MappedFile:
+        """Create ``path`` (it must not exist) with ``size`` zero bytes and map it; reserve
+        disk blocks for the first ``allocate`` bytes (all of them when None)."""
         if size <= 0:
             raise ValueError(f"a mapped file needs a positive size, got {size}")
         try:
@@ -61,23 +75,20 @@ class MappedFile:
             raise StoreError(f"{path}: cannot create, the file already exists")
         except OSError as exc:
             raise _os_error(path, "create", exc)
+        want = size if allocate is None else min(size, allocate)
         try:
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                if exc.errno not in _NO_FALLOCATE:
-                    raise
-                os.ftruncate(fd, size)  # filesystem without fallocate: sparse is the best we get
+            os.ftruncate(fd, size)
+            _fallocate(fd, 0, want)
             mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
         except OSError as exc:
-            os.close(fd)
             _unlink_quietly(path)
             raise _os_error(path, "allocate", exc)
         except BaseException:
-            os.close(fd)
             _unlink_quietly(path)
             raise
-        return cls(path, size, fd, mm, base)
+        finally:
+            os.close(fd)
+        return cls(path, size, mm, base, want)
 
     @classmethod
     def open(cls, path: str, size: int, base: int = 0) -> MappedFile:
@@ -97,34 +108,56 @@ class MappedFile:
                 )
             mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
         except OSError as exc:
-            os.close(fd)
             raise _os_error(path, "map", exc)
-        except BaseException:
+        finally:
             os.close(fd)
-            raise
-        return cls(path, size, fd, mm, base)
+        # What is reserved on disk is not recorded; ensure_allocated re-reserves from 0, which
+        # costs nothing for blocks already allocated.
+        return cls(path, size, mm, base, 0)
+
+    def ensure_allocated(self, end: int) -> None:
+        """Reserve disk blocks up to ``end`` (rounded up to ALLOCATE_CHUNK) before writing
+        there. Writer thread only. DiskFullError if the disk is full: nothing was written."""
+        if end <= self.allocated:
+            return
+        new = min(self.size, -(-end // ALLOCATE_CHUNK) * ALLOCATE_CHUNK)
+        with self._lock:
+            if not self._open:
+                return
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+                try:
+                    _fallocate(fd, self.allocated, new - self.allocated)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                raise _os_error(self.path, "allocate", exc)
+        self.allocated = new
 
     def flush(self) -> None:
         """Make written bytes durable if any were written since the last flush.
 
-        ``os.fdatasync`` on the descriptor (not ``mmap.flush``) because it releases the GIL
-        while the disk works, so readers keep running."""
+        ``os.fdatasync`` on a descriptor (not ``mmap.flush``) because it releases the GIL
+        while the disk works, so readers keep running; fsync is per file, so a fresh
+        descriptor covers every page written through the mapping."""
         with self._lock:
-            if self._fd < 0 or not self.dirty:
+            if not self._open or not self.dirty:
                 return
             self.dirty = False
             try:
-                os.fdatasync(self._fd)
+                fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+                try:
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
             except OSError as exc:
                 self.dirty = True
                 raise _os_error(self.path, "fdatasync", exc)
 
     def close(self) -> None:
-        """Release the descriptor and, unless a reader still holds a buffer of it, the mapping."""
+        """Release the mapping unless a reader still holds a buffer of it."""
         with self._lock:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
+            self._open = False
         try:
             self.mm.close()
         except BufferError:
@@ -134,14 +167,23 @@ class MappedFile:
         """Remove the file from disk. The mapping is left to the garbage collector so readers
         holding this object never see it closed under them."""
         with self._lock:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
+            self._open = False
         _unlink_quietly(self.path)
 
     @property
     def closed(self) -> bool:
-        return self._fd < 0
+        return not self._open
+
+
+def _fallocate(fd: int, offset: int, length: int) -> None:
+    if length <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
+        if exc.errno not in _NO_FALLOCATE:
+            raise
+        # a filesystem without fallocate: the file stays sparse, the best we can get
 
 
 def fsync_dir(path: str) -> None:

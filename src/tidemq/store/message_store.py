@@ -28,6 +28,7 @@ import enum
 import fcntl
 import logging
 import os
+import resource
 import shutil
 import struct
 import threading
@@ -188,6 +189,7 @@ class MessageStore:
         self.config = config
         self.dir = Path(config.data_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._raise_open_file_limit()
         self._lock_fd = self._acquire_lock()
         self._closed = False
         self._put_lock = threading.Lock()
@@ -213,6 +215,15 @@ class MessageStore:
         self._housekeeper.start()
 
     # -- open / recover ----------------------------------------------------------------------
+    @staticmethod
+    def _raise_open_file_limit() -> None:
+        """Every consume-queue file holds a descriptor (its mapping): a broker with 10,000
+        queues needs more than the usual soft limit of 1,024."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard and (hard == resource.RLIM_INFINITY or soft < hard):
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
     def _acquire_lock(self) -> int:
         path = self.dir / "lock"
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -278,6 +289,7 @@ class MessageStore:
         end = scan(self.commitlog, start, durable_end, self._dispatch_recovered, report)
         self._truncate_tail(end, report)
         self.commitlog.ensure_full_size()
+        self.commitlog.warm_active()
         for q in report.quarantined:
             self.quarantine[q.phys_offset] = q.reason
         abort.touch()
@@ -552,6 +564,21 @@ class MessageStore:
         except OffsetOutOfRangeError:
             where = f"physical offset {phys}"
         log.error("corrupt batch in %s: %s; quarantined, not served", where, reason)
+
+    @property
+    def min_phys_offset(self) -> int:
+        """First CommitLog offset still stored."""
+        return self.commitlog.min_offset
+
+    @property
+    def max_phys_offset(self) -> int:
+        """CommitLog offset the next batch will be written at."""
+        return self.commitlog.write_pos
+
+    @property
+    def flushed_phys_offset(self) -> int:
+        """CommitLog offset below which everything is durable."""
+        return self.commitlog.flushed_pos
 
     def read_batch(self, phys: int) -> BatchView:
         return self.commitlog.read_batch(phys)

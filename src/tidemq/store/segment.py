@@ -73,10 +73,15 @@ class Segment:
     def end(self) -> int:
         return self.start + self.size
 
-    def warm(self) -> None:
-        """Pull the file's pages into the page cache without holding the GIL."""
-        for off in range(0, self.size, _WARM_CHUNK):
-            os.pread(self.fd, _WARM_CHUNK, off)
+    def warm(self, start: int = 0, stop: threading.Event | None = None) -> None:
+        """Pull the file's pages from ``start`` into the page cache without holding the GIL."""
+        for off in range(start - start % _WARM_CHUNK, self.size, _WARM_CHUNK):
+            if stop is not None and stop.is_set():
+                return
+            try:
+                os.pread(self.fd, _WARM_CHUNK, off)
+            except OSError:  # closed under us (store closing): warming is only an optimisation
+                return
 
     def sync(self) -> None:
         """fdatasync: makes every write through the mapping durable (releases the GIL)."""
@@ -107,7 +112,15 @@ class SegmentAllocator:
         self._lock = threading.Lock()
         self._ready: dict[int, Segment] = {}
         self._pending: dict[int, threading.Thread] = {}
+        self._stop = threading.Event()
         self.failures = 0
+
+    def warm_async(self, seg: Segment, start: int = 0) -> None:
+        """Warm an already open segment (the active one after a start) in the background."""
+        if self._enabled:
+            threading.Thread(
+                target=seg.warm, args=(start, self._stop), name="segment-warm", daemon=True
+            ).start()
 
     def prepare(self, path: Path, start: int, size: int) -> None:
         if not self._enabled:
@@ -124,7 +137,7 @@ class SegmentAllocator:
     def _build(self, path: Path, start: int, size: int) -> None:
         try:
             seg = Segment(path, start, size, create=True)
-            seg.warm()
+            seg.warm(0, self._stop)
         except Exception as exc:  # reported; the writer will retry synchronously and raise
             log.warning("pre-allocating segment %s failed: %s", path, exc)
             self.failures += 1
@@ -147,7 +160,8 @@ class SegmentAllocator:
         return Segment(path, start, size, create=True)
 
     def close(self) -> None:
-        """Wait for builds in flight, then drop unused prepared segments (files removed)."""
+        """Stop warming, wait for builds in flight, drop unused prepared segments."""
+        self._stop.set()
         with self._lock:
             pending = list(self._pending.values())
         for t in pending:
