@@ -84,7 +84,13 @@ def bench_recovery_cmd(gib, segment_size, data_dir, as_json) -> None:
 
 
 cli.add_command(demo)
+from tidemq.cli.servers import register as _reg_servers; _reg_servers(cli)  # noqa: E402, E702, I001
+from tidemq.cli.admin import register as _reg_admin; _reg_admin(cli)  # noqa: E402, E702, I001
 
 
 def main() -> None:  # pragma: no cover - console entry
+    cli()
+
+
+if __name__ == "__main__":  # python -m tidemq.cli.main ...
     cli()

@@ -13,7 +13,7 @@ the same; tidemq's own codes live in a range RocketMQ does not use::
     |               |   200 ..  399 | admin and batch sends (RocketMQ's numbers)           |
     | ResponseCode  |     0 ..    4 | generic: SUCCESS, SYSTEM_ERROR, SYSTEM_BUSY, ...     |
     |               |    10 ..  299 | RocketMQ's broker codes (flush, topic, pull, ...)    |
-    |               |  1000 .. 1099 | tidemq additions (DISK_FULL, DUPLICATE, RETRY_LATER) |
+    |               |  1000 .. 1099 | tidemq additions (DISK_FULL, INVALID_ARGUMENT, ...)  |
     +---------------+---------------+------------------------------------------------------+
 
 Some non-zero response codes are outcomes, not errors: a pull answers PULL_NOT_FOUND when there
@@ -102,6 +102,7 @@ class ResponseCode(IntEnum):
     DUPLICATE = 1001  # the batch's producer sequence was already stored (deduplication)
     RETRY_LATER = 1002
     MESSAGE_TOO_LARGE = 1003
+    INVALID_ARGUMENT = 1004  # a request field is missing, malformed or out of range
 
 
 class PullStatus(IntEnum):
@@ -216,6 +217,10 @@ _DESCRIPTIONS: dict[int, str] = {
     _R.RETRY_LATER: "the broker cannot take this request right now; retry after a short backoff",
     _R.MESSAGE_TOO_LARGE: (
         "the batch is over the broker's size limit; send fewer or smaller messages per batch"
+    ),
+    _R.INVALID_ARGUMENT: (
+        "a field of the request is missing, malformed or out of range (the message names it); "
+        "fix the request, sending it again unchanged fails again"
     ),
 }
 del _R

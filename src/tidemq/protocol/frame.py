@@ -58,6 +58,8 @@ __all__ = [
     "FrameDecoder",
     "encode_frame",
     "encode_frame_parts",
+    "encode_frame_head",
+    "encode_frame_vectored",
     "encode_header",
     "decode_header",
 ]
@@ -236,6 +238,39 @@ def encode_frame_parts(
     if blen > inline_body_max:
         return [prefix + hb, body]
     return [b"".join((prefix, hb, body))]
+
+
+def encode_frame_head(
+    frame: Frame, body_len: int, *, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+) -> bytes:
+    """Prefix + header of ``frame`` for a body of ``body_len`` bytes that the caller writes
+    right after it, in as many pieces as it likes (``frame.body`` is ignored).
+
+    This is how a broker answers a pull with several stored batches without joining them: write
+    the head, then each batch's memoryview (``transport.writelines``)."""
+    if body_len < 0:
+        raise LocalProtocolError(f"body length must be >= 0, got {body_len}")
+    head = Frame(frame.code, frame.opaque, frame.flags, frame.header, b"")
+    prefix, hb, _body, _ = _encode_parts(head, max_frame_size)
+    total = MIN_TOTAL_LEN + len(hb) + body_len
+    if total + 4 > max_frame_size:
+        raise LocalProtocolError(
+            f"frame of {total + 4} bytes (header {len(hb)}, body {body_len}) exceeds the limit "
+            f"of {max_frame_size} bytes; send smaller batches"
+        )
+    # _encode_parts packed total_len for an empty body; patch in the real one.
+    return struct.pack("<I", total) + prefix[4:] + hb
+
+
+def encode_frame_vectored(
+    frame: Frame, bodies: list[Buffer], *, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+) -> list[Buffer]:
+    """The frame whose body is ``bodies`` concatenated, as buffers for ``transport.writelines``:
+    ``[prefix + header, *bodies]``. No body is copied or joined (``frame.body`` is ignored)."""
+    n = 0
+    for b in bodies:
+        n += b.nbytes if type(b) is memoryview else len(b)
+    return [encode_frame_head(frame, n, max_frame_size=max_frame_size), *bodies]
 
 
 # -- decoding ---------------------------------------------------------------------------------

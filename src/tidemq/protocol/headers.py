@@ -25,6 +25,7 @@ Which header goes with which frame (request code -> request header / response he
 
 An error response's code is the frame's ``code`` field; its header carries only the message
 (:func:`error_response` builds one, ``BrokerError.from_response`` turns one into an exception).
+``docs/protocol.md`` lists every request code with its headers, body and responses.
 """
 
 from __future__ import annotations
@@ -54,6 +55,28 @@ __all__ = [
     "BrokerData",
     "QueueData",
     "TopicRouteData",
+    "EmptyHeader",
+    "QueryConsumerOffsetRequestHeader",
+    "QueryConsumerOffsetResponseHeader",
+    "UpdateConsumerOffsetRequestHeader",
+    "QueueOffsetRequestHeader",
+    "SearchOffsetRequestHeader",
+    "OffsetResponseHeader",
+    "DeleteTopicRequestHeader",
+    "TopicConfigTable",
+    "TopicList",
+    "ClusterInfo",
+    "GetConsumeStatsRequestHeader",
+    "QueueConsumeStats",
+    "ConsumeStats",
+    "GetTopicStatsRequestHeader",
+    "QueueStats",
+    "TopicStats",
+    "QueryMessageRequestHeader",
+    "ViewMessageRequestHeader",
+    "FoundMessagesHeader",
+    "UnregisterBrokerRequestHeader",
+    "BrokerRuntimeInfo",
     "REQUEST_HEADER_TYPES",
     "RESPONSE_HEADER_TYPES",
     "request_header_type",
@@ -242,6 +265,176 @@ class TopicRouteData(Header):
     order_topic_conf: str | None = None
 
 
+class EmptyHeader(Header):
+    """The header of frames that carry nothing (H = 0 on the wire decodes to it)."""
+
+
+# -- consumer offsets (client -> broker) --------------------------------------------------------
+
+
+class QueryConsumerOffsetRequestHeader(Header):
+    """QUERY_CONSUMER_OFFSET; the broker answers QUERY_NOT_FOUND when the group has none."""
+
+    consumer_group: str
+    topic: str
+    queue_id: U32
+
+
+class QueryConsumerOffsetResponseHeader(Header):
+    offset: NonNeg
+
+
+class UpdateConsumerOffsetRequestHeader(Header):
+    """UPDATE_CONSUMER_OFFSET (also sent one-way); ``commit_offset`` is the next offset to
+    consume, as RocketMQ stores it."""
+
+    consumer_group: str
+    topic: str
+    queue_id: U32
+    commit_offset: NonNeg
+
+
+# -- queue offsets (client -> broker) -----------------------------------------------------------
+
+
+class QueueOffsetRequestHeader(Header):
+    """GET_MIN_OFFSET / GET_MAX_OFFSET of one queue (max = the offset the next message gets)."""
+
+    topic: str
+    queue_id: U32
+
+
+class SearchOffsetRequestHeader(Header):
+    """SEARCH_OFFSET_BY_TIMESTAMP: the first offset whose store time is >= ``timestamp`` (ms)."""
+
+    topic: str
+    queue_id: U32
+    timestamp: int
+
+
+class OffsetResponseHeader(Header):
+    """Response of GET_MIN_OFFSET, GET_MAX_OFFSET and SEARCH_OFFSET_BY_TIMESTAMP."""
+
+    offset: NonNeg
+
+
+# -- admin --------------------------------------------------------------------------------------
+
+
+class DeleteTopicRequestHeader(Header):
+    topic: str
+
+
+class TopicConfigTable(Header):
+    """Response header of GET_ALL_TOPIC_CONFIG: every topic the broker has."""
+
+    topics: dict[str, TopicConfig] = {}
+    broker_name: str = ""
+
+
+class TopicList(Header):
+    """Response header of GET_ALL_TOPIC_LIST_FROM_NAMESERVER."""
+
+    topics: list[str] = []
+
+
+class ClusterInfo(Header):
+    """Response header of GET_BROKER_CLUSTER_INFO."""
+
+    broker_addr_table: dict[str, BrokerData] = {}  # broker name -> addresses
+    cluster_addr_table: dict[str, list[str]] = {}  # cluster name -> broker names
+
+
+class GetConsumeStatsRequestHeader(Header):
+    """GET_CONSUME_STATS; an empty ``topic`` means every topic the group has offsets for."""
+
+    consumer_group: str
+    topic: str = ""
+
+
+class QueueConsumeStats(Header):
+    topic: str
+    queue_id: U32
+    broker_offset: NonNeg  # max offset of the queue
+    consumer_offset: NonNeg  # committed offset of the group (0 when none)
+    lag: NonNeg = 0  # broker_offset - consumer_offset, never negative
+    last_timestamp: int = 0  # store time of the last consumed message, ms (0 if unknown)
+
+
+class ConsumeStats(Header):
+    """Response header of GET_CONSUME_STATS (RocketMQ's ConsumeStats)."""
+
+    broker_name: str = ""
+    queues: list[QueueConsumeStats] = []
+    consume_tps: float = 0.0
+    total_lag: NonNeg = 0
+    pulled_msgs: NonNeg = 0  # messages pulled by the group since the broker started
+    pulled_bytes: NonNeg = 0
+
+
+class GetTopicStatsRequestHeader(Header):
+    topic: str
+
+
+class QueueStats(Header):
+    queue_id: U32
+    min_offset: NonNeg
+    max_offset: NonNeg
+    last_update_timestamp: int = 0
+
+
+class TopicStats(Header):
+    """Response header of GET_TOPIC_STATS."""
+
+    broker_name: str = ""
+    queues: list[QueueStats] = []
+    put_tps: float = 0.0  # messages per second put to the topic (last minute)
+    put_msgs: NonNeg = 0  # messages put since the broker started
+    put_bytes: NonNeg = 0
+
+
+class QueryMessageRequestHeader(Header):
+    """QUERY_MESSAGE: messages of ``topic`` carrying ``key``, stored within [begin, end] (ms)."""
+
+    topic: str
+    key: str
+    max_num: Positive = 32
+    begin_timestamp: int = 0
+    end_timestamp: int = 2**62
+
+
+class ViewMessageRequestHeader(Header):
+    """VIEW_MESSAGE_BY_ID: the message with this unique id (32 hex digits)."""
+
+    msg_id: str
+
+
+class FoundMessagesHeader(Header):
+    """Response header of QUERY_MESSAGE and VIEW_MESSAGE_BY_ID (QUERY_NOT_FOUND when none).
+
+    The body is whole stored batches concatenated, one per found message (a batch may repeat);
+    ``indexes[i]`` is the index of the found message inside the i-th batch.
+    """
+
+    indexes: list[NonNeg] = []
+
+
+class UnregisterBrokerRequestHeader(Header):
+    """UNREGISTER_BROKER: a broker leaving the cluster (sent on a clean shutdown)."""
+
+    cluster_name: str
+    broker_name: str
+    broker_id: NonNeg
+    broker_addr: str
+
+
+class BrokerRuntimeInfo(Header):
+    """Response header of GET_BROKER_RUNTIME_INFO (RocketMQ's KVTable): name -> value, e.g.
+    ``put_tps``, ``get_tps``, ``put_total_msgs``, ``commitlog_max_offset``, ``held_pulls``."""
+
+    table: dict[str, str | int | float | bool] = {}
+
+
 # -- which header for which frame ---------------------------------------------------------------
 
 REQUEST_HEADER_TYPES: dict[int, type[Header]] = {
@@ -250,6 +443,22 @@ REQUEST_HEADER_TYPES: dict[int, type[Header]] = {
     RequestCode.PULL_MESSAGE: PullMessageRequestHeader,
     RequestCode.REGISTER_BROKER: RegisterBrokerRequestHeader,
     RequestCode.GET_ROUTEINFO_BY_TOPIC: GetRouteInfoRequestHeader,
+    RequestCode.QUERY_CONSUMER_OFFSET: QueryConsumerOffsetRequestHeader,
+    RequestCode.UPDATE_CONSUMER_OFFSET: UpdateConsumerOffsetRequestHeader,
+    RequestCode.GET_MIN_OFFSET: QueueOffsetRequestHeader,
+    RequestCode.GET_MAX_OFFSET: QueueOffsetRequestHeader,
+    RequestCode.SEARCH_OFFSET_BY_TIMESTAMP: SearchOffsetRequestHeader,
+    RequestCode.UPDATE_AND_CREATE_TOPIC: TopicConfig,
+    RequestCode.DELETE_TOPIC: DeleteTopicRequestHeader,
+    RequestCode.GET_CONSUME_STATS: GetConsumeStatsRequestHeader,
+    RequestCode.GET_TOPIC_STATS: GetTopicStatsRequestHeader,
+    RequestCode.QUERY_MESSAGE: QueryMessageRequestHeader,
+    RequestCode.VIEW_MESSAGE_BY_ID: ViewMessageRequestHeader,
+    RequestCode.GET_ALL_TOPIC_CONFIG: EmptyHeader,
+    RequestCode.GET_ALL_TOPIC_LIST_FROM_NAMESERVER: EmptyHeader,
+    RequestCode.GET_BROKER_CLUSTER_INFO: EmptyHeader,
+    RequestCode.UNREGISTER_BROKER: UnregisterBrokerRequestHeader,
+    RequestCode.GET_BROKER_RUNTIME_INFO: EmptyHeader,
 }
 
 RESPONSE_HEADER_TYPES: dict[int, type[Header]] = {
@@ -258,6 +467,22 @@ RESPONSE_HEADER_TYPES: dict[int, type[Header]] = {
     RequestCode.PULL_MESSAGE: PullMessageResponseHeader,
     RequestCode.REGISTER_BROKER: RegisterBrokerResponseHeader,
     RequestCode.GET_ROUTEINFO_BY_TOPIC: TopicRouteData,
+    RequestCode.QUERY_CONSUMER_OFFSET: QueryConsumerOffsetResponseHeader,
+    RequestCode.GET_MIN_OFFSET: OffsetResponseHeader,
+    RequestCode.GET_MAX_OFFSET: OffsetResponseHeader,
+    RequestCode.SEARCH_OFFSET_BY_TIMESTAMP: OffsetResponseHeader,
+    RequestCode.GET_ALL_TOPIC_CONFIG: TopicConfigTable,
+    RequestCode.GET_ALL_TOPIC_LIST_FROM_NAMESERVER: TopicList,
+    RequestCode.GET_BROKER_CLUSTER_INFO: ClusterInfo,
+    RequestCode.GET_CONSUME_STATS: ConsumeStats,
+    RequestCode.GET_TOPIC_STATS: TopicStats,
+    RequestCode.QUERY_MESSAGE: FoundMessagesHeader,
+    RequestCode.VIEW_MESSAGE_BY_ID: FoundMessagesHeader,
+    RequestCode.UPDATE_CONSUMER_OFFSET: EmptyHeader,
+    RequestCode.UPDATE_AND_CREATE_TOPIC: EmptyHeader,
+    RequestCode.DELETE_TOPIC: EmptyHeader,
+    RequestCode.UNREGISTER_BROKER: EmptyHeader,
+    RequestCode.GET_BROKER_RUNTIME_INFO: BrokerRuntimeInfo,
 }
 
 _SEND_OUTCOMES = frozenset(

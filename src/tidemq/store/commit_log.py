@@ -9,8 +9,8 @@ Invariants:
   through the mapping; ``flushed_pos`` <= ``write_pos`` is what fdatasync has made durable.
 
 Thread contract: ``reserve`` / ``advance`` / ``truncate`` / ``delete_segments`` are called by
-one writer at a time (MessageStore holds its put lock); ``flush`` may run on the flush thread concurrently with
-appends; ``view``/``read_batch`` may be called from any thread.
+one writer at a time (MessageStore holds its put lock); ``flush`` may run on the flush thread
+concurrently with appends; ``view``/``read_batch`` may be called from any thread.
 """
 
 from __future__ import annotations
