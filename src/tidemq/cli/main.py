@@ -7,7 +7,9 @@ import sys
 
 import click
 
+from tidemq.cli.admin import register as register_admin
 from tidemq.cli.demo import demo
+from tidemq.cli.servers import register as register_servers
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -84,8 +86,8 @@ def bench_recovery_cmd(gib, segment_size, data_dir, as_json) -> None:
 
 
 cli.add_command(demo)
-from tidemq.cli.servers import register as _reg_servers; _reg_servers(cli)  # noqa: E402, E702, I001
-from tidemq.cli.admin import register as _reg_admin; _reg_admin(cli)  # noqa: E402, E702, I001
+register_servers(cli)
+register_admin(cli)
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -1,0 +1,106 @@
+"""tidemq: a message queue on RocketMQ's storage design, in Python.
+
+The blocking client API (any thread; runs the asyncio core on one background loop)::
+
+    import tidemq
+
+    with tidemq.Producer("127.0.0.1:9876") as producer:
+        result = producer.send(tidemq.Message("orders", b"paid", tags="paid", keys="order-1"))
+
+    with tidemq.PullConsumer("127.0.0.1:9876", "billing") as consumer:
+        consumer.subscribe("orders")
+        for msg in consumer.poll(timeout=1.0):
+            print(msg.queue_offset, msg.body)
+
+The asyncio API is ``tidemq.aio``. Names load lazily, so the broker and the storage engine
+(``import tidemq.store``) do not pay for the client.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__all__ = [
+    "Producer",
+    "PullConsumer",
+    "Admin",
+    "Message",
+    "MessageExt",
+    "MessageQueue",
+    "SendResult",
+    "SendStatus",
+    "ConsumeFrom",
+    "GroupLag",
+    "QueueLag",
+    "QueueStatus",
+    "TidemqError",
+    "BrokerError",
+    "ClientError",
+    "ClientClosedError",
+    "ConnectError",
+    "ConnectionLostError",
+    "RequestTimeoutError",
+    "NoRouteError",
+    "MessageRejectedError",
+]
+
+_WHERE = {
+    "Producer": "tidemq.client.blocking",
+    "PullConsumer": "tidemq.client.blocking",
+    "Admin": "tidemq.client.blocking",
+    "Message": "tidemq.client.message",
+    "MessageExt": "tidemq.client.message",
+    "MessageQueue": "tidemq.client.message",
+    "SendResult": "tidemq.client.message",
+    "SendStatus": "tidemq.client.message",
+    "ConsumeFrom": "tidemq.client.message",
+    "GroupLag": "tidemq.client.admin",
+    "QueueLag": "tidemq.client.admin",
+    "QueueStatus": "tidemq.client.admin",
+    "TidemqError": "tidemq.client.errors",
+    "BrokerError": "tidemq.client.errors",
+    "ClientError": "tidemq.client.errors",
+    "ClientClosedError": "tidemq.client.errors",
+    "ConnectError": "tidemq.client.errors",
+    "ConnectionLostError": "tidemq.client.errors",
+    "RequestTimeoutError": "tidemq.client.errors",
+    "NoRouteError": "tidemq.client.errors",
+    "MessageRejectedError": "tidemq.client.errors",
+}
+
+if TYPE_CHECKING:
+    from tidemq.client.admin import GroupLag, QueueLag, QueueStatus
+    from tidemq.client.blocking import Admin, Producer, PullConsumer
+    from tidemq.client.errors import (
+        BrokerError,
+        ClientClosedError,
+        ClientError,
+        ConnectError,
+        ConnectionLostError,
+        MessageRejectedError,
+        NoRouteError,
+        RequestTimeoutError,
+        TidemqError,
+    )
+    from tidemq.client.message import (
+        ConsumeFrom,
+        Message,
+        MessageExt,
+        MessageQueue,
+        SendResult,
+        SendStatus,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tidemq' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,69 @@
+"""tidemq's asyncio client: the core the blocking API (``tidemq``) runs on.
+
+::
+
+    from tidemq import aio
+
+    async with aio.Producer("127.0.0.1:9876") as producer:
+        result = await producer.send(aio.Message("orders", b"paid"))
+
+    async with aio.PullConsumer("127.0.0.1:9876", "billing") as consumer:
+        consumer.subscribe("orders")
+        messages = await consumer.poll(timeout=1.0)
+
+Every object belongs to the event loop it was first used on.
+"""
+
+from __future__ import annotations
+
+from tidemq.client.admin import Admin, GroupLag, QueueLag, QueueStatus
+from tidemq.client.connection import Connection, ConnectionPool
+from tidemq.client.consumer import PullConsumer
+from tidemq.client.errors import (
+    BrokerError,
+    ClientClosedError,
+    ClientError,
+    ConnectError,
+    ConnectionLostError,
+    MessageRejectedError,
+    NoRouteError,
+    RequestTimeoutError,
+    TidemqError,
+)
+from tidemq.client.message import (
+    ConsumeFrom,
+    Message,
+    MessageExt,
+    MessageQueue,
+    SendResult,
+    SendStatus,
+)
+from tidemq.client.producer import Producer, Selector, SendCallback
+
+__all__ = [
+    "Producer",
+    "PullConsumer",
+    "Admin",
+    "Message",
+    "MessageExt",
+    "MessageQueue",
+    "SendResult",
+    "SendStatus",
+    "ConsumeFrom",
+    "GroupLag",
+    "QueueLag",
+    "QueueStatus",
+    "Selector",
+    "SendCallback",
+    "Connection",
+    "ConnectionPool",
+    "TidemqError",
+    "BrokerError",
+    "ClientError",
+    "ClientClosedError",
+    "ConnectError",
+    "ConnectionLostError",
+    "RequestTimeoutError",
+    "NoRouteError",
+    "MessageRejectedError",
+]

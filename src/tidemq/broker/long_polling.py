@@ -1,0 +1,276 @@
+"""Long polling: pulls that found nothing wait here for messages (SPEC BR3; seeds 000, 004 §4.3.4).
+
+This is RocketMQ's PullRequestHoldService plus its NotifyMessageArrivingListener:
+
+- A pull that would answer PULL_NOT_FOUND and carries PullSysFlag.SUSPEND is *held* instead:
+  :meth:`PullRequestHoldService.suspend` files it under the key ``topic@queueId`` (the
+  ``pullRequestTable`` of ``ManyPullRequest`` lists).
+- Wake on arrival: the store calls :meth:`on_message_arrival` (a dispatch listener) after every
+  put with the queue's new max offset and the stored batch. Held pulls of that key whose offset
+  is now below the max are re-checked against their tag filter (the batch's tag hashes, as
+  RocketMQ checks the consume queue's tag code) and those that match are executed again at once.
+- Fallback check: every ``check_interval`` (5 s; 1 s short polling when long polling is off)
+  :meth:`check_held` compares every key's max offset with its held pulls, like
+  ``checkHoldRequest``; pulls below the max are executed again (no tag re-check, as RocketMQ
+  passes no tag code there: the pull itself answers NO_MATCHED_MSG if nothing matches).
+- Timeout: a held pull is executed again at its deadline (suspend_timeout_millis, or
+  short_polling_time_ms when long polling is off); finding nothing it answers PULL_NOT_FOUND.
+  RocketMQ notices the deadline only at the next check; a timer per held pull answers on time.
+- Re-execution never suspends again (RocketMQ's ``executeRequestWhenWakeup`` runs the pull with
+  ``brokerAllowSuspend = false``): a woken pull always gets a response.
+
+With long polling disabled (``long_polling_enable = false``) arrivals do not wake anyone, as in
+RocketMQ (the reput service notifies only when long polling is on): held pulls are answered by
+the 1 s check or their 1 s deadline.
+
+Threads: everything runs on the broker's event loop. The store calls the dispatch listener on
+the putting thread, inside its put lock; the broker puts on the loop thread, so the listener
+runs synchronously there, does only dictionary work and defers the re-executed pulls with
+``call_soon`` (outside the put lock, after the send's own response). If a put ever comes from
+another thread the listener hops to the loop with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from tidemq.protocol.record import INDEX_ENTRY_SIZE, BatchView
+
+__all__ = ["HeldPull", "PullRequestHoldService", "hold_key"]
+
+log = logging.getLogger(__name__)
+
+_TAG_DTYPE = np.dtype([("tag", "<u8"), ("rel", "<u4")])
+assert _TAG_DTYPE.itemsize == INDEX_ENTRY_SIZE
+
+
+def hold_key(topic: str, queue_id: int) -> str:
+    """RocketMQ's ``topic@queueId`` key (topic names cannot contain '@')."""
+    return f"{topic}@{queue_id}"
+
+
+class HeldPull:
+    """One suspended pull: the request, where it pulls from, its filter and its deadline
+    (created and finished on the event loop)."""
+
+    __slots__ = (
+        "conn", "opaque", "header", "tag_hashes", "offset", "suspended_at", "deadline",
+        "timer", "done",
+    )
+
+    def __init__(
+        self,
+        conn: Any,
+        opaque: int,
+        header: Any,
+        tag_hashes: frozenset[int] | None,
+        timeout_s: float,
+        now: float,
+    ) -> None:
+        self.conn = conn
+        self.opaque = opaque
+        self.header = header
+        self.tag_hashes = tag_hashes
+        self.offset: int = header.queue_offset
+        self.suspended_at = now
+        self.deadline = now + timeout_s
+        self.timer: asyncio.TimerHandle | None = None
+        self.done = False
+
+
+class PullRequestHoldService:
+    """The table of held pulls and the three ways out of it (arrival, check, deadline).
+
+    Event loop only, except :meth:`on_message_arrival`, which any putting thread may call.
+
+    ``execute(held)`` runs the pull again without suspending and answers it; ``max_offset``
+    is the store's ``max_offset(topic, queue_id)``.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        execute: Callable[[HeldPull], None],
+        max_offset: Callable[[str, int], int],
+        *,
+        long_polling: bool = True,
+        check_interval_s: float = 5.0,
+    ) -> None:
+        self.loop = loop
+        self.execute = execute
+        self.max_offset = max_offset
+        self.long_polling = long_polling
+        self.check_interval_s = check_interval_s
+        self.table: dict[str, list[HeldPull]] = {}
+        self._loop_thread = threading.get_ident()
+        self._task: asyncio.Task | None = None
+        self.woken_by_arrival = 0
+        self.woken_by_check = 0
+        self.timed_out = 0
+
+    # -- holding ---------------------------------------------------------------------------------
+    def suspend(self, held: HeldPull) -> None:
+        h = held.header
+        key = hold_key(h.topic, h.queue_id)
+        lst = self.table.get(key)
+        if lst is None:
+            self.table[key] = [held]
+        else:
+            lst.append(held)
+        held.conn.held.add(held)
+        held.timer = self.loop.call_at(held.deadline, self._expire, held)
+
+    def held_count(self) -> int:
+        return sum(1 for lst in self.table.values() for h in lst if not h.done)
+
+    def drop_connection(self, conn: Any) -> None:
+        """The connection closed: its held pulls are never answered (pruned lazily)."""
+        for held in conn.held:
+            held.done = True
+            if held.timer is not None:
+                held.timer.cancel()
+        conn.held.clear()
+
+    def _finish(self, held: HeldPull) -> bool:
+        """Take ``held`` out of service; False if it was already answered or dropped."""
+        if held.done:
+            return False
+        held.done = True
+        if held.timer is not None:
+            held.timer.cancel()
+        held.conn.held.discard(held)
+        return True
+
+    def _run(self, held: HeldPull) -> None:
+        if held.conn.closed:
+            return
+        try:
+            self.execute(held)
+        except Exception:  # execute answers its own errors; this is the last line of defence
+            log.exception("re-executing held pull %s failed", hold_key(held.header.topic,
+                                                                        held.header.queue_id))
+
+    # -- way out 1: a message arrived ----------------------------------------------------------
+    def on_message_arrival(
+        self, topic: str, queue_id: int, new_max_offset: int, batch: BatchView
+    ) -> None:
+        """Store dispatch listener: runs on the putting thread inside the store's put lock."""
+        if not self.long_polling:
+            return
+        key = f"{topic}@{queue_id}"
+        if key not in self.table:  # the common case: nobody waits on this queue
+            return
+        if threading.get_ident() != self._loop_thread:
+            tags = np.frombuffer(batch.index_view(), _TAG_DTYPE)["tag"].tolist()
+            self.loop.call_soon_threadsafe(self.notify_message_arriving, key, new_max_offset, tags)
+            return
+        self.notify_message_arriving(key, new_max_offset, batch)
+
+    def notify_message_arriving(
+        self, key: str, max_offset: int, batch: BatchView | list[int] | None
+    ) -> None:
+        """Wake the pulls of ``key`` below ``max_offset`` whose filter matches ``batch`` (the
+        batch that arrived, or its tag hashes; None = no filter check, as the periodic check)."""
+        lst = self.table.get(key)
+        if not lst:
+            return
+        batch_tags: set[int] | None = None
+        keep: list[HeldPull] = []
+        wake: list[HeldPull] = []
+        for held in lst:
+            if held.done:
+                continue
+            if max_offset > held.offset:
+                match = True
+                if held.tag_hashes is not None and batch is not None:
+                    if batch_tags is None:
+                        batch_tags = _tags_of(batch)
+                    match = not held.tag_hashes.isdisjoint(batch_tags)
+                if match:
+                    wake.append(held)
+                    continue
+            keep.append(held)
+        if keep:
+            self.table[key] = keep
+        else:
+            del self.table[key]
+        if not wake:
+            return
+        by_arrival = batch is not None
+        for held in wake:
+            self._finish(held)
+            if by_arrival:
+                self.woken_by_arrival += 1
+            else:
+                self.woken_by_check += 1
+            # Deferred: we may be inside the store's put lock, and the sender's own response
+            # should leave first. call_soon runs it in this same loop iteration's aftermath.
+            self.loop.call_soon(self._run, held)
+
+    # -- way out 2: the periodic check ---------------------------------------------------------
+    def check_held(self) -> None:
+        """RocketMQ's checkHoldRequest: compare every key's max offset with its held pulls."""
+        for key in list(self.table):
+            lst = self.table.get(key)
+            if lst is None:
+                continue
+            live = [h for h in lst if not h.done]
+            if not live:
+                del self.table[key]
+                continue
+            self.table[key] = live
+            topic, _, qid = key.rpartition("@")
+            try:
+                mx = self.max_offset(topic, int(qid))
+            except Exception:
+                log.exception("check of held pulls for %s failed", key)
+                continue
+            self.notify_message_arriving(key, mx, None)
+
+    async def run_checks(self) -> None:
+        """Run :meth:`check_held` every ``check_interval_s`` until cancelled."""
+        while True:
+            await asyncio.sleep(self.check_interval_s)
+            t0 = time.perf_counter()
+            self.check_held()
+            cost = time.perf_counter() - t0
+            if cost > 1.0:
+                log.info("[NOTIFYME] check of held pulls took %.0f ms", cost * 1000)
+
+    # -- way out 3: the deadline ---------------------------------------------------------------
+    def _expire(self, held: HeldPull) -> None:
+        held.timer = None
+        if not self._finish(held):
+            return
+        key = hold_key(held.header.topic, held.header.queue_id)
+        lst = self.table.get(key)
+        if lst is not None:
+            try:
+                lst.remove(held)
+            except ValueError:
+                pass
+            if not lst:
+                del self.table[key]
+        self.timed_out += 1
+        self._run(held)
+
+    def close(self) -> None:
+        for lst in self.table.values():
+            for held in lst:
+                self._finish(held)
+        self.table.clear()
+
+
+def _tags_of(batch: BatchView | list[int]) -> set[int]:
+    if isinstance(batch, list):
+        return set(batch)
+    if batch.count == 1:
+        return {batch.tag_hash_at(0)}
+    return set(np.frombuffer(batch.index_view(), _TAG_DTYPE)["tag"].tolist())

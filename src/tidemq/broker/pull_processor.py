@@ -1,0 +1,237 @@
+"""PULL_MESSAGE (RocketMQ's PullMessageProcessor; SPEC BR2, seed 004 §4.3.2).
+
+A pull names (group, topic, queue id, queue offset, max messages, sys flags, commit offset,
+suspend timeout, subscription). The processor
+
+1. checks the request (group present, topic exists and is readable, queue id below the topic's
+   read queue count, a TAG subscription that parses) -- any failure is an error response;
+2. stores the piggy-backed commit offset (PullSysFlag.COMMIT_OFFSET), only on the first
+   execution, never when a held pull is re-executed (RocketMQ's ``brokerAllowSuspend``);
+3. reads from the store (``MessageStore.get_messages`` filters whole batches by tag hash) and
+   maps its GetStatus to a response code exactly as RocketMQ does::
+
+       FOUND                                   -> SUCCESS                 (PullStatus.FOUND)
+       NO_MATCHED_MESSAGE, MESSAGE_WAS_REMOVING -> PULL_RETRY_IMMEDIATELY  (NO_MATCHED_MSG)
+       OFFSET_FOUND_NULL, OFFSET_OVERFLOW_ONE  -> PULL_NOT_FOUND          (NO_NEW_MSG)
+       NO_MESSAGE_IN_QUEUE, NO_MATCHED_LOGIC_QUEUE
+                         offset == 0           -> PULL_NOT_FOUND
+                         offset != 0           -> PULL_OFFSET_MOVED       (OFFSET_ILLEGAL)
+       OFFSET_OVERFLOW_BADLY, OFFSET_TOO_SMALL -> PULL_OFFSET_MOVED
+
+   with the store's corrected next_begin_offset (a master always corrects: below the queue it
+   is min_offset, past the end max_offset -- or min_offset when that is 0 -- and 0 for an empty
+   queue), min_offset and max_offset in every response;
+4. holds the pull (long_polling) when it would answer PULL_NOT_FOUND and carries SUSPEND;
+5. answers FOUND with the stored batches, unmodified, as the body: the first batch may start
+   before the requested offset and the last may run past max_msg_nums; the client skips and
+   re-filters by tag string (the broker filters by tag hash only).
+
+Subscriptions: ``"*"``, empty or absent = every message; ``"TagA || TagB"`` = messages whose tag
+is one of these (by ``record.tag_hash``). SQL92 is not supported yet (SUBSCRIPTION_PARSE_FAILED).
+Without a consumer registry (heartbeats), the broker takes the subscription from the request
+whether or not PullSysFlag.SUBSCRIPTION is set.
+
+Threads: the broker's event loop only.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from tidemq.broker.connection import decode_request
+from tidemq.broker.errors import RequestRejected
+from tidemq.broker.long_polling import HeldPull
+from tidemq.protocol.codes import ResponseCode
+from tidemq.protocol.headers import (
+    Perm,
+    PullMessageRequestHeader,
+    PullMessageResponseHeader,
+    PullSysFlag,
+)
+from tidemq.protocol.record import tag_hash
+from tidemq.store.message_store import GetStatus
+
+if TYPE_CHECKING:
+    from tidemq.broker.broker import Broker
+    from tidemq.broker.connection import BrokerConnection
+    from tidemq.protocol.frame import Frame
+
+__all__ = ["PullProcessor", "parse_tag_expression", "response_code_for", "GROUP_NAME"]
+
+GROUP_NAME = re.compile(r"^[%|a-zA-Z0-9_-]{1,255}$")
+
+_R = ResponseCode
+_S = GetStatus
+_FIXED_CODES: dict[GetStatus, ResponseCode] = {
+    _S.FOUND: _R.SUCCESS,
+    _S.MESSAGE_WAS_REMOVING: _R.PULL_RETRY_IMMEDIATELY,
+    _S.NO_MATCHED_MESSAGE: _R.PULL_RETRY_IMMEDIATELY,
+    _S.OFFSET_FOUND_NULL: _R.PULL_NOT_FOUND,
+    _S.OFFSET_OVERFLOW_ONE: _R.PULL_NOT_FOUND,
+    _S.OFFSET_OVERFLOW_BADLY: _R.PULL_OFFSET_MOVED,
+    _S.OFFSET_TOO_SMALL: _R.PULL_OFFSET_MOVED,
+}
+_EMPTY_QUEUE = frozenset({_S.NO_MESSAGE_IN_QUEUE, _S.NO_MATCHED_LOGIC_QUEUE})
+
+
+def response_code_for(status: GetStatus, requested_offset: int) -> ResponseCode:
+    """RocketMQ's GetMessageStatus -> ResponseCode table (seed 004 §4.3.2, step 8)."""
+    code = _FIXED_CODES.get(status)
+    if code is not None:
+        return code
+    if status in _EMPTY_QUEUE:
+        return _R.PULL_OFFSET_MOVED if requested_offset != 0 else _R.PULL_NOT_FOUND
+    raise AssertionError(f"unmapped store status {status}")
+
+
+def parse_tag_expression(expression: str | None) -> frozenset[int] | None:
+    """Tag hashes of ``"TagA || TagB"``; None means every message (``"*"``, empty, None).
+
+    ValueError for an expression that names no tag ("||")."""
+    if expression is None:
+        return None
+    expr = expression.strip()
+    if not expr or expr == "*":
+        return None
+    tags = [t.strip() for t in expr.split("||")]
+    tags = [t for t in tags if t]
+    if not tags:
+        raise ValueError(f"tag expression {expression!r} names no tag; use '*' or 'TagA || TagB'")
+    if "*" in tags:
+        return None
+    return frozenset(tag_hash(t) for t in tags)
+
+
+class PullProcessor:
+    """Handles PULL_MESSAGE and re-runs held pulls (event loop only)."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.store = broker.store
+        self.topics = broker.topics
+        self.offsets = broker.offsets
+        self.stats = broker.stats
+        self.config = broker.config
+        self.hold = broker.hold
+        self._subscriptions: dict[str, frozenset[int] | None] = {}
+
+    def _tag_hashes(self, h: PullMessageRequestHeader) -> frozenset[int] | None:
+        if h.expression_type.upper() != "TAG":
+            raise RequestRejected(
+                ResponseCode.SUBSCRIPTION_PARSE_FAILED,
+                f"expression type {h.expression_type!r} is not supported by this broker; "
+                "use TAG with '*' or 'TagA || TagB' (SQL92 filtering is not implemented yet)",
+            )
+        expr = h.subscription
+        if expr is None:
+            return None
+        cache = self._subscriptions
+        if expr in cache:
+            return cache[expr]
+        try:
+            hashes = parse_tag_expression(expr)
+        except ValueError as exc:
+            raise RequestRejected(ResponseCode.SUBSCRIPTION_PARSE_FAILED, str(exc)) from None
+        if len(cache) > 4096:
+            cache.clear()
+        cache[expr] = hashes
+        return hashes
+
+    def handle(self, conn: BrokerConnection, frame: Frame) -> None:
+        h: PullMessageRequestHeader = decode_request(frame, PullMessageRequestHeader)
+        if frame.is_oneway:
+            raise RequestRejected(
+                ResponseCode.INVALID_ARGUMENT, "a pull cannot be one-way: it exists to answer"
+            )
+        group = h.consumer_group
+        if not GROUP_NAME.match(group):
+            raise RequestRejected(
+                ResponseCode.INVALID_ARGUMENT,
+                "consumer_group is empty; every pull names its consumer group"
+                if not group
+                else f"consumer_group {group!r} is not a valid group name (letters, digits, "
+                "'%', '|', '_', '-'; at most 255)",
+            )
+        tc = self.topics.get(h.topic)
+        broker_name = self.config.broker_name
+        if tc is None:
+            raise RequestRejected(
+                ResponseCode.TOPIC_NOT_EXIST,
+                f"topic {h.topic!r} does not exist on broker {broker_name}; create it or "
+                "refresh the route from the name server",
+            )
+        if not tc.perm & Perm.READ:
+            raise RequestRejected(
+                ResponseCode.NO_PERMISSION,
+                f"topic {h.topic!r} is not readable on broker {broker_name} (perm {tc.perm:#x})",
+            )
+        if h.queue_id >= tc.read_queue_nums:
+            raise RequestRejected(
+                ResponseCode.INVALID_ARGUMENT,
+                f"queue id {h.queue_id} is out of range: topic {h.topic!r} has "
+                f"{tc.read_queue_nums} read queues (0..{tc.read_queue_nums - 1}) on broker "
+                f"{broker_name}",
+            )
+        tags = self._tag_hashes(h)
+        if h.sys_flag & PullSysFlag.COMMIT_OFFSET:
+            self.offsets.commit(group, h.topic, h.queue_id, h.commit_offset)
+        self.process(conn, frame.opaque, h, tags, allow_suspend=True)
+
+    def process(
+        self,
+        conn: BrokerConnection,
+        opaque: int,
+        h: PullMessageRequestHeader,
+        tags: frozenset[int] | None,
+        *,
+        allow_suspend: bool,
+    ) -> None:
+        """Read and answer (or hold) one validated pull."""
+        r = self.store.get_messages(h.topic, h.queue_id, h.queue_offset, h.max_msg_nums, tags)
+        status = r.status
+        if status is _S.FOUND:
+            bodies = [b.data for b in r.batches]
+            n = 0
+            for b in bodies:
+                n += len(b)
+            self.stats.record_get(h.consumer_group, h.topic, r.message_count, n)
+            conn.respond(
+                opaque,
+                ResponseCode.SUCCESS,
+                PullMessageResponseHeader(
+                    next_begin_offset=r.next_begin_offset,
+                    min_offset=r.min_offset,
+                    max_offset=r.max_offset,
+                ),
+                bodies,
+            )
+            return
+        code = response_code_for(status, h.queue_offset)
+        suspend = allow_suspend and h.sys_flag & PullSysFlag.SUSPEND
+        if code == ResponseCode.PULL_NOT_FOUND and suspend:
+            cfg = self.config
+            if cfg.long_polling_enable:
+                timeout_ms = min(h.suspend_timeout_millis, cfg.max_suspend_ms)
+            else:
+                timeout_ms = cfg.short_polling_time_ms
+            self.hold.suspend(
+                HeldPull(conn, opaque, h, tags, timeout_ms / 1000.0, self.hold.loop.time())
+            )
+            return
+        conn.respond(
+            opaque,
+            code,
+            PullMessageResponseHeader(
+                next_begin_offset=r.next_begin_offset,
+                min_offset=r.min_offset,
+                max_offset=r.max_offset,
+            ),
+        )
+
+    def execute_held(self, held: HeldPull) -> None:
+        """Re-execute a held pull (woken or timed out): answer whatever is there now."""
+        try:
+            self.process(held.conn, held.opaque, held.header, held.tag_hashes, allow_suspend=False)
+        except Exception as exc:  # answer, never leave the client waiting
+            self.broker.answer_failure(held.conn, held.opaque, "PULL_MESSAGE", exc)

@@ -1,0 +1,271 @@
+"""SEND_MESSAGE / SEND_BATCH (RocketMQ's SendMessageProcessor; SPEC BR1, ST9).
+
+The body is exactly one batch as the producer encoded it (``record.encode_batch``). Per batch,
+never per message, the processor checks, in this order:
+
+- the frame has a body, no larger than ``max_message_size`` (4 MiB) plus the batch headers'
+  allowance -> MESSAGE_TOO_LARGE;
+- the topic exists, or auto-create is on and the name is valid (RocketMQ's
+  ``^[%|a-zA-Z0-9_-]{1,127}$``) -> TOPIC_NOT_EXIST / MESSAGE_ILLEGAL; the topic is writable ->
+  NO_PERMISSION; the queue id is below its write queue count -> INVALID_ARGUMENT;
+- the body is a well-formed batch whose topic and queue id equal the header's, and (for a single
+  uncompressed message) whose properties fit ``max_properties_size`` -> MESSAGE_ILLEGAL;
+
+then hands the bytes to ``MessageStore.put``, which verifies the batch CRC (MESSAGE_ILLEGAL),
+stamps the store fields in place and dispatches the consume queue. The response carries the
+unique id of message 0, the queue id, the queue offset of message 0 and the message count
+(message ``i`` has offset ``queue_offset + i`` and id ``producer_id:base_seq + i``).
+
+Flush modes: ASYNC_FLUSH answers right after the put. SYNC_FLUSH passes ``on_durable`` to the
+put; the store calls it on its flush thread after the group-commit fsync, and the response is
+sent from the event loop (``call_soon_threadsafe``, one hop per flush, not per send). A send not
+durable within ``sync_flush_timeout_ms`` is answered FLUSH_DISK_TIMEOUT (stored, not yet on
+disk -- not retryable, a resend would store it twice). One-way sends are stored the same way and
+never answered, errors included.
+
+Threads: the broker's event loop only (the durability callback hops onto it).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from tidemq.broker.connection import decode_request
+from tidemq.broker.errors import RequestRejected, rejection_for_store_error
+from tidemq.broker.topic_config import topic_name_problem
+from tidemq.protocol.codes import ResponseCode
+from tidemq.protocol.errors import CorruptBatchError, TidemqError
+from tidemq.protocol.frame import FLAG_ONEWAY
+from tidemq.protocol.headers import Perm, SendMessageRequestHeader, SendMessageResponseHeader
+from tidemq.protocol.record import RECORD_HEADER, BatchView, Compression, unique_id
+from tidemq.store.flush import FlushMode
+from tidemq.store.message_store import PutStatus
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from tidemq.broker.broker import Broker
+    from tidemq.broker.connection import BrokerConnection
+    from tidemq.protocol.frame import Frame
+
+__all__ = ["SendProcessor"]
+
+log = logging.getLogger(__name__)
+
+
+def _ignore_durability(err: object) -> None:
+    """on_durable of a one-way SYNC_FLUSH send: nobody to tell (but never block the loop)."""
+
+
+class _PendingSend:
+    """A SYNC_FLUSH send between its put and its response."""
+
+    __slots__ = ("waiters", "conn", "opaque", "header", "durable", "error", "timer", "answered")
+
+    def __init__(self, waiters: _DurabilityWaiters, conn: BrokerConnection, opaque: int) -> None:
+        self.waiters = waiters
+        self.conn = conn
+        self.opaque = opaque
+        self.header: SendMessageResponseHeader | None = None
+        self.durable = False
+        self.error: object = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.answered = False
+
+    def __call__(self, err: object) -> None:  # the store's on_durable, any thread
+        self.waiters.arrive(self, err)
+
+    def stored(self, header: SendMessageResponseHeader) -> None:
+        """The put returned (loop thread)."""
+        self.header = header
+        if self.durable:
+            self._answer()
+        else:
+            self.timer = self.waiters.loop.call_later(self.waiters.timeout_s, self._timeout)
+
+    def made_durable(self, err: object) -> None:
+        """The fsync covering this batch finished (loop thread)."""
+        self.durable = True
+        self.error = err
+        if self.header is not None:
+            self._answer()
+
+    def _timeout(self) -> None:
+        self.timer = None
+        if not self.answered:
+            self.answered = True
+            log.warning("send to %s not durable within the sync flush timeout", self.conn.peer)
+            self.conn.respond(self.opaque, ResponseCode.FLUSH_DISK_TIMEOUT, self.header)
+
+    def _answer(self) -> None:
+        if self.answered:
+            return
+        self.answered = True
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.error is None:
+            self.conn.respond(self.opaque, ResponseCode.SUCCESS, self.header)
+        else:
+            # Stored, but the fsync failed or the store closed: durability is unknown.
+            log.error("flush after a send failed: %s", self.error)
+            self.conn.respond(self.opaque, ResponseCode.FLUSH_DISK_TIMEOUT, self.header)
+
+
+class _DurabilityWaiters:
+    """Moves durability callbacks from the store's flush thread onto the event loop, one
+    ``call_soon_threadsafe`` per burst (the flush thread completes a whole group at once)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        self.loop = loop
+        self.timeout_s = timeout_s
+        self._loop_thread = threading.get_ident()
+        self._arrived: collections.deque[tuple[_PendingSend, object]] = collections.deque()
+        self._scheduled = False
+
+    def arrive(self, pending: _PendingSend, err: object) -> None:
+        if threading.get_ident() == self._loop_thread:
+            pending.made_durable(err)  # already durable when the put asked (same thread)
+            return
+        self._arrived.append((pending, err))
+        if not self._scheduled:
+            self._scheduled = True
+            try:
+                self.loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:  # the loop is closed: the broker is gone, nobody to answer
+                pass
+
+    def _drain(self) -> None:
+        self._scheduled = False
+        arrived = self._arrived
+        while arrived:
+            pending, err = arrived.popleft()
+            pending.made_durable(err)
+
+
+class SendProcessor:
+    """Handles SEND_MESSAGE / SEND_BATCH (event loop only)."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.store = broker.store
+        self.topics = broker.topics
+        self.stats = broker.stats
+        cfg = self.config = broker.config
+        self.sync_flush = cfg.flush is FlushMode.SYNC
+        self.max_batch = cfg.max_message_size + cfg.batch_overhead_allowance
+        self.waiters = _DurabilityWaiters(
+            broker.loop, self.store.config.sync_flush_timeout_ms / 1000.0
+        )
+        self._topic_bytes: dict[str, bytes] = {}
+
+    def handle(self, conn: BrokerConnection, frame: Frame) -> None:
+        h: SendMessageRequestHeader = decode_request(frame, SendMessageRequestHeader)
+        body = frame.body
+        size = len(body)
+        cfg = self.config
+        if size == 0:
+            raise RequestRejected(
+                ResponseCode.INVALID_ARGUMENT,
+                "send request has no body; the body is one batch (record.encode_batch)",
+            )
+        if size > self.max_batch:
+            raise RequestRejected(
+                ResponseCode.MESSAGE_TOO_LARGE,
+                f"batch of {size} bytes exceeds the broker's limit of {cfg.max_message_size} "
+                f"bytes (max_message_size, plus {cfg.batch_overhead_allowance} for batch "
+                "headers); send fewer or smaller messages per batch",
+            )
+        topic = h.topic
+        tc = self.topics.get(topic)
+        if tc is None:
+            problem = topic_name_problem(topic)
+            if problem:
+                raise RequestRejected(ResponseCode.MESSAGE_ILLEGAL, problem)
+            if not cfg.auto_create_topic:
+                raise RequestRejected(
+                    ResponseCode.TOPIC_NOT_EXIST,
+                    f"topic {topic!r} does not exist on broker {cfg.broker_name} and "
+                    f"auto-create is off; create it first (tidemq topic create {topic})",
+                )
+            tc = self.broker.auto_create_topic(topic)
+        if not tc.perm & Perm.WRITE:
+            raise RequestRejected(
+                ResponseCode.NO_PERMISSION,
+                f"topic {topic!r} is not writable on broker {cfg.broker_name} "
+                f"(perm {tc.perm:#x})",
+            )
+        qid = h.queue_id
+        if qid >= tc.write_queue_nums:
+            raise RequestRejected(
+                ResponseCode.INVALID_ARGUMENT,
+                f"queue id {qid} is out of range: topic {topic!r} has {tc.write_queue_nums} "
+                f"write queues (0..{tc.write_queue_nums - 1}) on broker {cfg.broker_name}",
+            )
+        try:
+            v = BatchView(body)
+        except CorruptBatchError as exc:
+            raise RequestRejected(
+                ResponseCode.MESSAGE_ILLEGAL, f"the body is not a valid batch: {exc.message}"
+            ) from None
+        if v.total_size != size:
+            raise RequestRejected(
+                ResponseCode.MESSAGE_ILLEGAL,
+                f"the batch says it is {v.total_size} bytes but the body has {size}; a send "
+                "carries exactly one batch",
+            )
+        tb = self._topic_bytes.get(topic)
+        if tb is None:
+            tb = self._topic_bytes[topic] = topic.encode()
+        if v.topic_bytes != tb:
+            raise RequestRejected(
+                ResponseCode.MESSAGE_ILLEGAL,
+                f"header topic {topic!r} differs from the batch's topic {v.topic!r}",
+            )
+        if v.queue_id != qid:
+            raise RequestRejected(
+                ResponseCode.MESSAGE_ILLEGAL,
+                f"header queue id {qid} differs from the batch's queue id {v.queue_id}",
+            )
+        if v.count == 1 and v.compression == Compression.NONE:
+            start = v.records_start
+            if v.records_size >= RECORD_HEADER.size:
+                props_len = RECORD_HEADER.unpack_from(body, start)[5]
+                if props_len > cfg.max_properties_size:
+                    raise RequestRejected(
+                        ResponseCode.MESSAGE_ILLEGAL,
+                        f"message properties are {props_len} bytes, over the limit of "
+                        f"{cfg.max_properties_size}; move data into the body",
+                    )
+        oneway = frame.flags & FLAG_ONEWAY
+        pending = None
+        t0 = time.perf_counter()
+        try:
+            if self.sync_flush:
+                if oneway:
+                    r = self.store.put(body, queue_id=qid, on_durable=_ignore_durability)
+                else:
+                    pending = _PendingSend(self.waiters, conn, frame.opaque)
+                    r = self.store.put(body, queue_id=qid, on_durable=pending)
+            else:
+                r = self.store.put(body, queue_id=qid)
+        except TidemqError as exc:
+            raise rejection_for_store_error(exc) from None
+        self.stats.record_put(topic, r.count, size, time.perf_counter() - t0)
+        if oneway:
+            return
+        header = SendMessageResponseHeader(
+            msg_id=unique_id(v.producer_id, v.base_seq),
+            queue_id=r.queue_id,
+            queue_offset=r.queue_offset,
+            count=r.count,
+        )
+        if pending is not None:
+            pending.stored(header)
+        elif r.status is PutStatus.PUT_OK:
+            conn.respond(frame.opaque, ResponseCode.SUCCESS, header)
+        else:
+            conn.respond(frame.opaque, ResponseCode.FLUSH_DISK_TIMEOUT, header)

@@ -1,0 +1,148 @@
+"""Broker statistics (RocketMQ's BrokerStatsManager / StoreStatsService; SPEC BR14).
+
+Counters only grow: messages and bytes put per topic, messages and bytes got per
+``topic@group``, batches, and a histogram of store put latency. They are updated once per batch
+(never per message) on the send and pull paths.
+
+Rates come from samples: every ``sample_interval`` seconds the counters are copied into a ring
+that covers the last minute; a rate is (counter now - counter at the oldest sample) / elapsed.
+That is RocketMQ's "TPS over the last minute" in spirit, without a timer per key.
+
+Backlog (lag) is not counted here: it is computed on demand from the queue's max offset and the
+group's committed offset (see admin_processor), so it is exact and costs nothing on the hot path.
+
+Threads: the broker's event loop only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+__all__ = ["BrokerStats", "LATENCY_BUCKETS_MS"]
+
+#: Upper bounds (ms) of the put latency histogram buckets; the last bucket is open-ended.
+LATENCY_BUCKETS_MS = (0.1, 0.5, 1.0, 5.0, 10.0, 50.0, 100.0, 500.0)
+
+_WINDOW_S = 60.0
+
+
+class BrokerStats:
+    """Counters and rate samples of one broker (event loop only)."""
+
+    def __init__(self, sample_interval_s: float = 5.0, clock=time.monotonic) -> None:
+        self._clock = clock
+        self.started = clock()
+        self.started_wall_ms = time.time_ns() // 1_000_000
+        # topic -> [messages, bytes, batches]
+        self.put: dict[str, list[int]] = {}
+        # "topic@group" -> [messages, bytes, pulls that found messages]
+        self.get: dict[str, list[int]] = {}
+        self.put_total = [0, 0, 0]
+        self.get_total = [0, 0, 0]
+        self.put_latency_buckets = [0] * (len(LATENCY_BUCKETS_MS) + 1)
+        self.put_latency_max_ms = 0.0
+        self.put_latency_sum_ms = 0.0
+        self.send_errors = 0
+        n = max(2, int(_WINDOW_S / max(sample_interval_s, 0.001)) + 1)
+        # (time, put totals by topic, get totals by topic@group, put total, get total)
+        self._samples: deque[tuple[float, dict, dict, int, int]] = deque(maxlen=n)
+
+    # -- hot path: once per batch ----------------------------------------------------------------
+    def record_put(self, topic: str, msgs: int, nbytes: int, latency_s: float) -> None:
+        c = self.put.get(topic)
+        if c is None:
+            c = self.put[topic] = [0, 0, 0]
+        c[0] += msgs
+        c[1] += nbytes
+        c[2] += 1
+        t = self.put_total
+        t[0] += msgs
+        t[1] += nbytes
+        t[2] += 1
+        ms = latency_s * 1000.0
+        self.put_latency_sum_ms += ms
+        if ms > self.put_latency_max_ms:
+            self.put_latency_max_ms = ms
+        i = 0
+        for bound in LATENCY_BUCKETS_MS:
+            if ms <= bound:
+                break
+            i += 1
+        self.put_latency_buckets[i] += 1
+
+    def record_get(self, group: str, topic: str, msgs: int, nbytes: int) -> None:
+        key = f"{topic}@{group}"
+        c = self.get.get(key)
+        if c is None:
+            c = self.get[key] = [0, 0, 0]
+        c[0] += msgs
+        c[1] += nbytes
+        c[2] += 1
+        t = self.get_total
+        t[0] += msgs
+        t[1] += nbytes
+        t[2] += 1
+
+    # -- sampling and rates ----------------------------------------------------------------------
+    def sample(self) -> None:
+        """Record the counters now (called every sample interval by the broker)."""
+        self._samples.append(
+            (
+                self._clock(),
+                {k: v[0] for k, v in self.put.items()},
+                {k: v[0] for k, v in self.get.items()},
+                self.put_total[0],
+                self.get_total[0],
+            )
+        )
+
+    def _base(self) -> tuple[float, dict, dict, int, int]:
+        if self._samples:
+            return self._samples[0]
+        return (self.started, {}, {}, 0, 0)
+
+    def _elapsed(self, since: float) -> float:
+        return max(self._clock() - since, 1e-3)
+
+    def put_tps(self, topic: str | None = None) -> float:
+        ts, by_topic, _g, total, _gt = self._base()
+        if topic is None:
+            return (self.put_total[0] - total) / self._elapsed(ts)
+        now = self.put.get(topic, (0,))[0]
+        return (now - by_topic.get(topic, 0)) / self._elapsed(ts)
+
+    def get_tps(self, group: str | None = None, topic: str | None = None) -> float:
+        """Messages per second got by ``group`` (all its topics unless ``topic``), or by all."""
+        ts, _p, by_key, _pt, total = self._base()
+        if group is None:
+            return (self.get_total[0] - total) / self._elapsed(ts)
+        got = 0
+        for key, c in self.get.items():
+            t, _, g = key.rpartition("@")
+            if g == group and (topic is None or t == topic):
+                got += c[0] - by_key.get(key, 0)
+        return got / self._elapsed(ts)
+
+    def uptime_s(self) -> float:
+        return self._clock() - self.started
+
+    def summary(self) -> dict[str, int | float]:
+        n = self.put_total[2]
+        out: dict[str, int | float] = {
+            "put_total_msgs": self.put_total[0],
+            "put_total_bytes": self.put_total[1],
+            "put_total_batches": n,
+            "get_total_msgs": self.get_total[0],
+            "get_total_bytes": self.get_total[1],
+            "put_tps": round(self.put_tps(), 3),
+            "get_tps": round(self.get_tps(), 3),
+            "put_latency_avg_ms": round(self.put_latency_sum_ms / n, 4) if n else 0.0,
+            "put_latency_max_ms": round(self.put_latency_max_ms, 4),
+            "send_errors": self.send_errors,
+        }
+        for bound, count in zip(
+            (*LATENCY_BUCKETS_MS, float("inf")), self.put_latency_buckets, strict=True
+        ):
+            out[f"put_latency_le_{bound:g}ms"] = count
+        return out

@@ -1,0 +1,307 @@
+"""The blocking facade: ``tidemq.Producer`` / ``PullConsumer`` / ``Admin`` for ordinary threads.
+
+Each blocking object wraps its asyncio twin (``tidemq.aio``) and runs it on one background
+event loop shared by the whole process (a daemon thread named ``tidemq-io``, started on first
+use, uvloop when installed). A blocking call submits a coroutine to that loop and waits for it;
+``send_async`` returns a ``concurrent.futures.Future`` at once.
+
+Threading: any thread may call these objects, but calls into one object are serialised by the
+loop, and they must not be made from the ``tidemq-io`` thread itself (a callback passed to
+``send_async`` runs there: do not call blocking methods from it). After ``os.fork`` the child
+starts its own loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import os
+import threading
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from typing import Any, TypeVar
+
+from tidemq.client.admin import Admin as AioAdmin
+from tidemq.client.admin import GroupLag, QueueStatus
+from tidemq.client.consumer import PullConsumer as AioPullConsumer
+from tidemq.client.message import Message, MessageExt, MessageQueue, SendResult
+from tidemq.client.producer import Producer as AioProducer
+from tidemq.client.producer import SendCallback
+from tidemq.protocol.headers import ClusterInfo, TopicConfig, TopicRouteData
+
+__all__ = ["Producer", "PullConsumer", "Admin", "io_loop"]
+
+T = TypeVar("T")
+
+
+class _IoThread:
+    """The process's shared event loop thread (created lazily, per process)."""
+
+    _lock = threading.Lock()
+    _loop: asyncio.AbstractEventLoop | None = None
+    _pid = 0
+
+    @classmethod
+    def loop(cls) -> asyncio.AbstractEventLoop:
+        loop = cls._loop
+        if loop is not None and cls._pid == os.getpid():
+            return loop
+        with cls._lock:
+            if cls._loop is None or cls._pid != os.getpid():
+                cls._loop = cls._start()
+                cls._pid = os.getpid()
+            return cls._loop
+
+    @staticmethod
+    def _start() -> asyncio.AbstractEventLoop:
+        try:
+            import uvloop
+
+            loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
+            loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            loop.call_soon(started.set)
+            loop.run_forever()
+
+        threading.Thread(target=run, name="tidemq-io", daemon=True).start()
+        started.wait()
+        return loop
+
+
+def io_loop() -> asyncio.AbstractEventLoop:
+    """The shared background event loop the blocking facade runs on."""
+    return _IoThread.loop()
+
+
+def _submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    return asyncio.run_coroutine_threadsafe(coro, io_loop())
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    loop = io_loop()
+    if threading.current_thread().name == "tidemq-io":
+        coro.close()
+        raise RuntimeError(
+            "a blocking tidemq call was made on the tidemq-io thread (from a send_async "
+            "callback?); use tidemq.aio there, or hand the work to another thread"
+        )
+    return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+
+async def _make(factory: Callable[[], T]) -> T:
+    return factory()  # built on the loop thread: asyncio objects bind to that loop
+
+
+_open: set[Any] = set()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Close what the program left open (commits consumer offsets), bounded in time."""
+    if not _open or _IoThread._loop is None or _IoThread._pid != os.getpid():
+        return
+    for obj in list(_open):
+        try:
+            _submit(obj._aio.close()).result(timeout=5)
+        except Exception:  # exiting anyway
+            pass
+
+
+class _Facade:
+    _aio: Any
+
+    def __enter__(self: Any) -> Any:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self: Any) -> Any:
+        _run(self._aio.start())
+        _open.add(self)
+        return self
+
+    def close(self) -> None:
+        _run(self._aio.close())
+        _open.discard(self)
+
+
+class Producer(_Facade):
+    """Blocking producer; options as ``tidemq.aio.Producer``. Any thread."""
+
+    def __init__(self, namesrv: str | Sequence[str], group: str | None = None,
+                 **options: Any) -> None:
+        self._aio: AioProducer = _run(_make(lambda: AioProducer(namesrv, group, **options)))
+
+    @property
+    def producer_id(self) -> int:
+        return self._aio.producer_id
+
+    def send(self, msg: Message, **options: Any) -> SendResult:
+        """Send and wait (options: queue_id, selector, arg, hash_key, timeout)."""
+        return _run(self._aio.send(msg, **options))
+
+    def send_batch(self, msgs: Sequence[Message], **options: Any) -> SendResult:
+        return _run(self._aio.send_batch(msgs, **options))
+
+    def send_async(
+        self,
+        msg: Message | Sequence[Message],
+        callback: SendCallback | None = None,
+        **options: Any,
+    ) -> concurrent.futures.Future[SendResult]:
+        """Start a send; the future resolves to its SendResult. ``callback(result, error)``
+        runs on the tidemq-io thread."""
+
+        async def go() -> SendResult:
+            return await self._aio.send_async(msg, callback, **options)
+
+        return _submit(go())
+
+    def send_oneway(self, msg: Message | Sequence[Message], **options: Any) -> None:
+        _run(self._aio.send_oneway(msg, **options))
+
+
+class PullConsumer(_Facade):
+    """Blocking lite pull consumer; options as ``tidemq.aio.PullConsumer``. Any thread."""
+
+    def __init__(self, namesrv: str | Sequence[str], group: str, **options: Any) -> None:
+        self._aio: AioPullConsumer = _run(
+            _make(lambda: AioPullConsumer(namesrv, group, **options))
+        )
+
+    def subscribe(self, topic: str, expression: str = "*") -> None:
+        async def go() -> None:
+            self._aio.subscribe(topic, expression)
+
+        _run(go())
+
+    def unsubscribe(self, topic: str) -> None:
+        async def go() -> None:
+            self._aio.unsubscribe(topic)
+
+        _run(go())
+
+    def assign(self, queues: Iterable[MessageQueue]) -> None:
+        qs = list(queues)
+
+        async def go() -> None:
+            self._aio.assign(qs)
+
+        _run(go())
+
+    def assignment(self) -> set[MessageQueue]:
+        async def go() -> set[MessageQueue]:
+            return self._aio.assignment()
+
+        return _run(go())
+
+    def fetch_queues(self, topic: str) -> list[MessageQueue]:
+        return _run(self._aio.fetch_queues(topic))
+
+    def poll(self, timeout: float = 5.0) -> list[MessageExt]:
+        _open.add(self)
+        return _run(self._aio.poll(timeout))
+
+    def seek(self, mq: MessageQueue, offset: int) -> None:
+        _run(self._aio.seek(mq, offset))
+
+    def seek_to_begin(self, mq: MessageQueue) -> None:
+        _run(self._aio.seek_to_begin(mq))
+
+    def seek_to_end(self, mq: MessageQueue) -> None:
+        _run(self._aio.seek_to_end(mq))
+
+    def seek_to_timestamp(self, mq: MessageQueue, timestamp_ms: int) -> None:
+        _run(self._aio.seek_to_timestamp(mq, timestamp_ms))
+
+    def position(self, mq: MessageQueue) -> int | None:
+        async def go() -> int | None:
+            return self._aio.position(mq)
+
+        return _run(go())
+
+    def committed(self, mq: MessageQueue) -> int | None:
+        return _run(self._aio.committed(mq))
+
+    def commit(self, offsets: dict[MessageQueue, int] | None = None) -> None:
+        _run(self._aio.commit(offsets))
+
+    def pause(self, queues: Iterable[MessageQueue]) -> None:
+        qs = list(queues)
+
+        async def go() -> None:
+            self._aio.pause(qs)
+
+        _run(go())
+
+    def resume(self, queues: Iterable[MessageQueue]) -> None:
+        qs = list(queues)
+
+        async def go() -> None:
+            self._aio.resume(qs)
+
+        _run(go())
+
+
+class Admin(_Facade):
+    """Blocking admin client; methods as ``tidemq.aio.Admin``. Any thread."""
+
+    def __init__(self, namesrv: str | Sequence[str], **options: Any) -> None:
+        self._aio: AioAdmin = _run(_make(lambda: AioAdmin(namesrv, **options)))
+
+    def cluster_info(self) -> ClusterInfo:
+        return _run(self._aio.cluster_info())
+
+    def brokers(self, cluster: str | None = None) -> dict[str, str]:
+        return _run(self._aio.brokers(cluster))
+
+    def create_topic(self, topic: str, queues: int = 8, **options: Any) -> list[str]:
+        return _run(self._aio.create_topic(topic, queues, **options))
+
+    def delete_topic(self, topic: str, *, broker: str | None = None) -> list[str]:
+        return _run(self._aio.delete_topic(topic, broker=broker))
+
+    def list_topics(self) -> list[str]:
+        return _run(self._aio.list_topics())
+
+    def topic_configs(self, broker: str) -> dict[str, TopicConfig]:
+        return _run(self._aio.topic_configs(broker))
+
+    def topic_route(self, topic: str) -> TopicRouteData:
+        return _run(self._aio.topic_route(topic))
+
+    def topic_queues(self, topic: str) -> list[MessageQueue]:
+        return _run(self._aio.topic_queues(topic))
+
+    def topic_status(self, topic: str) -> list[QueueStatus]:
+        return _run(self._aio.topic_status(topic))
+
+    def min_offset(self, mq: MessageQueue) -> int:
+        return _run(self._aio.min_offset(mq))
+
+    def max_offset(self, mq: MessageQueue) -> int:
+        return _run(self._aio.max_offset(mq))
+
+    def search_offset(self, mq: MessageQueue, timestamp_ms: int) -> int:
+        return _run(self._aio.search_offset(mq, timestamp_ms))
+
+    def consumer_offset(self, group: str, mq: MessageQueue) -> int | None:
+        return _run(self._aio.consumer_offset(group, mq))
+
+    def reset_consumer_offset(self, group: str, mq: MessageQueue, offset: int) -> None:
+        _run(self._aio.reset_consumer_offset(group, mq, offset))
+
+    def group_lag(self, group: str, topic: str | None = None) -> GroupLag:
+        return _run(self._aio.group_lag(group, topic))
+
+    def query_by_key(self, topic: str, key: str, max_num: int = 32) -> list[MessageExt]:
+        return _run(self._aio.query_by_key(topic, key, max_num))
+
+    def view_message(self, msg_id: str, topic: str | None = None) -> MessageExt | None:
+        return _run(self._aio.view_message(msg_id, topic))

@@ -1,0 +1,544 @@
+"""The asyncio lite pull consumer (SPEC CO8; RocketMQ's DefaultLitePullConsumer).
+
+The user calls :meth:`PullConsumer.poll`; underneath, one prefetch task per assigned queue keeps
+a long-polling PULL_MESSAGE in flight (suspend 20 s: the broker holds the request until a
+message arrives, seed 000) and buffers what it gets, so ``poll`` usually returns at once.
+
+Per queue three offsets matter:
+
+- *pull offset*: where the next pull starts (the broker's next_begin_offset after each pull);
+- *consume offset*: right after the last message ``poll`` returned (what ``commit`` stores);
+- *committed offset*: what the broker holds for the group.
+
+A new queue starts at the group's committed offset, else by ``consume_from`` (LAST: the max
+offset; FIRST: the min offset; TIMESTAMP: the first message stored at or after
+``consume_timestamp``). Pull statuses are handled as seed 004 §4.3.3 says: FOUND buffers the
+messages (skipping those before the requested offset and re-checking tags); NO_NEW_MSG and
+NO_MATCHED_MSG move on to next_begin_offset; OFFSET_ILLEGAL jumps to the broker's corrected
+offset (logged). Errors back off 1 s and retry.
+
+Flow control: a queue stops pulling while it holds ``pull_threshold_per_queue`` unpolled
+messages and resumes when ``poll`` drains it below that.
+
+``subscribe`` assigns every readable queue of the topic to this consumer and follows route
+changes every 30 s. Sharing a topic's queues between several members of one group (rebalance,
+SPEC CO4) needs the broker's consumer registry and comes with the push consumer; until then run
+one subscriber per group, or ``assign`` queues explicitly.
+
+Threading: one event loop. Use ``tidemq.PullConsumer`` from threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from tidemq.client import offsets
+from tidemq.client.codec import decode_pull_body, parse_tag_expression
+from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
+from tidemq.client.errors import ClientClosedError, NoRouteError
+from tidemq.client.message import ConsumeFrom, MessageExt, MessageQueue
+from tidemq.client.route import RouteCache
+from tidemq.protocol.codes import PullStatus, RequestCode, pull_status
+from tidemq.protocol.errors import TidemqError
+from tidemq.protocol.headers import (
+    PullMessageRequestHeader,
+    PullMessageResponseHeader,
+    PullSysFlag,
+)
+
+__all__ = ["PullConsumer"]
+
+log = logging.getLogger(__name__)
+
+
+class _Queue:
+    """State of one assigned queue (event loop only)."""
+
+    __slots__ = (
+        "mq", "pull_offset", "consume_offset", "committed", "chunks", "buffered", "task",
+        "paused", "space", "ready",
+    )
+
+    def __init__(self, mq: MessageQueue) -> None:
+        self.mq = mq
+        self.pull_offset: int | None = None
+        self.consume_offset: int | None = None
+        self.committed: int | None = None
+        # (messages, offset after them) in pull order; an empty list only moves the offset.
+        self.chunks: deque[tuple[list[MessageExt], int]] = deque()
+        self.buffered = 0
+        self.task: asyncio.Task[None] | None = None
+        self.paused = False
+        self.space = asyncio.Event()
+        self.space.set()
+        self.ready: asyncio.Future[None] | None = None  # resolved once the start offset is known
+
+
+class PullConsumer:
+    """Lite pull consumer: subscribe or assign, then poll. An async context manager.
+
+    Options: ``consume_from`` ("last", "first", "timestamp") and ``consume_timestamp`` (ms),
+    ``auto_commit`` (True) every ``auto_commit_interval`` (5 s), ``pull_batch_size`` (32:
+    messages per pull request), ``max_poll_records`` (messages per poll, default
+    ``max(1000, pull_batch_size)``), ``pull_threshold_per_queue`` (buffered messages before a
+    queue pauses; default ``max(1000, 4 * pull_batch_size)``), ``suspend_timeout`` (20 s: how
+    long a broker holds a pull), ``check_crc`` (True: verify each batch's CRC32C),
+    ``request_timeout`` (3 s for other requests), ``pool``.
+    """
+
+    def __init__(
+        self,
+        namesrv: str | Sequence[str],
+        group: str,
+        *,
+        consume_from: str | ConsumeFrom = ConsumeFrom.LAST,
+        consume_timestamp: int | None = None,
+        auto_commit: bool = True,
+        auto_commit_interval: float = 5.0,
+        pull_batch_size: int = 32,
+        max_poll_records: int | None = None,
+        pull_threshold_per_queue: int | None = None,
+        suspend_timeout: float = 20.0,
+        check_crc: bool = True,
+        request_timeout: float = DEFAULT_TIMEOUT,
+        route_refresh: float = 30.0,
+        pool: ConnectionPool | None = None,
+    ) -> None:
+        if not group:
+            raise ValueError("a consumer needs a group name")
+        if pull_batch_size < 1:
+            raise ValueError("pull_batch_size must be >= 1")
+        self.group = group
+        self.consume_from = ConsumeFrom(consume_from)
+        if self.consume_from is ConsumeFrom.TIMESTAMP and consume_timestamp is None:
+            raise ValueError("consume_from='timestamp' needs consume_timestamp (ms since epoch)")
+        self.consume_timestamp = consume_timestamp or 0
+        self.auto_commit = auto_commit
+        self.auto_commit_interval = auto_commit_interval
+        self.pull_batch_size = pull_batch_size
+        self.max_poll_records = max_poll_records or max(1000, pull_batch_size)
+        self.pull_threshold = pull_threshold_per_queue or max(1000, 4 * pull_batch_size)
+        self.suspend_timeout = suspend_timeout
+        self.check_crc = check_crc
+        self.request_timeout = request_timeout
+        self._own_pool = pool is None
+        self.pool = pool if pool is not None else ConnectionPool(connect_timeout=request_timeout)
+        self.routes = RouteCache(self.pool, namesrv, refresh_interval=route_refresh,
+                                 timeout=request_timeout)
+        self.route_refresh = route_refresh
+        self._subs: dict[str, tuple[str, frozenset[str] | None]] = {}
+        self._assigned: list[MessageQueue] | None = None
+        self._queues: dict[MessageQueue, _Queue] = {}
+        self._order: list[_Queue] = []  # poll's round-robin order
+        self._rr = 0
+        self._ready = asyncio.Event()
+        self._started = False
+        self._closed = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._warned: set[str] = set()  # subscribed topics already reported as routeless
+
+    # -- configuration -------------------------------------------------------------------------
+    def subscribe(self, topic: str, expression: str = "*") -> None:
+        """Consume every queue of ``topic``; ``expression`` is "*" or "TagA || TagB"."""
+        if self._assigned is not None:
+            raise ValueError("this consumer uses assign(); subscribe and assign do not mix")
+        self._subs[topic] = (expression, parse_tag_expression(expression))
+        if self._started:
+            asyncio.get_running_loop().create_task(self._rebalance_quietly())
+
+    def unsubscribe(self, topic: str) -> None:
+        self._subs.pop(topic, None)
+        if self._started:
+            asyncio.get_running_loop().create_task(self._rebalance_quietly())
+
+    def assign(self, queues: Iterable[MessageQueue]) -> None:
+        """Consume exactly these queues (replacing any earlier assignment)."""
+        if self._subs:
+            raise ValueError("this consumer uses subscribe(); subscribe and assign do not mix")
+        self._assigned = sorted(set(queues))
+        if self._started:
+            self._apply(set(self._assigned))
+
+    def subscription(self) -> dict[str, str]:
+        return {t: e for t, (e, _) in self._subs.items()}
+
+    def assignment(self) -> set[MessageQueue]:
+        return set(self._queues)
+
+    async def fetch_queues(self, topic: str) -> list[MessageQueue]:
+        """The readable queues of ``topic`` (from the name server)."""
+        return list((await self.routes.get(topic, refresh=True)).read_queues)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> PullConsumer:
+        if self._closed:
+            raise ClientClosedError("this consumer was closed; create a new one")
+        if self._started:
+            return self
+        self._started = True
+        self.routes.start()
+        loop = asyncio.get_running_loop()
+        if self._assigned is not None:
+            self._apply(set(self._assigned))
+        elif self._subs:
+            await self._rebalance()
+        if self.auto_commit:
+            self._tasks.append(loop.create_task(self._auto_commit_loop()))
+        self._tasks.append(loop.create_task(self._rebalance_loop()))
+        return self
+
+    async def close(self) -> None:
+        """Stop pulling, commit (when auto-commit is on) and close connections. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._tasks:
+            t.cancel()
+        for q in self._queues.values():
+            if q.task is not None:
+                q.task.cancel()
+        tasks = self._tasks + [q.task for q in self._queues.values() if q.task is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.auto_commit and self._started:
+            try:
+                await self._commit(list(self._queues.values()))
+            except TidemqError as exc:
+                log.warning("final commit of group %s failed: %s", self.group, exc)
+        await self.routes.close()
+        if self._own_pool:
+            self.pool.close()
+
+    async def __aenter__(self) -> PullConsumer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- polling -------------------------------------------------------------------------------
+    async def poll(self, timeout: float = 5.0) -> list[MessageExt]:
+        """Messages ready now, or the first to arrive within ``timeout`` s; [] if none."""
+        if not self._started:
+            await self.start()
+        if self._closed:
+            raise ClientClosedError("this consumer was closed")
+        if not self._subs and self._assigned is None:
+            raise ValueError("call subscribe(topic) or assign(queues) before poll()")
+        out = self._drain()
+        if out:
+            return out
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                return []
+            self._ready.clear()
+            try:
+                await asyncio.wait_for(self._ready.wait(), left)
+            except TimeoutError:
+                return self._drain()
+            out = self._drain()
+            if out:
+                return out
+
+    def _drain(self) -> list[MessageExt]:
+        order = self._order
+        n = len(order)
+        if not n:
+            return []
+        need = self.max_poll_records
+        out: list[MessageExt] = []
+        start = self._rr
+        self._rr = (start + 1) % n
+        for k in range(n):
+            q = order[(start + k) % n]
+            chunks = q.chunks
+            while chunks and need > 0:
+                msgs, nxt = chunks[0]
+                if len(msgs) <= need:
+                    chunks.popleft()
+                    if out:
+                        out.extend(msgs)
+                    else:
+                        out = msgs
+                    need -= len(msgs)
+                    q.buffered -= len(msgs)
+                    q.consume_offset = nxt
+                else:
+                    out.extend(msgs[:need])
+                    chunks[0] = (msgs[need:], nxt)
+                    q.buffered -= need
+                    q.consume_offset = msgs[need - 1].queue_offset + 1
+                    need = 0
+            if q.buffered < self.pull_threshold and not q.space.is_set():
+                q.space.set()
+            if need <= 0:
+                break
+        return out
+
+    # -- positions -----------------------------------------------------------------------------
+    def _state(self, mq: MessageQueue) -> _Queue:
+        q = self._queues.get(mq)
+        if q is None:
+            raise ValueError(f"queue {mq} is not assigned to this consumer")
+        return q
+
+    async def seek(self, mq: MessageQueue, offset: int) -> None:
+        """Continue ``mq`` at ``offset`` (within the queue's [min, max]); drops what was
+        prefetched."""
+        if not self._started:
+            await self.start()
+        q = self._state(mq)
+        addr = await self.routes.addr_of(mq)
+        lo = await offsets.min_offset(self.pool, addr, mq, timeout=self.request_timeout)
+        hi = await offsets.max_offset(self.pool, addr, mq, timeout=self.request_timeout)
+        if not lo <= offset <= hi:
+            raise ValueError(f"offset {offset} of {mq} is outside the queue's [{lo}, {hi}]")
+        await self._reset(q, offset)
+
+    async def seek_to_begin(self, mq: MessageQueue) -> None:
+        if not self._started:
+            await self.start()
+        q = self._state(mq)
+        addr = await self.routes.addr_of(mq)
+        await self._reset(q, await offsets.min_offset(self.pool, addr, mq,
+                                                      timeout=self.request_timeout))
+
+    async def seek_to_end(self, mq: MessageQueue) -> None:
+        if not self._started:
+            await self.start()
+        q = self._state(mq)
+        addr = await self.routes.addr_of(mq)
+        await self._reset(q, await offsets.max_offset(self.pool, addr, mq,
+                                                      timeout=self.request_timeout))
+
+    async def seek_to_timestamp(self, mq: MessageQueue, timestamp_ms: int) -> None:
+        """Continue at the first message of ``mq`` stored at or after ``timestamp_ms``."""
+        if not self._started:
+            await self.start()
+        q = self._state(mq)
+        addr = await self.routes.addr_of(mq)
+        await self._reset(q, await offsets.search_offset(self.pool, addr, mq, timestamp_ms,
+                                                         timeout=self.request_timeout))
+
+    async def _reset(self, q: _Queue, offset: int) -> None:
+        if q.task is not None:
+            q.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await q.task
+        q.chunks.clear()
+        q.buffered = 0
+        q.space.set()
+        q.pull_offset = q.consume_offset = offset
+        q.task = asyncio.get_running_loop().create_task(self._pull_loop(q))
+
+    def position(self, mq: MessageQueue) -> int | None:
+        """The consume offset of ``mq``: right after the last message poll returned."""
+        return self._state(mq).consume_offset
+
+    async def committed(self, mq: MessageQueue) -> int | None:
+        """The group's offset of ``mq`` on the broker, None when it has none."""
+        addr = await self.routes.addr_of(mq)
+        return await offsets.query_consumer_offset(self.pool, addr, self.group, mq,
+                                                   timeout=self.request_timeout)
+
+    def pause(self, queues: Iterable[MessageQueue]) -> None:
+        for mq in queues:
+            self._state(mq).paused = True
+
+    def resume(self, queues: Iterable[MessageQueue]) -> None:
+        for mq in queues:
+            q = self._state(mq)
+            q.paused = False
+            q.space.set()
+
+    # -- commits -------------------------------------------------------------------------------
+    async def commit(self, offsets_: dict[MessageQueue, int] | None = None) -> None:
+        """Store consume offsets on the brokers: every assigned queue's position, or the given
+        ``{queue: next offset to consume}``."""
+        if offsets_ is not None:
+            states = []
+            for mq, off in offsets_.items():
+                q = self._state(mq)
+                q.consume_offset = off
+                states.append(q)
+            await self._commit(states, force=True)
+        else:
+            await self._commit(list(self._queues.values()))
+
+    async def _commit(self, states: list[_Queue], *, force: bool = False) -> None:
+        todo = [q for q in states if q.consume_offset is not None
+                and (force or q.consume_offset != q.committed)]
+        if not todo:
+            return
+
+        async def one(q: _Queue) -> None:
+            off = q.consume_offset
+            assert off is not None
+            addr = await self.routes.addr_of(q.mq)
+            await offsets.update_consumer_offset(self.pool, addr, self.group, q.mq, off,
+                                                 timeout=self.request_timeout)
+            q.committed = off
+
+        results = await asyncio.gather(*(one(q) for q in todo), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    async def _auto_commit_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.auto_commit_interval)
+            try:
+                await self._commit(list(self._queues.values()))
+            except TidemqError as exc:
+                log.warning("auto-commit of group %s failed: %s", self.group, exc)
+
+    # -- assignment ----------------------------------------------------------------------------
+    async def _rebalance(self) -> None:
+        if self._assigned is not None or self._closed:
+            return
+        want: set[MessageQueue] = set()
+        for topic in list(self._subs):
+            try:
+                route = await self.routes.get(topic, refresh=True)
+            except NoRouteError as exc:
+                if topic not in self._warned:  # once: the loop retries every second
+                    self._warned.add(topic)
+                    log.warning("subscription to %r: %s", topic, exc.message)
+                # Keep the queues we have: the name server may be briefly unreachable.
+                want |= {mq for mq in self._queues if mq.topic == topic}
+                continue
+            want |= set(route.read_queues)
+        self._apply(want)
+
+    async def _rebalance_quietly(self) -> None:
+        try:
+            await self._rebalance()
+        except Exception as exc:  # keep consuming what we have; the loop tries again
+            log.warning("rebalance of group %s failed: %s", self.group, exc)
+
+    async def _rebalance_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        while True:
+            await asyncio.sleep(min(self.route_refresh, 1.0))
+            # A subscribed topic without queues yet (just created, or the name server was
+            # unreachable) is looked up again every second; the others every route_refresh.
+            have = {mq.topic for mq in self._queues}
+            missing = any(t not in have for t in self._subs)
+            if missing or loop.time() - last >= self.route_refresh:
+                last = loop.time()
+                await self._rebalance_quietly()
+
+    def _apply(self, want: set[MessageQueue]) -> None:
+        loop = asyncio.get_running_loop()
+        for mq in [m for m in self._queues if m not in want]:
+            q = self._queues.pop(mq)
+            if q.task is not None:
+                q.task.cancel()
+            if self.auto_commit:
+                loop.create_task(self._commit_quietly(q))
+        for mq in sorted(want):
+            if mq not in self._queues:
+                q = _Queue(mq)
+                self._queues[mq] = q
+                q.task = loop.create_task(self._pull_loop(q))
+        self._order = [self._queues[mq] for mq in sorted(self._queues)]
+        self._rr = 0
+
+    async def _commit_quietly(self, q: _Queue) -> None:
+        try:
+            await self._commit([q])
+        except TidemqError as exc:
+            log.warning("commit of dropped queue %s failed: %s", q.mq, exc)
+
+    # -- pulling -------------------------------------------------------------------------------
+    async def _start_offset(self, mq: MessageQueue, addr: str) -> tuple[int, bool]:
+        """(offset, committed?): the group's committed offset, else by consume_from."""
+        t = self.request_timeout
+        off = await offsets.query_consumer_offset(self.pool, addr, self.group, mq, timeout=t)
+        if off is not None:
+            return off, True
+        return await self._offset_by_consume_from(mq, addr), False
+
+    async def _offset_by_consume_from(self, mq: MessageQueue, addr: str) -> int:
+        t = self.request_timeout
+        if self.consume_from is ConsumeFrom.FIRST:
+            return await offsets.min_offset(self.pool, addr, mq, timeout=t)
+        if self.consume_from is ConsumeFrom.TIMESTAMP:
+            return await offsets.search_offset(self.pool, addr, mq, self.consume_timestamp,
+                                               timeout=t)
+        return await offsets.max_offset(self.pool, addr, mq, timeout=t)
+
+    async def _pull_loop(self, q: _Queue) -> None:
+        mq = q.mq
+        sub = self._subs.get(mq.topic)
+        expression, tags = sub if sub is not None else ("*", None)
+        flags = PullSysFlag.SUSPEND | (PullSysFlag.SUBSCRIPTION if tags is not None else 0)
+        suspend_ms = int(self.suspend_timeout * 1000)
+        timeout = self.suspend_timeout + max(self.request_timeout, 10.0)
+        while True:
+            try:
+                addr = await self.routes.addr_of(mq)
+                if q.pull_offset is None:
+                    off, committed = await self._start_offset(mq, addr)
+                    q.pull_offset = q.consume_offset = off
+                    # A start chosen by consume_from is committed too, so a restart before
+                    # the first poll does not skip what arrived in between.
+                    q.committed = off if committed else None
+                if q.paused or q.buffered >= self.pull_threshold:
+                    q.space.clear()
+                    await q.space.wait()
+                    continue
+                conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
+                offset = q.pull_offset
+                header = PullMessageRequestHeader(
+                    consumer_group=self.group, topic=mq.topic, queue_id=mq.queue_id,
+                    queue_offset=offset, max_msg_nums=self.pull_batch_size, sys_flag=flags,
+                    suspend_timeout_millis=suspend_ms,
+                    subscription=expression if tags is not None else None,
+                )
+                frame = await conn.request(RequestCode.PULL_MESSAGE, header, timeout=timeout)
+                status = pull_status(frame.code)
+                if status is None:
+                    raise_for_error(frame)
+                h = frame.header
+                assert isinstance(h, PullMessageResponseHeader)
+                if status is PullStatus.FOUND:
+                    msgs, end = decode_pull_body(
+                        frame.body, from_offset=offset, broker_name=mq.broker_name, tags=tags,
+                        check_crc=self.check_crc, topic=mq.topic,
+                    )
+                    nxt = max(h.next_begin_offset, end) if end > offset else h.next_begin_offset
+                    self._push(q, msgs, nxt)
+                elif status is PullStatus.OFFSET_ILLEGAL:
+                    log.warning(
+                        "offset %d of %s is illegal (queue holds [%d, %d]); continuing at %d",
+                        offset, mq, h.min_offset, h.max_offset, h.next_begin_offset,
+                    )
+                    self._push(q, [], h.next_begin_offset)
+                else:  # NO_NEW_MSG, NO_MATCHED_MSG
+                    if h.next_begin_offset != offset:
+                        self._push(q, [], h.next_begin_offset)
+            except asyncio.CancelledError:
+                raise
+            except TidemqError as exc:
+                log.warning("pull of %s failed: %s; retrying in 1 s", mq, exc)
+                await asyncio.sleep(1.0)
+            except Exception:  # a bug must not silently stop a queue forever
+                log.exception("pull of %s failed unexpectedly; retrying in 1 s", mq)
+                await asyncio.sleep(1.0)
+
+    def _push(self, q: _Queue, msgs: list[MessageExt], nxt: int) -> None:
+        q.pull_offset = nxt
+        if not msgs and not q.chunks:
+            q.consume_offset = nxt  # nothing pending before it: the position moves at once
+            return
+        q.chunks.append((msgs, nxt))
+        q.buffered += len(msgs)
+        if msgs:
+            self._ready.set()

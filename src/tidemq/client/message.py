@@ -1,0 +1,306 @@
+"""The values a user handles: Message, MessageExt, MessageQueue, SendResult (SPEC PR9).
+
+``Message`` is what a producer sends; ``MessageExt`` is what a consumer receives. Both are
+msgspec Structs (``gc=False``) because the consume path creates one per message and a Struct is
+built in ~0.1 µs where a ``__slots__`` class with ``__init__`` takes several times that.
+
+A ``MessageExt`` carries its body, queue offset and tags eagerly; every other field (topic,
+timestamps, hosts, keys, properties, msg id, ...) is read on first access from the batch it came
+in (``_BatchMeta``), so a consumer that only reads bodies pays for bodies only. The batch's bytes
+stay alive as long as one of its messages does.
+
+All classes here are plain values: any thread may use them.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from tidemq.protocol.record import (
+    INDEX_ENTRY,
+    INDEX_ENTRY_SIZE,
+    KEYS_ENTRY,
+    RECORD_HEADER,
+    RECORD_HEADER_SIZE,
+    decode_properties,
+    unique_id,
+    unpack_host,
+)
+
+__all__ = [
+    "Message",
+    "MessageExt",
+    "MessageQueue",
+    "SendStatus",
+    "SendResult",
+    "ConsumeFrom",
+]
+
+
+class Message(msgspec.Struct, gc=False):
+    """A message to send.
+
+    ``body`` is bytes (a str is encoded as UTF-8); ``tags`` one tag string (filtered on by
+    consumers); ``keys`` a str or a list of str (indexed for lookup, no spaces inside a key);
+    ``properties`` user properties (str -> str). ``delay_level`` / ``deliver_at`` are reserved
+    for delayed delivery (SPEC PR8, a later issue): the broker ignores them for now.
+    """
+
+    topic: str
+    body: bytes
+    tags: str | None = None
+    keys: str | list[str] | None = None
+    properties: dict[str, str] | None = None
+    delay_level: int = 0
+    deliver_at: int = 0
+
+    def __post_init__(self) -> None:
+        if type(self.body) is not bytes:
+            body: Any = self.body
+            self.body = body.encode() if isinstance(body, str) else bytes(body)
+
+    @property
+    def keys_string(self) -> str | None:
+        """Keys as stored (space separated), or None."""
+        keys = self.keys
+        if not keys:
+            return None
+        if isinstance(keys, str):
+            return keys
+        for k in keys:
+            if not k or " " in k:
+                raise ValueError(f"message key {k!r} must be non-empty and contain no space")
+        return " ".join(keys)
+
+
+class MessageQueue(msgspec.Struct, frozen=True, order=True, gc=False):
+    """One queue of a topic on one broker (hashable, ordered by topic, broker, queue id)."""
+
+    topic: str
+    broker_name: str
+    queue_id: int
+
+    def __str__(self) -> str:
+        return f"{self.topic}@{self.broker_name}:{self.queue_id}"
+
+
+class SendStatus(enum.StrEnum):
+    """RocketMQ's SendStatus: every value but SEND_OK means "stored, with a caveat"."""
+
+    SEND_OK = "SEND_OK"
+    FLUSH_DISK_TIMEOUT = "FLUSH_DISK_TIMEOUT"
+    FLUSH_SLAVE_TIMEOUT = "FLUSH_SLAVE_TIMEOUT"
+    SLAVE_NOT_AVAILABLE = "SLAVE_NOT_AVAILABLE"
+
+
+class SendResult(msgspec.Struct, gc=False):
+    """Where a send landed. For a batch, message ``i`` has ``queue_offset + i`` and
+    ``msg_ids[i]``; ``msg_id`` is message 0's unique id."""
+
+    status: SendStatus
+    msg_id: str
+    topic: str
+    queue_id: int
+    queue_offset: int
+    count: int = 1
+    broker_name: str = ""
+    producer_id: int = 0
+    base_seq: int = 0
+
+    @property
+    def msg_ids(self) -> list[str]:
+        return [unique_id(self.producer_id, self.base_seq + i) for i in range(self.count)]
+
+    @property
+    def message_queue(self) -> MessageQueue:
+        return MessageQueue(self.topic, self.broker_name, self.queue_id)
+
+
+class ConsumeFrom(enum.StrEnum):
+    """Where a consumer group without a committed offset starts (RocketMQ's ConsumeFromWhere)."""
+
+    LAST = "last"  # the queue's max offset: only messages sent from now on
+    FIRST = "first"  # the queue's min offset: everything still stored
+    TIMESTAMP = "timestamp"  # the first message stored at or after consume_timestamp
+
+
+class _BatchMeta:
+    """What the messages of one received batch share; decoded lazily (see MessageExt)."""
+
+    __slots__ = (
+        "topic", "broker_name", "queue_id", "queue_offset", "phys_offset", "store_ts",
+        "reconsume_times", "producer_id", "base_seq", "born_host_raw", "born_port",
+        "store_host_raw", "store_port", "delay_level", "deliver_at", "raw", "index",
+        "keys_raw", "_keys", "raw_off",
+    )
+
+    def __init__(self, view: Any, topic: str, broker_name: str, raw: bytes, raw_off: int = 0
+                 ) -> None:
+        self.topic = topic
+        self.broker_name = broker_name
+        self.queue_id = view.queue_id
+        self.queue_offset = view.queue_offset
+        self.phys_offset = view.phys_offset
+        self.store_ts = view.store_ts
+        self.reconsume_times = view.reconsume_times
+        self.producer_id = view.producer_id
+        self.base_seq = view.base_seq
+        self.born_host_raw = view.born_host_raw
+        self.born_port = view.born_port
+        self.store_host_raw = view.store_host_raw
+        self.store_port = view.store_port
+        self.delay_level = view.delay_level
+        self.deliver_at = view.deliver_at
+        self.raw = raw  # holds the records section, uncompressed, at raw_off
+        self.raw_off = raw_off
+        self.index = bytes(view.index_view())
+        if view.keys_size:
+            s = view.pos + view.keys_start
+            self.keys_raw = bytes(view.buf[s : s + view.keys_size])
+        else:
+            self.keys_raw = b""
+        self._keys: dict[int, str] | None = None
+
+    def keys(self) -> dict[int, str]:
+        if self._keys is None:
+            out: dict[int, str] = {}
+            raw, q = self.keys_raw, 0
+            while q + 6 <= len(raw):
+                i, n = KEYS_ENTRY.unpack_from(raw, q)
+                out[i] = raw[q + 6 : q + 6 + n].decode()
+                q += 6 + n
+            self._keys = out
+        return self._keys
+
+    def record(self, i: int) -> tuple[int, int, int, int, int, int]:
+        """(position in raw, born_ts, flag, tags_len, props_len, body_len) of message ``i``."""
+        _th, rel = INDEX_ENTRY.unpack_from(self.index, i * INDEX_ENTRY_SIZE)
+        rel += self.raw_off
+        _size, born_ts, flag, tl, _r, pl, bl = RECORD_HEADER.unpack_from(self.raw, rel)
+        return rel, born_ts, flag, tl, pl, bl
+
+
+class MessageExt(msgspec.Struct, array_like=True, gc=False):
+    """A received message. Build them with the client's decoder, not by hand.
+
+    ``body``, ``queue_offset`` and ``tags`` are stored; the other fields are properties read
+    from the batch the message arrived in.
+    """
+
+    body: bytes
+    queue_offset: int
+    tags: str | None
+    _b: _BatchMeta
+    _i: int  # index of this message in its batch
+
+    @property
+    def topic(self) -> str:
+        return self._b.topic
+
+    @property
+    def queue_id(self) -> int:
+        return self._b.queue_id
+
+    @property
+    def broker_name(self) -> str:
+        return self._b.broker_name
+
+    @property
+    def message_queue(self) -> MessageQueue:
+        b = self._b
+        return MessageQueue(b.topic, b.broker_name, b.queue_id)
+
+    @property
+    def msg_id(self) -> str:
+        b = self._b
+        return unique_id(b.producer_id, b.base_seq + self._i)
+
+    @property
+    def keys(self) -> list[str]:
+        ks = self._b.keys().get(self._i)
+        return [k for k in ks.split(" ") if k] if ks else []
+
+    @property
+    def properties(self) -> dict[str, str]:
+        rel, _ts, _f, tl, pl, _bl = self._b.record(self._i)
+        if not pl:
+            return {}
+        q = rel + RECORD_HEADER_SIZE + tl
+        return decode_properties(self._b.raw[q : q + pl])
+
+    @property
+    def flag(self) -> int:
+        return self._b.record(self._i)[2]
+
+    @property
+    def born_timestamp(self) -> int:
+        """When the producer built the message, ms since the epoch."""
+        return self._b.record(self._i)[1]
+
+    @property
+    def store_timestamp(self) -> int:
+        """When the broker stored the batch, ms since the epoch."""
+        return self._b.store_ts
+
+    @property
+    def born_host(self) -> str:
+        b = self._b
+        return f"{unpack_host(b.born_host_raw)}:{b.born_port}"
+
+    @property
+    def store_host(self) -> str:
+        b = self._b
+        return f"{unpack_host(b.store_host_raw)}:{b.store_port}"
+
+    @property
+    def reconsume_times(self) -> int:
+        return self._b.reconsume_times
+
+    @property
+    def commit_log_offset(self) -> int:
+        """Physical offset of the batch holding this message."""
+        return self._b.phys_offset
+
+    @property
+    def delay_level(self) -> int:
+        return self._b.delay_level
+
+    @property
+    def deliver_at(self) -> int:
+        return self._b.deliver_at
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as plain values (body left as bytes)."""
+        return {
+            "topic": self.topic,
+            "queue_id": self.queue_id,
+            "queue_offset": self.queue_offset,
+            "msg_id": self.msg_id,
+            "tags": self.tags,
+            "keys": self.keys,
+            "properties": self.properties,
+            "born_timestamp": self.born_timestamp,
+            "store_timestamp": self.store_timestamp,
+            "born_host": self.born_host,
+            "store_host": self.store_host,
+            "reconsume_times": self.reconsume_times,
+            "body": self.body,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"MessageExt(topic={self.topic!r}, queue_id={self.queue_id}, "
+            f"queue_offset={self.queue_offset}, msg_id={self.msg_id!r}, tags={self.tags!r}, "
+            f"body={self.body[:40]!r}{'...' if len(self.body) > 40 else ''})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MessageExt):
+            return NotImplemented
+        return self.msg_id == other.msg_id and self.queue_offset == other.queue_offset
+
+    def __hash__(self) -> int:
+        return hash((self.msg_id, self.queue_offset))

@@ -1,0 +1,532 @@
+"""The asyncio producer (SPEC PR1, PR2, PR6 sequence ids, PR9).
+
+Sending one message or a batch is the same path: pick a queue, encode the messages into one
+batch (``codec.encode_messages``; the broker stores those bytes as received), send it as
+SEND_MESSAGE / SEND_BATCH and turn the response into a SendResult.
+
+Queue choice (PR2): round robin over the topic's writable queues; ``queue_id=`` (an index into
+the sorted writable queues, equal to the queue id on a single broker, or a MessageQueue),
+``selector=`` (``selector(queues, message, arg) -> MessageQueue``, RocketMQ's
+MessageQueueSelector) or ``hash_key=`` (CRC32C of the key modulo the queue count) pin the queue
+for ordered sends.
+
+Failures (PR1): a synchronous send is tried up to ``1 + retries`` times within its overall
+timeout, each retry on a queue of another broker when there is one. A broker that failed, or
+answered slowly, is avoided for a while (RocketMQ's MQFaultStrategy: latency 550 ms -> 30 s,
+1 s -> 60 s, ..., a failure counts as 30 s of latency and isolates the broker for 10 min) unless
+every broker is avoided. Retries re-send the same bytes with the same producer id and sequence,
+so a broker that deduplicates (BR12) stores the batch once. Pinned sends (queue_id, selector,
+hash_key) are never moved to another queue: that would break their order.
+
+Ids (PR6, PR9): each Producer instance has a random 64-bit ``producer_id``; every batch gets the
+next ``base_seq`` (message i: ``base_seq + i``); the unique message id is
+``record.unique_id(producer_id, seq)``.
+
+Threading: one event loop. Use ``tidemq.Producer`` from threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tidemq.client.codec import encode_messages, set_queue_id
+from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
+from tidemq.client.errors import (
+    ClientClosedError,
+    ClientError,
+    MessageRejectedError,
+    NoRouteError,
+    RequestTimeoutError,
+)
+from tidemq.client.latency_fault import FAILURE_LATENCY_MS, LatencyFaultTable
+from tidemq.client.message import Message, MessageQueue, SendResult, SendStatus
+from tidemq.client.route import RouteCache, TopicRoute
+from tidemq.protocol.codes import RequestCode, ResponseCode
+from tidemq.protocol.errors import BrokerError, LocalProtocolError
+from tidemq.protocol.headers import (
+    ClusterInfo,
+    QueueData,
+    SendMessageRequestHeader,
+    SendMessageResponseHeader,
+    TopicRouteData,
+)
+from tidemq.protocol.record import Compression, crc32c, pack_host, unique_id
+
+__all__ = ["Producer", "Selector", "SendCallback"]
+
+log = logging.getLogger(__name__)
+
+Selector = Callable[[list[MessageQueue], Message, Any], MessageQueue]
+SendCallback = Callable[[SendResult | None, BaseException | None], None]
+
+DEFAULT_GROUP = "DEFAULT_PRODUCER"
+MAX_MESSAGE_SIZE = 4 * 1024 * 1024  # the broker's default batch limit (SPEC BR1)
+
+_SEND_OK_CODES = (
+    ResponseCode.SUCCESS,
+    ResponseCode.FLUSH_DISK_TIMEOUT,
+    ResponseCode.FLUSH_SLAVE_TIMEOUT,
+    ResponseCode.SLAVE_NOT_AVAILABLE,
+)
+_STATUS = {
+    ResponseCode.SUCCESS: SendStatus.SEND_OK,
+    ResponseCode.FLUSH_DISK_TIMEOUT: SendStatus.FLUSH_DISK_TIMEOUT,
+    ResponseCode.FLUSH_SLAVE_TIMEOUT: SendStatus.FLUSH_SLAVE_TIMEOUT,
+    ResponseCode.SLAVE_NOT_AVAILABLE: SendStatus.SLAVE_NOT_AVAILABLE,
+}
+# Error responses worth another broker (RocketMQ's retryResponseCodes plus the retryable ones).
+_RETRY_CODES = frozenset(
+    {
+        ResponseCode.TOPIC_NOT_EXIST,
+        ResponseCode.SERVICE_NOT_AVAILABLE,
+        ResponseCode.SYSTEM_ERROR,
+        ResponseCode.SYSTEM_BUSY,
+        ResponseCode.NO_PERMISSION,
+        ResponseCode.RETRY_LATER,
+        ResponseCode.DISK_FULL,
+    }
+)
+
+class Producer:
+    """Sends messages to a topic's brokers. One event loop; an async context manager.
+
+    Options: ``send_timeout`` (3 s, covers all retries), ``retries`` (2), ``max_message_size``
+    (4 MiB per batch, checked before sending), ``compression`` ("none", "lz4", "zstd", "zlib")
+    with ``compress_min`` bytes, ``latency_fault`` (True: avoid slow/failed brokers),
+    ``route_refresh`` (30 s), ``pool`` (share a ConnectionPool between clients).
+    """
+
+    def __init__(
+        self,
+        namesrv: str | Sequence[str],
+        group: str | None = None,
+        *,
+        send_timeout: float = DEFAULT_TIMEOUT,
+        retries: int = 2,
+        max_message_size: int = MAX_MESSAGE_SIZE,
+        compression: str = "none",
+        compress_min: int = 4096,
+        latency_fault: bool = True,
+        auto_create_route: bool = True,
+        auto_batch: bool = True,
+        batch_max_messages: int = 1000,
+        batch_max_bytes: int = 128 * 1024,
+        default_topic_queues: int = 8,
+        route_refresh: float = 30.0,
+        pool: ConnectionPool | None = None,
+    ) -> None:
+        if retries < 0:
+            raise ValueError("retries must be >= 0")
+        if compression not in Compression.NAMES:
+            raise ValueError(f"compression must be one of {sorted(Compression.NAMES)}")
+        self.group = group or DEFAULT_GROUP
+        self.send_timeout = send_timeout
+        self.retries = retries
+        self.max_message_size = max_message_size
+        self.compression = Compression.NAMES[compression]
+        self.compress_min = compress_min
+        self.latency_fault = latency_fault
+        self.auto_create_route = auto_create_route
+        self.auto_batch = auto_batch
+        self.batch_max_messages = batch_max_messages
+        self.batch_max_bytes = batch_max_bytes
+        self.default_topic_queues = default_topic_queues
+        self.producer_id = secrets.randbits(64)
+        self._seq = 0
+        self._own_pool = pool is None
+        self.pool = pool if pool is not None else ConnectionPool(connect_timeout=send_timeout)
+        self.routes = RouteCache(self.pool, namesrv, refresh_interval=route_refresh,
+                                 timeout=send_timeout)
+        self._rr = itertools.count(secrets.randbelow(1 << 16))
+        self._faults = LatencyFaultTable()
+        self._started = False
+        self._closed = False
+        self._async: set[asyncio.Future[Any]] = set()
+        self._hosts: dict[str, bytes] = {}  # local address -> record.pack_host form
+        # send_async messages of this loop iteration, per topic: (messages, futures, [bytes])
+        self._pending: dict[str, tuple[list[Message], list[asyncio.Future[SendResult]],
+                                       list[int]]] = {}
+        self._pending_flush = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> Producer:
+        if self._closed:
+            raise ClientClosedError("this producer was closed; create a new one")
+        if not self._started:
+            self._started = True
+            self.routes.start()
+        return self
+
+    async def close(self) -> None:
+        """Wait for async sends still in flight, then close connections. Idempotent."""
+        if self._closed:
+            return
+        if self._pending:
+            self._flush_pending()
+        if self._async:
+            await asyncio.gather(*self._async, return_exceptions=True)
+        self._closed = True
+        await self.routes.close()
+        if self._own_pool:
+            self.pool.close()
+
+    async def __aenter__(self) -> Producer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- public sends ------------------------------------------------------------------------
+    async def send(
+        self,
+        msg: Message,
+        *,
+        queue_id: int | MessageQueue | None = None,
+        selector: Selector | None = None,
+        arg: Any = None,
+        hash_key: str | bytes | None = None,
+        timeout: float | None = None,
+    ) -> SendResult:
+        """Send one message and wait for the broker's answer."""
+        return await self._send(msg.topic, (msg,), queue_id, selector, arg, hash_key, timeout,
+                                RequestCode.SEND_MESSAGE)
+
+    async def send_batch(
+        self,
+        msgs: Sequence[Message],
+        *,
+        queue_id: int | MessageQueue | None = None,
+        selector: Selector | None = None,
+        arg: Any = None,
+        hash_key: str | bytes | None = None,
+        timeout: float | None = None,
+    ) -> SendResult:
+        """Send messages of one topic as one batch (one queue, consecutive offsets)."""
+        if not msgs:
+            raise ValueError("send_batch needs at least one message")
+        topic = msgs[0].topic
+        for m in msgs:
+            if m.topic != topic:
+                raise ValueError(
+                    f"a batch holds one topic; got {topic!r} and {m.topic!r}: send them apart"
+                )
+        return await self._send(topic, msgs, queue_id, selector, arg, hash_key, timeout,
+                                RequestCode.SEND_BATCH)
+
+    def send_async(
+        self,
+        msg: Message | Sequence[Message],
+        callback: SendCallback | None = None,
+        **options: Any,
+    ) -> asyncio.Future[SendResult]:
+        """Start sending now; return a future (awaitable). ``callback(result, error)`` runs on
+        the loop when it completes. A list sends as one batch.
+
+        With ``auto_batch`` (the default) single messages without routing options that are
+        sent in the same loop iteration travel as one batch (up to ``batch_max_messages`` /
+        ``batch_max_bytes``; Pulsar's producer batching with no added delay): each still gets
+        its own SendResult, and they share a queue."""
+        fut: asyncio.Future[SendResult]
+        if self.auto_batch and not options and isinstance(msg, Message):
+            fut = self._enqueue(msg)
+        else:
+            coro = self.send_batch(msg, **options) if isinstance(msg, list | tuple) else (
+                self.send(msg, **options)  # type: ignore[arg-type]
+            )
+            fut = asyncio.ensure_future(coro)
+        self._async.add(fut)
+        fut.add_done_callback(self._async.discard)
+        if callback is not None:
+
+            def done(f: asyncio.Future[SendResult]) -> None:
+                if f.cancelled():
+                    callback(None, asyncio.CancelledError())
+                elif f.exception() is not None:
+                    callback(None, f.exception())
+                else:
+                    callback(f.result(), None)
+
+            fut.add_done_callback(done)
+        return fut
+
+    async def send_oneway(
+        self,
+        msg: Message | Sequence[Message],
+        *,
+        queue_id: int | MessageQueue | None = None,
+        selector: Selector | None = None,
+        arg: Any = None,
+        hash_key: str | bytes | None = None,
+    ) -> None:
+        """Write the message (or a list, as one batch) and return without any answer: no
+        result, no retry, possible silent loss (RocketMQ's oneway)."""
+        msgs: Sequence[Message] = msg if isinstance(msg, list | tuple) else (msg,)  # type: ignore[assignment]
+        if not msgs:
+            raise ValueError("send_oneway needs at least one message")
+        topic = msgs[0].topic
+        await self._ensure_started()
+        route = await self._route(topic)
+        mq, _pinned = self._select(route, msgs[0], queue_id, selector, arg, hash_key, None)
+        conn = await self.pool.get(route.broker_addrs[mq.broker_name])
+        batch, _seq = self._encode(topic, msgs, mq.queue_id, conn.local_host, conn.local_port)
+        code = RequestCode.SEND_BATCH if len(msgs) > 1 else RequestCode.SEND_MESSAGE
+        await conn.drain()
+        conn.send_oneway(code, self._header(topic, mq.queue_id, len(msgs) > 1), batch)
+
+    # -- automatic batching of send_async --------------------------------------------------------
+    def _enqueue(self, msg: Message) -> asyncio.Future[SendResult]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[SendResult] = loop.create_future()
+        pending = self._pending.get(msg.topic)
+        if pending is None:
+            pending = self._pending[msg.topic] = ([], [], [0])
+        msgs, futs, size = pending
+        msgs.append(msg)
+        futs.append(fut)
+        size[0] += len(msg.body)
+        if len(msgs) >= self.batch_max_messages or size[0] >= self.batch_max_bytes:
+            del self._pending[msg.topic]
+            loop.create_task(self._send_pending(msg.topic, msgs, futs))
+        elif not self._pending_flush:
+            self._pending_flush = True
+            loop.call_soon(self._flush_pending)
+        return fut
+
+    def _flush_pending(self) -> None:
+        self._pending_flush = False
+        pending, self._pending = self._pending, {}
+        loop = asyncio.get_running_loop()
+        for topic, (msgs, futs, _size) in pending.items():
+            loop.create_task(self._send_pending(topic, msgs, futs))
+
+    async def _send_pending(
+        self, topic: str, msgs: list[Message], futs: list[asyncio.Future[SendResult]]
+    ) -> None:
+        code = RequestCode.SEND_BATCH if len(msgs) > 1 else RequestCode.SEND_MESSAGE
+        try:
+            r = await self._send(topic, msgs, None, None, None, None, None, code)
+        except BaseException as exc:
+            for f in futs:
+                if not f.done():
+                    f.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        pid = self.producer_id
+        for i, f in enumerate(futs):
+            if not f.done():
+                seq = r.base_seq + i
+                f.set_result(SendResult(r.status, unique_id(pid, seq), topic, r.queue_id,
+                                        r.queue_offset + i, 1, r.broker_name, pid, seq))
+
+    # -- internals ---------------------------------------------------------------------------
+    async def _route(self, topic: str) -> TopicRoute:
+        """The topic's route; for a topic no broker has yet, a route over every master broker
+        (RocketMQ's TBW102 default route): a broker with auto-create on creates the topic on
+        the first send, one with it off answers TOPIC_NOT_EXIST."""
+        try:
+            return await self.routes.get(topic)
+        except NoRouteError as exc:
+            if not self.auto_create_route:
+                raise
+            try:
+                frame = await self.routes.namesrv_request(RequestCode.GET_BROKER_CLUSTER_INFO)
+            except (ClientError, BrokerError):
+                raise exc from None
+            info = frame.header
+            if not isinstance(info, ClusterInfo) or not info.broker_addr_table:
+                raise
+            data = TopicRouteData(
+                queue_datas=[
+                    QueueData(broker_name=name, read_queue_nums=self.default_topic_queues,
+                              write_queue_nums=self.default_topic_queues)
+                    for name in sorted(info.broker_addr_table)
+                ],
+                broker_datas=list(info.broker_addr_table.values()),
+            )
+            route = TopicRoute(topic, data)
+            if not route.write_queues:
+                raise
+            # Not cached: the next send asks the name server again and finds the real route
+            # once the broker has created the topic and re-registered.
+            return route
+
+    async def _ensure_started(self) -> None:
+        if not self._started or self._closed:
+            await self.start()
+
+    def _header(self, topic: str, queue_id: int, batch: bool) -> SendMessageRequestHeader:
+        return SendMessageRequestHeader(
+            producer_group=self.group, topic=topic, queue_id=queue_id,
+            born_timestamp=int(time.time() * 1000), batch=batch,
+        )
+
+    def _encode(
+        self, topic: str, msgs: Sequence[Message], queue_id: int, host: str, port: int
+    ) -> tuple[bytearray, int]:
+        seq = self._seq
+        self._seq = seq + len(msgs)
+        try:
+            batch = encode_messages(
+                topic, msgs, queue_id=queue_id, producer_id=self.producer_id, base_seq=seq,
+                born_ts=int(time.time() * 1000), born_host=self._packed_host(host),
+                born_port=port,
+                compression=self.compression, compress_min=self.compress_min,
+            )
+        except ValueError as exc:
+            raise MessageRejectedError(f"cannot encode the message: {exc}") from exc
+        if len(batch) > self.max_message_size:
+            raise MessageRejectedError(
+                f"the {'batch' if len(msgs) > 1 else 'message'} encodes to {len(batch)} bytes, "
+                f"over the {self.max_message_size}-byte limit; send fewer or smaller messages "
+                "per batch"
+            )
+        return batch, seq
+
+    def _packed_host(self, host: str) -> bytes:
+        packed = self._hosts.get(host)
+        if packed is None:
+            packed = self._hosts[host] = pack_host(host)
+        return packed
+
+    def _select(
+        self,
+        route: TopicRoute,
+        msg: Message,
+        queue_id: int | MessageQueue | None,
+        selector: Selector | None,
+        arg: Any,
+        hash_key: str | bytes | None,
+        avoid: str | None,
+    ) -> tuple[MessageQueue, bool]:
+        """(queue, pinned): pinned queues are never moved by a retry."""
+        queues = route.write_queues
+        if not queues:
+            raise NoRouteError(
+                f"topic {route.topic!r} has no writable queue (check its perm and write queue "
+                "count, and that its brokers are registered)"
+            )
+        if queue_id is not None:
+            if isinstance(queue_id, MessageQueue):
+                if queue_id not in queues:
+                    raise MessageRejectedError(f"queue {queue_id} is not a writable queue of "
+                                               f"topic {route.topic!r}")
+                return queue_id, True
+            if not 0 <= queue_id < len(queues):
+                raise MessageRejectedError(
+                    f"queue_id {queue_id} is out of range: topic {route.topic!r} has "
+                    f"{len(queues)} writable queues (0..{len(queues) - 1})"
+                )
+            return queues[queue_id], True
+        if selector is not None:
+            mq = selector(list(queues), msg, arg)
+            if mq not in queues:
+                raise MessageRejectedError(
+                    f"the selector returned {mq!r}, which is not one of the queues it was given"
+                )
+            return mq, True
+        if hash_key is not None:
+            kb = hash_key.encode() if isinstance(hash_key, str) else hash_key
+            return queues[crc32c(kb) % len(queues)], True
+        n = len(queues)
+        start = next(self._rr)
+        if self.latency_fault or avoid is not None:
+            for k in range(n):
+                mq = queues[(start + k) % n]
+                if mq.broker_name != avoid and (
+                    not self.latency_fault or self._faults.available(mq.broker_name)
+                ):
+                    return mq, False
+            if avoid is not None:
+                for k in range(n):  # every other broker is avoided: any other broker at all
+                    mq = queues[(start + k) % n]
+                    if mq.broker_name != avoid:
+                        return mq, False
+        return queues[start % n], False
+
+    async def _send(
+        self,
+        topic: str,
+        msgs: Sequence[Message],
+        queue_id: int | MessageQueue | None,
+        selector: Selector | None,
+        arg: Any,
+        hash_key: str | bytes | None,
+        timeout: float | None,
+        code: int,
+    ) -> SendResult:
+        if not self._started or self._closed:
+            await self._ensure_started()
+        timeout = self.send_timeout if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        route = self.routes.cached(topic) or await self._route(topic)
+        batch: bytearray | None = None
+        seq = 0
+        last_broker: str | None = None
+        last_exc: Exception | None = None
+        attempts = 1 + self.retries
+        for attempt in range(attempts):
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            mq, pinned = self._select(route, msgs[0], queue_id, selector, arg, hash_key,
+                                      last_broker)
+            addr = route.broker_addrs[mq.broker_name]
+            t0 = time.monotonic()
+            try:
+                conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
+                if batch is None:
+                    batch, seq = self._encode(topic, msgs, mq.queue_id, conn.local_host,
+                                              conn.local_port)
+                elif attempt:
+                    # A copy: the transport may still hold the bytes of the failed attempt.
+                    batch = bytearray(batch)
+                    set_queue_id(batch, mq.queue_id)
+                header = self._header(topic, mq.queue_id, code == RequestCode.SEND_BATCH)
+                frame = await conn.request(code, header, batch, timeout=left)
+                raise_for_error(frame, _SEND_OK_CODES)
+            except (ClientError, BrokerError) as exc:
+                if isinstance(exc, MessageRejectedError):
+                    raise
+                latency = (time.monotonic() - t0) * 1000
+                if self.latency_fault:
+                    self._faults.update(mq.broker_name, max(latency, FAILURE_LATENCY_MS))
+                last_exc, last_broker = exc, mq.broker_name
+                retry = not isinstance(exc, BrokerError) or exc.response_code in _RETRY_CODES
+                if pinned or not retry:
+                    raise
+                log.info("send to %s failed (%s), attempt %d of %d", mq, exc, attempt + 1,
+                         attempts)
+                if isinstance(exc, BrokerError) and exc.response_code in (
+                    ResponseCode.TOPIC_NOT_EXIST, ResponseCode.NO_PERMISSION
+                ):
+                    try:
+                        route = await self.routes.get(topic, refresh=True)
+                    except NoRouteError:
+                        raise BrokerError(
+                            f"topic {topic!r} does not exist and the broker does not create "
+                            f"topics on first send; create it first (`tidemq topic create "
+                            f"--topic {topic}`) ({exc.message})",
+                            response_code=exc.response_code, code=exc.code,
+                        ) from None
+                continue
+            except LocalProtocolError as exc:
+                raise MessageRejectedError(exc.message) from exc
+            if self.latency_fault:
+                self._faults.update(mq.broker_name, (time.monotonic() - t0) * 1000)
+            h = frame.header
+            assert isinstance(h, SendMessageResponseHeader)
+            return SendResult(
+                _STATUS[ResponseCode(frame.code)], h.msg_id, topic, h.queue_id, h.queue_offset,
+                h.count, mq.broker_name, self.producer_id, seq,
+            )
+        if last_exc is None:
+            raise RequestTimeoutError(f"send to topic {topic!r} timed out after {timeout:g} s")
+        raise last_exc

@@ -1,0 +1,215 @@
+"""Topic routes from the name servers (SPEC NS1): which brokers hold a topic's queues.
+
+A producer or consumer asks a name server GET_ROUTEINFO_BY_TOPIC the first time it uses a
+topic, keeps the answer, and refreshes every topic it has used every 30 s (RocketMQ's
+``pollNameServerInterval``) so new brokers, new queues and dead brokers are noticed. Several
+name server addresses may be given; a request goes to the one that last answered and moves on to
+the next when it cannot connect or times out (every name server knows every broker, so any one
+will do).
+
+Threading: event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, parse_address
+from tidemq.client.errors import ClientError, NoRouteError
+from tidemq.client.message import MessageQueue
+from tidemq.protocol.codes import RequestCode, ResponseCode
+from tidemq.protocol.errors import BrokerError
+from tidemq.protocol.frame import Frame
+from tidemq.protocol.headers import (
+    MASTER_ID,
+    GetRouteInfoRequestHeader,
+    Perm,
+    TopicRouteData,
+)
+
+__all__ = ["TopicRoute", "RouteCache", "parse_namesrv"]
+
+log = logging.getLogger(__name__)
+
+ROUTE_REFRESH_INTERVAL = 30.0
+
+
+def parse_namesrv(namesrv: str | Sequence[str]) -> list[str]:
+    """``"a:1;b:2"`` / ``"a:1,b:2"`` / ``["a:1", "b:2"]`` -> ["a:1", "b:2"], each checked."""
+    if isinstance(namesrv, str):
+        items = namesrv.replace(",", ";").split(";")
+    else:
+        items = list(namesrv)
+    addrs = [a.strip() for a in items if a and a.strip()]
+    if not addrs:
+        raise ValueError("give at least one name server address host:port (e.g. 127.0.0.1:9876)")
+    for a in addrs:
+        parse_address(a)
+    return addrs
+
+
+class TopicRoute:
+    """One topic's route: its master brokers and the queues on each, sorted."""
+
+    __slots__ = ("topic", "data", "broker_addrs", "write_queues", "read_queues", "fetched_at")
+
+    def __init__(self, topic: str, data: TopicRouteData) -> None:
+        self.topic = topic
+        self.data = data
+        self.broker_addrs: dict[str, str] = {}
+        for bd in data.broker_datas:
+            addr = bd.broker_addrs.get(MASTER_ID)
+            if addr:
+                self.broker_addrs[bd.broker_name] = addr
+        write: list[MessageQueue] = []
+        read: list[MessageQueue] = []
+        for qd in sorted(data.queue_datas, key=lambda q: q.broker_name):
+            if qd.broker_name not in self.broker_addrs:
+                continue  # no master: RocketMQ skips such brokers for sends and pulls
+            name = qd.broker_name
+            if qd.perm & Perm.WRITE:
+                write += [MessageQueue(topic, name, i) for i in range(qd.write_queue_nums)]
+            if qd.perm & Perm.READ:
+                read += [MessageQueue(topic, name, i) for i in range(qd.read_queue_nums)]
+        self.write_queues = write
+        self.read_queues = read
+        self.fetched_at = time.monotonic()
+
+    def __repr__(self) -> str:
+        return (
+            f"TopicRoute({self.topic!r}, brokers={self.broker_addrs}, "
+            f"write={len(self.write_queues)}, read={len(self.read_queues)})"
+        )
+
+
+class RouteCache:
+    """Routes of the topics in use, refreshed in the background. Event loop only."""
+
+    def __init__(
+        self,
+        pool: ConnectionPool,
+        namesrv: str | Sequence[str],
+        *,
+        refresh_interval: float = ROUTE_REFRESH_INTERVAL,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        self.pool = pool
+        self.namesrv = parse_namesrv(namesrv)
+        self.refresh_interval = refresh_interval
+        self.timeout = timeout
+        self._current = 0  # index of the name server that answered last
+        self._routes: dict[str, TopicRoute] = {}
+        self._broker_addrs: dict[str, str] = {}  # every broker name seen -> master address
+        self._fetching: dict[str, asyncio.Task[TopicRoute]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._refresh_loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def namesrv_request(self, code: int, header: Any = None) -> Frame:
+        """A request to the name servers, failing over; BrokerError for an error response."""
+        last: ClientError | None = None
+        n = len(self.namesrv)
+        for k in range(n):
+            i = (self._current + k) % n
+            addr = self.namesrv[i]
+            try:
+                frame = await self.pool.request(addr, code, header, timeout=self.timeout)
+            except BrokerError:
+                raise
+            except ClientError as exc:
+                last = exc
+                log.info("name server %s failed (%s); trying the next one", addr, exc.message)
+                continue
+            self._current = i
+            return frame
+        assert last is not None
+        raise NoRouteError(
+            f"no name server answered ({', '.join(self.namesrv)}): {last.message}"
+        ) from last
+
+    def cached(self, topic: str) -> TopicRoute | None:
+        return self._routes.get(topic)
+
+    async def get(self, topic: str, *, refresh: bool = False) -> TopicRoute:
+        """The topic's route (cached unless ``refresh``); NoRouteError when it has none."""
+        if not refresh:
+            r = self._routes.get(topic)
+            if r is not None:
+                return r
+        task = self._fetching.get(topic)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._fetch(topic))
+            self._fetching[topic] = task
+            task.add_done_callback(lambda _t: self._fetching.pop(topic, None))
+        return await asyncio.shield(task)
+
+    async def _fetch(self, topic: str) -> TopicRoute:
+        try:
+            frame = await self.namesrv_request(
+                RequestCode.GET_ROUTEINFO_BY_TOPIC, GetRouteInfoRequestHeader(topic=topic)
+            )
+        except BrokerError as exc:
+            if exc.response_code == ResponseCode.TOPIC_NOT_EXIST:
+                self._routes.pop(topic, None)
+                raise NoRouteError(
+                    f"topic {topic!r} does not exist on any broker registered with the name "
+                    f"server ({', '.join(self.namesrv)}); create it with `tidemq topic create "
+                    f"--topic {topic}` or enable auto-create on the broker"
+                ) from exc
+            raise
+        data = frame.header
+        if not isinstance(data, TopicRouteData):
+            raise NoRouteError(f"the name server sent no route for topic {topic!r}")
+        route = TopicRoute(topic, data)
+        self._routes[topic] = route
+        self._broker_addrs.update(route.broker_addrs)
+        return route
+
+    def broker_addr(self, broker_name: str) -> str:
+        """The master address of a broker seen in some route; NoRouteError if none."""
+        addr = self._broker_addrs.get(broker_name)
+        if addr is None:
+            raise NoRouteError(
+                f"broker {broker_name!r} is not in any known route; refresh the topic's route"
+            )
+        return addr
+
+    async def addr_of(self, mq: MessageQueue) -> str:
+        addr = self._broker_addrs.get(mq.broker_name)
+        if addr is None:
+            route = await self.get(mq.topic, refresh=True)
+            addr = route.broker_addrs.get(mq.broker_name)
+            if addr is None:
+                raise NoRouteError(
+                    f"broker {mq.broker_name!r} of queue {mq} has no master in the route of "
+                    f"{mq.topic!r}"
+                )
+        return addr
+
+    def forget(self, topic: str) -> None:
+        self._routes.pop(topic, None)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval)
+            for topic in list(self._routes):
+                try:
+                    await self.get(topic, refresh=True)
+                except NoRouteError as exc:
+                    log.info("route of %r is gone: %s", topic, exc.message)
+                except Exception as exc:  # keep refreshing the others; the old route stays
+                    log.warning("refreshing the route of %r failed: %s", topic, exc)

@@ -1,0 +1,199 @@
+"""The name server's tables (RocketMQ's RouteInfoManager; SPEC NS1).
+
+::
+
+    topic_queue_table   topic       -> {broker name -> QueueData (queue counts, perm)}
+    broker_addr_table   broker name -> BrokerData (cluster, {broker id -> "host:port"})
+    cluster_addr_table  cluster     -> {broker names}
+    broker_live_table   broker addr -> BrokerLive (last registration, timeout, data version)
+
+A registration (REGISTER_BROKER) carries every topic config of the broker, so it *replaces* the
+broker's part of topic_queue_table: topics the broker no longer has disappear from the routes
+(RocketMQ only adds on registration and deletes through a separate admin call). A broker
+leaves the tables when it unregisters, when its connection to the name server closes
+(:meth:`RouteInfoManager.on_connection_closed`, RocketMQ's BrokerHousekeepingService), or when
+it has not registered for its heartbeat timeout (:meth:`scan_not_active_brokers`, run every
+10 s).
+
+Routes are answered from these tables only; the name servers do not talk to each other (every
+broker registers with each of them).
+
+Threads: the name server's event loop only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from tidemq.protocol.headers import (
+    MASTER_ID,
+    BrokerData,
+    ClusterInfo,
+    QueueData,
+    RegisterBrokerRequestHeader,
+    TopicRouteData,
+)
+
+__all__ = ["RouteInfoManager", "BrokerLive"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BrokerLive:
+    """When a broker last registered, over which connection, and how long it may stay silent."""
+
+    cluster_name: str
+    broker_name: str
+    broker_id: int
+    last_update: float  # monotonic seconds
+    timeout_s: float
+    data_version: int
+    conn: object = None  # the connection it registered over (dropped when that closes)
+
+
+class RouteInfoManager:
+    """The name server's four tables (its event loop only; no locks, unlike RocketMQ's)."""
+
+    def __init__(self, *, expire_override_s: float | None = None, clock=time.monotonic) -> None:
+        self.topic_queue_table: dict[str, dict[str, QueueData]] = {}
+        self.broker_addr_table: dict[str, BrokerData] = {}
+        self.cluster_addr_table: dict[str, set[str]] = {}
+        self.broker_live_table: dict[str, BrokerLive] = {}
+        self.expire_override_s = expire_override_s
+        self._clock = clock
+
+    # -- registration ----------------------------------------------------------------------------
+    def register_broker(self, h: RegisterBrokerRequestHeader, conn: object = None) -> None:
+        addr = h.broker_addr
+        self.cluster_addr_table.setdefault(h.cluster_name, set()).add(h.broker_name)
+        bd = self.broker_addr_table.get(h.broker_name)
+        if bd is None or bd.cluster != h.cluster_name:
+            bd = BrokerData(cluster=h.cluster_name, broker_name=h.broker_name, broker_addrs={})
+            self.broker_addr_table[h.broker_name] = bd
+        # An address registered under another id (a restarted broker changing role) moves.
+        for bid, a in list(bd.broker_addrs.items()):
+            if a == addr and bid != h.broker_id:
+                del bd.broker_addrs[bid]
+        old_addr = bd.broker_addrs.get(h.broker_id)
+        if old_addr is not None and old_addr != addr:
+            # The same broker came back on another port: forget the old address at once.
+            self.broker_live_table.pop(old_addr, None)
+        bd.broker_addrs[h.broker_id] = addr
+        timeout = self.expire_override_s or h.heartbeat_timeout_millis / 1000
+        live = self.broker_live_table.get(addr)
+        first = live is None
+        if live is None:
+            live = self.broker_live_table[addr] = BrokerLive(
+                h.cluster_name, h.broker_name, h.broker_id, self._clock(), timeout,
+                h.data_version, conn,
+            )
+        live.last_update = self._clock()
+        live.timeout_s = timeout
+        live.conn = conn
+        if h.broker_id == MASTER_ID:
+            # Every registration carries the whole topic set; replacing is cheap and exact.
+            self._replace_topics(h)
+        live.data_version = h.data_version
+        if first:
+            log.info(
+                "broker %s (%s, cluster %s) registered with %d topics",
+                h.broker_name, addr, h.cluster_name, len(h.topics),
+            )
+
+    def _replace_topics(self, h: RegisterBrokerRequestHeader) -> None:
+        name = h.broker_name
+        for topic, tc in h.topics.items():
+            self.topic_queue_table.setdefault(topic, {})[name] = QueueData(
+                broker_name=name,
+                read_queue_nums=tc.read_queue_nums,
+                write_queue_nums=tc.write_queue_nums,
+                perm=tc.perm,
+                topic_sys_flag=tc.topic_sys_flag,
+            )
+        for topic in [t for t, q in self.topic_queue_table.items() if name in q]:
+            if topic not in h.topics:
+                self._remove_topic_of(topic, name)
+
+    def _remove_topic_of(self, topic: str, broker_name: str) -> None:
+        queues = self.topic_queue_table.get(topic)
+        if queues is None:
+            return
+        queues.pop(broker_name, None)
+        if not queues:
+            del self.topic_queue_table[topic]
+
+    def unregister_broker(
+        self, cluster_name: str, broker_name: str, broker_id: int, broker_addr: str
+    ) -> bool:
+        live = self.broker_live_table.pop(broker_addr, None)
+        bd = self.broker_addr_table.get(broker_name)
+        removed_name = False
+        if bd is not None:
+            if bd.broker_addrs.get(broker_id) == broker_addr:
+                del bd.broker_addrs[broker_id]
+            if not bd.broker_addrs:
+                del self.broker_addr_table[broker_name]
+                removed_name = True
+        if removed_name:
+            names = self.cluster_addr_table.get(cluster_name)
+            if names is not None:
+                names.discard(broker_name)
+                if not names:
+                    del self.cluster_addr_table[cluster_name]
+        if broker_id == MASTER_ID or removed_name:
+            # Without its master the broker's queues cannot be written: drop them from routes.
+            for topic in [t for t, q in self.topic_queue_table.items() if broker_name in q]:
+                self._remove_topic_of(topic, broker_name)
+        if live is not None:
+            log.info("broker %s (%s) removed", broker_name, broker_addr)
+        return live is not None
+
+    def _remove_live(self, addr: str, why: str) -> None:
+        live = self.broker_live_table.get(addr)
+        if live is None:
+            return
+        log.warning("broker %s (%s) %s; removing it from the routes", live.broker_name, addr, why)
+        self.unregister_broker(live.cluster_name, live.broker_name, live.broker_id, addr)
+
+    def on_connection_closed(self, conn: object) -> None:
+        for addr, live in list(self.broker_live_table.items()):
+            if live.conn is conn:
+                self._remove_live(addr, "closed its connection")
+
+    def scan_not_active_brokers(self) -> int:
+        """Remove brokers whose last registration is older than their timeout."""
+        now = self._clock()
+        expired = [
+            (a, now - live.last_update)
+            for a, live in self.broker_live_table.items()
+            if now - live.last_update > live.timeout_s
+        ]
+        for addr, age in expired:
+            self._remove_live(addr, f"has not registered for {age:.1f} s")
+        return len(expired)
+
+    # -- queries ---------------------------------------------------------------------------------
+    def get_route(self, topic: str) -> TopicRouteData | None:
+        queues = self.topic_queue_table.get(topic)
+        if not queues:
+            return None
+        names = sorted(queues)
+        brokers = [self.broker_addr_table[n] for n in names if n in self.broker_addr_table]
+        if not brokers:
+            return None
+        return TopicRouteData(
+            queue_datas=[queues[n] for n in names],
+            broker_datas=brokers,
+        )
+
+    def topic_list(self) -> list[str]:
+        return sorted(self.topic_queue_table)
+
+    def cluster_info(self) -> ClusterInfo:
+        return ClusterInfo(
+            broker_addr_table=dict(self.broker_addr_table),
+            cluster_addr_table={c: sorted(n) for c, n in self.cluster_addr_table.items()},
+        )

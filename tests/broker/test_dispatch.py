@@ -1,0 +1,76 @@
+"""An in-process broker (its loop on a thread) for what a subprocess cannot show: a handler that
+fails unexpectedly is answered SYSTEM_ERROR and logged, and a put from a foreign thread still
+wakes a held pull."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+import pytest
+
+from tidemq.broker.broker import Broker
+from tidemq.broker.config import BrokerConfig
+from tidemq.protocol.codes import RequestCode, ResponseCode
+
+from .wire import Wire, batch, decode_pull, error_message
+
+
+@pytest.fixture
+def inproc(tmp_path):
+    cfg = BrokerConfig(listen_port=0, data_dir=str(tmp_path / "data"),
+                       store={"segment_size": 1 << 24, "index_slots": 1024,
+                              "index_max_entries": 4096, "cq_units_per_file": 1024})
+    broker = Broker(cfg)
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(broker.start())
+        started.set()
+        loop.run_forever()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert started.wait(10)
+    yield broker, loop
+    asyncio.run_coroutine_threadsafe(broker.stop(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    t.join(10)
+    loop.close()
+
+
+def test_unexpected_handler_failure_is_system_error_and_logged(inproc, caplog):
+    broker, loop = inproc
+
+    def boom(conn, frame):
+        raise ZeroDivisionError("simulated bug")
+
+    broker._handlers[RequestCode.GET_MAX_OFFSET] = boom
+    with caplog.at_level(logging.ERROR, logger="tidemq.broker.broker"), \
+            Wire(f"127.0.0.1:{broker.port}") as w:
+        r = w.request(RequestCode.GET_MAX_OFFSET, {"topic": "t", "queue_id": 0})
+        assert r.code == ResponseCode.SYSTEM_ERROR
+        assert "ZeroDivisionError: simulated bug" in error_message(r)
+        assert "broker log" in error_message(r)
+        assert w.send_messages("t", [b"x"]).code == ResponseCode.SUCCESS  # still usable
+    assert any("simulated bug" in rec.getMessage() and "Traceback" in rec.getMessage()
+               for rec in caplog.records)
+
+
+def test_a_put_from_another_thread_wakes_a_held_pull(inproc):
+    broker, loop = inproc
+    with Wire(f"127.0.0.1:{broker.port}") as w:
+        assert w.create_topic("xt", 1).code == ResponseCode.SUCCESS
+        opaque = w.send(RequestCode.PULL_MESSAGE, w.pull_header("xt", 0, suspend_ms=5000))
+        time.sleep(0.1)
+        assert broker.hold.held_count() == 1
+        t0 = time.perf_counter()
+        broker.store.put(bytes(batch("xt", [b"from-a-thread"])))  # not the loop's thread
+        p = w.recv(opaque, timeout=5)
+        assert time.perf_counter() - t0 < 0.5
+        assert p.code == ResponseCode.SUCCESS
+        assert [m.body for m in decode_pull(p, 0)] == [b"from-a-thread"]

@@ -1,0 +1,94 @@
+"""RouteInfoManager: registration, routes, expiry and connection loss, with a fake clock."""
+
+from __future__ import annotations
+
+from tidemq.namesrv.route_info import RouteInfoManager
+from tidemq.protocol.headers import Perm, RegisterBrokerRequestHeader, TopicConfig
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def reg(name: str, addr: str, topics: dict[str, int], *, cluster="c1", bid=0, timeout_ms=120_000,
+        version=1, perm=Perm.READ_WRITE) -> RegisterBrokerRequestHeader:
+    return RegisterBrokerRequestHeader(
+        cluster_name=cluster, broker_name=name, broker_id=bid, broker_addr=addr,
+        heartbeat_timeout_millis=timeout_ms, data_version=version,
+        topics={t: TopicConfig(topic_name=t, read_queue_nums=n, write_queue_nums=n, perm=perm)
+                for t, n in topics.items()},
+    )
+
+
+def test_two_brokers_share_a_topic_route():
+    m = RouteInfoManager(clock=Clock())
+    m.register_broker(reg("b1", "h:1", {"T": 4, "only1": 2}))
+    m.register_broker(reg("b2", "h:2", {"T": 8}))
+    route = m.get_route("T")
+    assert [q.broker_name for q in route.queue_datas] == ["b1", "b2"]
+    assert [q.write_queue_nums for q in route.queue_datas] == [4, 8]
+    assert [b.broker_addrs for b in route.broker_datas] == [{0: "h:1"}, {0: "h:2"}]
+    assert [q.broker_name for q in m.get_route("only1").queue_datas] == ["b1"]
+    assert m.get_route("unknown") is None
+    assert m.topic_list() == ["T", "only1"]
+    info = m.cluster_info()
+    assert info.cluster_addr_table == {"c1": ["b1", "b2"]}
+    assert set(info.broker_addr_table) == {"b1", "b2"}
+
+
+def test_a_registration_replaces_the_brokers_topics():
+    m = RouteInfoManager(clock=Clock())
+    m.register_broker(reg("b1", "h:1", {"A": 1, "B": 1}))
+    m.register_broker(reg("b1", "h:1", {"B": 2}, version=2))
+    assert m.get_route("A") is None
+    assert m.get_route("B").queue_datas[0].read_queue_nums == 2
+
+
+def test_expiry_after_the_heartbeat_timeout():
+    clock = Clock()
+    m = RouteInfoManager(clock=clock)
+    m.register_broker(reg("b1", "h:1", {"T": 1}, timeout_ms=2000))
+    m.register_broker(reg("b2", "h:2", {"T": 1}, timeout_ms=60_000))
+    clock.now += 1.5
+    assert m.scan_not_active_brokers() == 0
+    m.register_broker(reg("b1", "h:1", {"T": 1}, timeout_ms=2000))  # heartbeat renews
+    clock.now += 1.5
+    assert m.scan_not_active_brokers() == 0
+    clock.now += 1.0
+    assert m.scan_not_active_brokers() == 1
+    assert [q.broker_name for q in m.get_route("T").queue_datas] == ["b2"]
+    assert "b1" not in m.cluster_info().broker_addr_table
+
+
+def test_expire_override():
+    clock = Clock()
+    m = RouteInfoManager(expire_override_s=0.5, clock=clock)
+    m.register_broker(reg("b1", "h:1", {"T": 1}))
+    clock.now += 0.6
+    assert m.scan_not_active_brokers() == 1
+    assert m.get_route("T") is None
+
+
+def test_connection_loss_and_unregister():
+    m = RouteInfoManager(clock=Clock())
+    c1, c2 = object(), object()
+    m.register_broker(reg("b1", "h:1", {"T": 1}), c1)
+    m.register_broker(reg("b2", "h:2", {"T": 1}), c2)
+    m.on_connection_closed(c1)
+    assert [q.broker_name for q in m.get_route("T").queue_datas] == ["b2"]
+    assert m.unregister_broker("c1", "b2", 0, "h:2")
+    assert m.get_route("T") is None
+    assert m.cluster_info().cluster_addr_table == {}
+    assert not m.unregister_broker("c1", "b2", 0, "h:2")
+
+
+def test_a_broker_back_on_another_port():
+    m = RouteInfoManager(clock=Clock())
+    m.register_broker(reg("b1", "h:1", {"T": 1}))
+    m.register_broker(reg("b1", "h:9", {"T": 1}))
+    assert m.get_route("T").broker_datas[0].broker_addrs == {0: "h:9"}
+    assert set(m.broker_live_table) == {"h:9"}
