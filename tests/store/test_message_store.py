@@ -122,6 +122,10 @@ def test_lookup_by_key_and_unique_id(data_dir):
         assert s.get_by_id(unique_id(42, 1021)).body == b"b"
         assert s.get_by_id(unique_id(42, 1022)).body == b"c"
         assert s.get_by_id(unique_id(42, 5000)) is None
+        # the time range applies to the id lookup too
+        assert s.get_by_id(unique_id(42, 1021), begin_ts=0, end_ts=1) is None
+        with pytest.raises(ValueError, match="32 hex digits"):
+            s.get_by_id("nope")
 
 
 def test_offset_for_timestamp(data_dir):

@@ -370,12 +370,14 @@ class MessageStore:
         *,
         queue_id: int | None = None,
         on_durable: FlushCallback | None = None,
+        view: BatchView | None = None,
     ) -> PutResult:
         """Append one batch (as a producer encoded it). Raises a StoreError subclass on refusal.
 
         SYNC_FLUSH: with ``on_durable`` the put returns at once and the callback fires (on the
         flush thread) when the batch is on disk; without it, the call blocks until then and
         answers FLUSH_DISK_TIMEOUT after sync_flush_timeout_ms. ASYNC_FLUSH: returns at once.
+        ``view``: a BatchView of ``data`` the caller already built (saves parsing it twice).
         """
         if self._closed:
             raise StoreClosedError("the store is closed")
@@ -390,7 +392,7 @@ class MessageStore:
                 f"disk holding {self.dir} is over {self.config.disk_refuse_writes_ratio:.0%} "
                 "full; writes are refused until retention frees space"
             )
-        v = BatchView(data)
+        v = BatchView(data) if view is None else view  # the broker passes the view it parsed
         if v.total_size != size:
             raise CorruptBatchError(f"batch says {v.total_size} bytes but {size} were given")
         if not v.batch_crc_ok():
@@ -614,10 +616,13 @@ class MessageStore:
                 out.extend(m for m in v.messages(wanted[0]) if m.index in wanted)
         return out[:max_num]
 
-    def get_by_id(self, msg_id: str) -> StoredMessage | None:
-        """The message with this unique id (32 hex digits), or None."""
+    def get_by_id(
+        self, msg_id: str, begin_ts: int = 0, end_ts: int = 2**62
+    ) -> StoredMessage | None:
+        """The message with this unique id (32 hex digits) stored within [begin_ts, end_ts]
+        (ms), or None. ValueError if ``msg_id`` is not 32 hex digits."""
         producer_id, seq = parse_unique_id(msg_id)
-        for phys in self.index.query(id_block_key(producer_id, seq), 0, 2**62, 256):
+        for phys in self.index.query(id_block_key(producer_id, seq), begin_ts, end_ts, 256):
             v = self._readable(phys)
             if v is None or v.producer_id != producer_id:
                 continue
