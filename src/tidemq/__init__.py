@@ -23,7 +23,16 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "Producer",
+    "TransactionProducer",
+    "LocalTransactionState",
+    "TransactionSendResult",
     "PullConsumer",
+    "PushConsumer",
+    "ConsumeStatus",
+    "ConsumeOrderlyStatus",
+    "ConsumeContext",
+    "MessageModel",
+    "AllocateStrategy",
     "Admin",
     "Message",
     "MessageExt",
@@ -47,7 +56,16 @@ __all__ = [
 
 _WHERE = {
     "Producer": "tidemq.client.blocking",
+    "TransactionProducer": "tidemq.client.blocking",
+    "LocalTransactionState": "tidemq.client.transaction_producer",
+    "TransactionSendResult": "tidemq.client.transaction_producer",
     "PullConsumer": "tidemq.client.blocking",
+    "PushConsumer": "tidemq.client.blocking",
+    "ConsumeStatus": "tidemq.client.listener",
+    "ConsumeOrderlyStatus": "tidemq.client.listener",
+    "ConsumeContext": "tidemq.client.listener",
+    "MessageModel": "tidemq.client.listener",
+    "AllocateStrategy": "tidemq.client.rebalance",
     "Admin": "tidemq.client.blocking",
     "Message": "tidemq.client.message",
     "MessageExt": "tidemq.client.message",
@@ -71,7 +89,13 @@ _WHERE = {
 
 if TYPE_CHECKING:
     from tidemq.client.admin import GroupLag, QueueLag, QueueStatus
-    from tidemq.client.blocking import Admin, Producer, PullConsumer
+    from tidemq.client.blocking import (
+        Admin,
+        Producer,
+        PullConsumer,
+        PushConsumer,
+        TransactionProducer,
+    )
     from tidemq.client.errors import (
         BrokerError,
         ClientClosedError,
@@ -83,6 +107,12 @@ if TYPE_CHECKING:
         RequestTimeoutError,
         TidemqError,
     )
+    from tidemq.client.listener import (
+        ConsumeContext,
+        ConsumeOrderlyStatus,
+        ConsumeStatus,
+        MessageModel,
+    )
     from tidemq.client.message import (
         ConsumeFrom,
         Message,
@@ -91,6 +121,8 @@ if TYPE_CHECKING:
         SendResult,
         SendStatus,
     )
+    from tidemq.client.rebalance import AllocateStrategy
+    from tidemq.client.transaction_producer import LocalTransactionState, TransactionSendResult
 
 
 def __getattr__(name: str) -> Any:

@@ -30,6 +30,13 @@ from tidemq.client.errors import (
     RequestTimeoutError,
     TidemqError,
 )
+from tidemq.client.listener import (
+    ConsumeContext,
+    ConsumeHook,
+    ConsumeOrderlyStatus,
+    ConsumeStatus,
+    MessageModel,
+)
 from tidemq.client.message import (
     ConsumeFrom,
     Message,
@@ -39,10 +46,27 @@ from tidemq.client.message import (
     SendStatus,
 )
 from tidemq.client.producer import Producer, Selector, SendCallback
+from tidemq.client.push_consumer import PushConsumer
+from tidemq.client.rebalance import AllocateStrategy
+from tidemq.client.transaction_producer import (
+    LocalTransactionState,
+    TransactionProducer,
+    TransactionSendResult,
+)
 
 __all__ = [
     "Producer",
+    "TransactionProducer",
+    "LocalTransactionState",
+    "TransactionSendResult",
     "PullConsumer",
+    "PushConsumer",
+    "ConsumeStatus",
+    "ConsumeOrderlyStatus",
+    "ConsumeContext",
+    "ConsumeHook",
+    "MessageModel",
+    "AllocateStrategy",
     "Admin",
     "Message",
     "MessageExt",

@@ -14,8 +14,10 @@ from tidemq.protocol.headers import (
     REQUEST_HEADER_TYPES,
     RESPONSE_HEADER_TYPES,
     BrokerData,
+    EmptyHeader,
     ErrorResponseHeader,
     GetRouteInfoRequestHeader,
+    HeartbeatRequestHeader,
     Perm,
     PullMessageRequestHeader,
     PullMessageResponseHeader,
@@ -173,12 +175,16 @@ def test_header_tables():
         assert response_header_type(pull, code) is PullMessageResponseHeader
     assert response_header_type(pull, ResponseCode.SUBSCRIPTION_NOT_EXIST) is ErrorResponseHeader
     assert response_header_type(RequestCode.GET_ROUTEINFO_BY_TOPIC, 0) is TopicRouteData
-    assert response_header_type(RequestCode.HEART_BEAT, 0) is None  # no typed header yet
+    assert response_header_type(RequestCode.HEART_BEAT, 0) is EmptyHeader
     assert response_header_type(RequestCode.HEART_BEAT, ResponseCode.SYSTEM_BUSY) is (
         ErrorResponseHeader
     )
-    assert request_header_type(RequestCode.HEART_BEAT) is None
-    assert set(REQUEST_HEADER_TYPES) == set(RESPONSE_HEADER_TYPES)
+    assert request_header_type(RequestCode.HEART_BEAT) is HeartbeatRequestHeader
+    # Every request has a response header, but the broker's one-way notices to clients.
+    broker_to_client = {
+        RequestCode.CHECK_TRANSACTION_STATE, RequestCode.NOTIFY_CONSUMER_IDS_CHANGED,
+    }
+    assert set(REQUEST_HEADER_TYPES) - broker_to_client == set(RESPONSE_HEADER_TYPES)
 
 
 def test_error_response_frame():

@@ -2,7 +2,10 @@
 
 - produce: COUNT messages of SIZE bytes in batches of BATCH through ``aio.Producer.send_batch``,
   INFLIGHT batches pipelined per producer; PRODUCERS > 1 runs that many producer processes
-  (each sends COUNT / PRODUCERS) and adds their rates over the common wall time.
+  (each sends COUNT / PRODUCERS) and adds their rates over the common wall time. AUTO_BATCH
+  sends every message alone through ``send_async`` and lets the producer's automatic batching
+  (PR3, up to BATCH messages per batch) build the batches; PRODUCER_NAME makes the producer a
+  deduplicated one (BR12; process i of several is named ``<name>-<i>``).
 - consume: a fresh consumer group reads COUNT messages of the topic's backlog from the earliest
   offset (``consume_from="first"``, pull batches of BATCH); every body is touched.
 - e2e: one producer sends single messages at RATE per second for SECONDS while a consumer in the
@@ -19,6 +22,7 @@ Runs its own event loop (uvloop when installed); call from a thread without a ru
 from __future__ import annotations
 
 import asyncio
+import collections
 import multiprocessing
 import os
 import struct
@@ -80,17 +84,20 @@ def _pct(sorted_vals: list[float], p: float) -> float:
 
 async def _produce(
     namesrv: str, topic: str, size: int, count: int, batch: int, inflight: int,
-    progress: Progress | None,
+    progress: Progress | None, auto_batch: bool = False, producer_name: str | None = None,
 ) -> tuple[float, float, int, float]:
     """(start, end, sent, client CPU seconds), times in time.time() seconds."""
     body = os.urandom(size)
     msgs = [Message(topic, body) for _ in range(batch)]
-    async with Producer(namesrv) as producer:
+    async with Producer(namesrv, producer_name=producer_name,
+                        batch_max_messages=batch) as producer:
         await producer.send_batch(msgs[:1])  # warm: route and connection
         pending: set[asyncio.Future[Any]] = set()
         sent = 0
         t0 = time.time()
         c0 = time.process_time()
+        if auto_batch:
+            sent = await _produce_auto(producer, msgs[0], count, batch, inflight, progress)
         while sent < count or pending:
             while sent < count and len(pending) < inflight:
                 n = min(batch, count - sent)
@@ -106,12 +113,40 @@ async def _produce(
     return t0, t1, sent, cpu
 
 
+async def _produce_auto(
+    producer: Producer, msg: Message, count: int, batch: int, inflight: int,
+    progress: Progress | None,
+) -> int:
+    """Single-message ``send_async`` calls; about ``inflight`` batches outstanding."""
+    window: collections.deque[tuple[asyncio.Future[Any], int]] = collections.deque()
+    sent = 0
+    send = producer.send_async
+    while sent < count:
+        n = min(batch, count - sent)
+        for _ in range(n - 1):
+            send(msg)
+        # n sends fill exactly one batch (batch_max_messages = n), and a batch's futures are
+        # resolved together: waiting for its last one waits for all.
+        window.append((send(msg), n))
+        sent += n
+        if len(window) >= inflight:
+            f, k = window.popleft()
+            await f
+            if progress is not None:
+                progress(k)
+    for f, k in window:
+        await f
+        if progress is not None:
+            progress(k)
+    return sent
+
+
 def _produce_worker(
-    args: tuple[str, str, int, int, int, int],
+    args: tuple[str, str, int, int, int, int, bool, str | None],
 ) -> tuple[float, float, int, float]:
-    namesrv, topic, size, count, batch, inflight = args
+    namesrv, topic, size, count, batch, inflight, auto_batch, name = args
     result: tuple[float, float, int, float] = run_loop(
-        _produce(namesrv, topic, size, count, batch, inflight, None)
+        _produce(namesrv, topic, size, count, batch, inflight, None, auto_batch, name)
     )
     return result
 
@@ -127,11 +162,14 @@ def bench_produce(
     inflight: int = 4,
     queues: int = 8,
     progress: Progress | None = None,
+    auto_batch: bool = False,
+    producer_name: str | None = None,
 ) -> dict[str, Any]:
     run_loop(ensure_topic(namesrv, topic, queues))
     if producers <= 1:
         t0, t1, sent, cpu = run_loop(
-            _produce(namesrv, topic, size, count, batch, inflight, progress)
+            _produce(namesrv, topic, size, count, batch, inflight, progress, auto_batch,
+                     producer_name)
         )
     else:
         share = count // producers
@@ -139,7 +177,9 @@ def bench_produce(
         with ctx.Pool(producers) as pool:
             parts = pool.map(
                 _produce_worker,
-                [(namesrv, topic, size, share, batch, inflight)] * producers,
+                [(namesrv, topic, size, share, batch, inflight, auto_batch,
+                  f"{producer_name}-{i}" if producer_name else None)
+                 for i in range(producers)],
             )
         t0 = min(p[0] for p in parts)
         t1 = max(p[1] for p in parts)
@@ -155,6 +195,8 @@ def bench_produce(
         "batch": batch,
         "producers": producers,
         "inflight": inflight,
+        "auto_batch": auto_batch,
+        "dedup": bool(producer_name),
         "seconds": round(secs, 3),
         "msgs_per_s": round(sent / secs),
         "mb_per_s": round(sent * size / secs / 1e6, 1),

@@ -40,22 +40,34 @@ from typing import Any
 from tidemq.broker.admin_processor import AdminProcessor, rss_bytes
 from tidemq.broker.config import BrokerConfig
 from tidemq.broker.connection import BrokerConnection
+from tidemq.broker.consumer_manager import DLQ_PREFIX, RETRY_PREFIX, ConsumerManager
 from tidemq.broker.consumer_offsets import ConsumerOffsetManager
+from tidemq.broker.dedup import MessageDeduplication
 from tidemq.broker.errors import RequestRejected
 from tidemq.broker.long_polling import PullRequestHoldService
+from tidemq.broker.non_persistent import NonPersistentTopics
 from tidemq.broker.pull_processor import PullProcessor
+from tidemq.broker.queue_lock import QueueLockManager
 from tidemq.broker.registration import NamesrvRegistration
+from tidemq.broker.schedule_service import ScheduleMessageService, parse_delay_levels
+from tidemq.broker.send_back import SendBackProcessor
 from tidemq.broker.send_processor import SendProcessor
 from tidemq.broker.stats import BrokerStats
+from tidemq.broker.subscription_group import SubscriptionGroupManager
+from tidemq.broker.timer_service import TimerMessageService
 from tidemq.broker.topic_config import TopicConfigManager
+from tidemq.broker.transaction_service import TransactionService
 from tidemq.protocol.codes import RequestCode, ResponseCode
+from tidemq.protocol.errors import CorruptBatchError
 from tidemq.protocol.frame import DEFAULT_MAX_FRAME_SIZE, FLAG_ONEWAY, FLAG_RESPONSE, Frame
 from tidemq.protocol.headers import (
+    Perm,
     RegisterBrokerRequestHeader,
     TopicConfig,
     UnregisterBrokerRequestHeader,
 )
-from tidemq.store.message_store import MessageStore
+from tidemq.protocol.record import BatchView
+from tidemq.store.message_store import MessageStore, PutResult
 
 __all__ = ["Broker"]
 
@@ -89,6 +101,23 @@ class Broker:
             os.path.join(config.config_path, "consumer_offsets.json")
         )
         self.stats = BrokerStats(config.stats_sample_interval_ms / 1000)
+        # Consumer groups (docs/consumer-groups.md): members, queue locks, group configs.
+        self.subscription_groups = SubscriptionGroupManager(
+            os.path.join(config.config_path, "subscription_groups.json"),
+            auto_create=config.auto_create_subscription_group,
+        )
+        self.consumers = ConsumerManager(self)
+        self.queue_locks = QueueLockManager(config.queue_lock_max_live_ms)
+        # Pulsar's producer path (docs/producer-path.md): deduplication, non-persistent topics.
+        self.dedup = MessageDeduplication(
+            os.path.join(config.config_path, "dedup.json"),
+            enabled=config.dedup_enabled,
+            snapshot_interval_s=config.dedup_snapshot_interval_ms / 1000,
+        )
+        self.non_persistent = NonPersistentTopics(
+            max_pending_messages=config.non_persistent_max_pending_messages,
+            max_pending_bytes=config.non_persistent_max_pending_bytes,
+        )
         self.registration: NamesrvRegistration | None = None
         self.hold: PullRequestHoldService | None = None
         self._server: asyncio.Server | None = None
@@ -122,11 +151,12 @@ class Broker:
         os.makedirs(cfg.config_path, exist_ok=True)
         self.topics.load()
         self.offsets.load()
+        self.subscription_groups.load()
         self._loaded = True
         self.hold = PullRequestHoldService(
             loop,
             self._execute_held,
-            self.store.max_offset,
+            self._max_offset,
             long_polling=cfg.long_polling_enable,
             check_interval_s=(
                 cfg.long_polling_check_ms if cfg.long_polling_enable else cfg.short_polling_time_ms
@@ -134,21 +164,52 @@ class Broker:
             / 1000,
         )
         self.store.add_dispatch_listener(self.hold.on_message_arrival)
+        self.non_persistent.on_arrival = self.hold.on_message_arrival
+        self.dedup.recover(self.store)
+        # Delayed, timed and transactional messages (docs/delayed-and-transactional.md).
+        self.schedule = ScheduleMessageService(
+            self.store, parse_delay_levels(cfg.message_delay_level),
+            os.path.join(cfg.config_path, "delay_offset.json"),
+        )
+        self.timers = TimerMessageService(
+            self.store, os.path.join(cfg.data_path, "timerlog"),
+            bucket_ms=cfg.timer_bucket_ms, checkpoint_ms=cfg.timer_checkpoint_ms,
+        )
+        self.transactions = TransactionService(
+            self, os.path.join(cfg.config_path, "transaction_progress.json")
+        )
+        self.schedule.start(loop)
+        self.timers.start(loop)
+        self.transactions.start(loop)
         self.send_processor = SendProcessor(self)
         self.pull_processor = PullProcessor(self)
         self.admin_processor = AdminProcessor(self)
+        self.send_back = SendBackProcessor(self)
         self._handlers = {
             RequestCode.SEND_MESSAGE: self.send_processor.handle,
             RequestCode.SEND_BATCH: self.send_processor.handle,
             RequestCode.PULL_MESSAGE: self.pull_processor.handle,
+            RequestCode.GET_LAST_SEQUENCE: self.dedup.handle_last_sequence,
             **self.admin_processor.handlers(),
+            **self.consumers.handlers(),
+            **self.queue_locks.handlers(),
+            **self.send_back.handlers(),
+            **self.subscription_groups.handlers(),
+            RequestCode.END_TRANSACTION: self.transactions.handle_end,
+            RequestCode.CANCEL_TIMER_MESSAGE: self._cancel_timer_message,
         }
+        # Producers of a transaction group are found through their heartbeats too.
+        self._handlers[RequestCode.HEART_BEAT] = self.transactions.wrap_heartbeat(
+            self._handlers.get(RequestCode.HEART_BEAT)
+        )
         self.started_at = time.time()
         await self._server.start_serving()
         self._tasks = [
             loop.create_task(self.hold.run_checks(), name="long-polling-check"),
             loop.create_task(self._persist_offsets_forever(), name="offsets-persist"),
             loop.create_task(self._sample_stats_forever(), name="stats-sample"),
+            loop.create_task(self.dedup.run_snapshots(self.store), name="dedup-snapshot"),
+            loop.create_task(self._scan_clients_forever(), name="client-scan"),
         ]
         if cfg.namesrv_addrs:
             self.registration = NamesrvRegistration(
@@ -194,9 +255,22 @@ class Broker:
             try:
                 self.offsets.persist()
                 self.topics.persist()
+                self.subscription_groups.persist()
             except OSError as exc:
                 log.error("persisting offsets/topics at shutdown failed: %s", exc)
+        if self.store is not None and self._loaded:
+            try:
+                if getattr(self, "transactions", None) is not None:
+                    await self.transactions.stop()
+                    self.schedule.close()
+                    await self.timers.stop()
+            except OSError as exc:
+                log.error("persisting delay/timer/transaction progress failed: %s", exc)
         if self.store is not None:
+            try:
+                self.dedup.save_now(self.store)
+            except OSError as exc:
+                log.error("persisting the dedup snapshot at shutdown failed: %s", exc)
             self.store.close()
             log.info("broker %s stopped", self.config.broker_name)
 
@@ -214,6 +288,8 @@ class Broker:
         self.connections.discard(conn)
         if conn.held and self.hold is not None:
             self.hold.drop_connection(conn)
+        if not self._stopped:
+            self.consumers.connection_closed(conn)
 
     def handle(self, conn: BrokerConnection, frame: Frame) -> None:
         """Dispatch one request frame; never raises."""
@@ -268,7 +344,113 @@ class Broker:
         self.topics_changed()
         return tc
 
+    def ensure_retry_topic(self, group: str) -> None:
+        """Create ``%RETRY%<group>`` (read + write, the group's retry queue count) if missing."""
+        topic = RETRY_PREFIX + group
+        if self.topics.get(topic) is None:
+            n = self.subscription_groups.ensure(group).retry_queue_nums
+            self.topics.update(TopicConfig(topic_name=topic, read_queue_nums=n,
+                                           write_queue_nums=n, perm=Perm.READ_WRITE))
+            self.topics_changed()
+
+    def ensure_dlq_topic(self, group: str) -> None:
+        """Create ``%DLQ%<group>`` (1 queue, write-only, as RocketMQ) if missing."""
+        topic = DLQ_PREFIX + group
+        if self.topics.get(topic) is None:
+            self.topics.update(TopicConfig(topic_name=topic, read_queue_nums=1,
+                                           write_queue_nums=1, perm=Perm.WRITE))
+            self.topics_changed()
+
+    def max_delay_level(self) -> int:
+        """Highest delay level of the schedule (18 with RocketMQ's default)."""
+        return max(1, len(parse_delay_levels(self.config.message_delay_level)))
+
+    def put_for_consumer(self, batch: bytearray, queue_id: int) -> None:
+        """Store a broker-made batch (a retry or dead-letter copy); its delay level is held by
+        the schedule service (``put_internal``)."""
+        self.put_internal(batch, queue_id, on_durable=_ignore_durable)
+
+    def put_internal(
+        self,
+        batch: bytes | bytearray | memoryview,
+        queue_id: int,
+        *,
+        on_durable: Callable[[object], None] | None = None,
+        view: BatchView | None = None,
+    ) -> PutResult:
+        """Store one batch, holding it first when its attributes say it is not due yet.
+
+        The one entry point for every batch the broker stores on someone's behalf: client sends
+        (SendProcessor), consumer send-back into ``%RETRY%<group>`` and dead-letter copies, and
+        transaction commits. Event loop only.
+
+        - ``batch``: one whole batch (``record.encode_batch`` layout) whose store header names
+          the real topic; ``queue_id`` is the real queue (it overrides the header's).
+        - delay level ``L > 0`` in the attributes (bits 5-9): the batch is wrapped in an
+          envelope on ``SCHEDULE_TOPIC_XXXX`` queue ``min(L, max level) - 1`` (properties
+          REAL_TOPIC / REAL_QID) and delivered to (real topic, ``queue_id``) once
+          ``message_delay_level[L - 1]`` has passed since it was stored here.
+        - else ``deliver_at`` later than now (ms since the epoch): wrapped on
+          ``rmq_sys_wheel_timer`` and indexed in the durable time index; delivered at
+          ``deliver_at`` (never before). More than ``timer_max_delay_ms`` ahead raises
+          CorruptBatchError (answered MESSAGE_ILLEGAL). A ``deliver_at`` in the past or 0 means
+          now.
+        - else stored at once, exactly as ``MessageStore.put``.
+
+        The attributes are the producer's and are never rewritten, so a copy of a consumed
+        batch carries its producer's delay: re-encode it with the delay you want
+        (``record.encode_batch(..., delay_level=3 + reconsume_times)``) rather than passing
+        the consumed bytes. Delivery stores the inner batch directly (it is not held again).
+
+        Returns the ``PutResult`` of what was stored now: for a held batch that is the
+        envelope (topic SCHEDULE_TOPIC_XXXX / rmq_sys_wheel_timer, its queue and offset), not
+        the real queue's offset, which is known only at delivery. ``on_durable`` is passed to
+        that put (SYNC_FLUSH: called on the flush thread once it is on disk). Raises what
+        ``MessageStore.put`` raises (a StoreError subclass / CorruptBatchError).
+        """
+        v = BatchView(batch) if view is None else view
+        if v.delay_level and not v.topic.startswith(_SYSTEM_TOPIC_PREFIXES):
+            return self.schedule.hold(batch, v, queue_id, on_durable)
+        at = v.deliver_at
+        if at:
+            now = time.time_ns() // 1_000_000
+            if at > now:
+                if at - now > self.config.timer_max_delay_ms:
+                    raise CorruptBatchError(
+                        f"deliver_at is {(at - now) / 86_400_000:.1f} days ahead, beyond the "
+                        f"broker's limit of {self.config.timer_max_delay_ms / 86_400_000:g} "
+                        "days (timer_max_delay_ms)"
+                    )
+                return self.timers.hold(batch, v, queue_id, on_durable)
+        return self.store.put(batch, queue_id=queue_id, view=v, on_durable=on_durable)
+
+    def _cancel_timer_message(self, conn: BrokerConnection, frame: Frame) -> None:
+        """CANCEL_TIMER_MESSAGE: cancel a message held for a deliver_at, by its message id."""
+        from tidemq.broker.connection import decode_request
+        from tidemq.protocol.headers import CancelTimerMessageRequestHeader
+
+        h = decode_request(frame, CancelTimerMessageRequestHeader)
+        try:
+            ok = self.timers.cancel(h.msg_id)
+        except ValueError as exc:
+            raise RequestRejected(ResponseCode.INVALID_ARGUMENT, str(exc)) from None
+        if not ok:
+            raise RequestRejected(
+                ResponseCode.QUERY_NOT_FOUND,
+                f"no pending timed message with id {h.msg_id} (unknown, delivered or cancelled "
+                "already; only deliver_at / deliver_after messages can be cancelled)",
+            )
+        if not frame.flags & FLAG_ONEWAY:
+            conn.respond(frame.opaque, ResponseCode.SUCCESS, None)
+
+    def _max_offset(self, topic: str, queue_id: int) -> int:
+        """Max offset of a queue, in the store or in memory (non-persistent topics)."""
+        if self.non_persistent.owns(topic):
+            return self.non_persistent.max_offset(topic, queue_id)
+        return self.store.max_offset(topic, queue_id)
+
     def delete_topic(self, topic: str) -> None:
+        self.non_persistent.delete_topic(topic)
         self.topics.delete(topic)
         self.store.delete_topic(topic)
         self.offsets.delete_topic(topic)
@@ -338,6 +520,18 @@ class Broker:
                 self.offsets.dirty = True
                 log.error("persisting consumer offsets to %s failed: %s", self.offsets.path, exc)
 
+    async def _scan_clients_forever(self) -> None:
+        interval = self.config.client_scan_interval_ms / 1000
+        path = self.subscription_groups.path
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.consumers.scan_expired()
+                if self.subscription_groups.dirty:
+                    await asyncio.to_thread(_write, path, self.subscription_groups.snapshot())
+            except Exception:  # keep scanning
+                log.exception("client housekeeping failed")
+
     async def _sample_stats_forever(self) -> None:
         interval = self.config.stats_sample_interval_ms / 1000
         while True:
@@ -361,6 +555,10 @@ class Broker:
             "topics": len(self.topics),
             "queues": len(store.queues()),
             "consumer_groups": len(self.offsets.groups()),
+            "online_groups": len(self.consumers.groups),
+            "consumer_notifications": self.consumers.notifications,
+            "sent_back_retry": self.send_back.retried,
+            "sent_back_dlq": self.send_back.dead,
             "connections": len(self.connections),
             "held_pulls": self.hold.held_count(),
             "held_woken_by_arrival": self.hold.woken_by_arrival,
@@ -374,7 +572,26 @@ class Broker:
             "registrations": self.registration.registrations if self.registration else 0,
         }
         info.update(self.stats.summary())
+        info.update(self.dedup.stats())
+        info.update({
+            "delay_pending": self.schedule.pending(),
+            "delay_delivered": self.schedule.delivered,
+            "timer_delivered": self.timers.delivered,
+            "timer_bucket_files": self.timers.pending_buckets(),
+            "txn_half_pending": self.transactions.pending(),
+            **{f"txn_{k}": n for k, n in self.transactions.stats.items()},
+        })
+        info.update(self.non_persistent.stats())
         return info
+
+
+# Batches already on a system topic are never held again.
+_SYSTEM_TOPIC_PREFIXES = ("SCHEDULE_TOPIC_XXXX", "rmq_sys_", "RMQ_SYS_")
+
+
+def _ignore_durable(err: object) -> None:
+    """on_durable of a broker-made put: the client was answered at the put (never block the
+    loop waiting for a SYNC_FLUSH fsync)."""
 
 
 def _write(path: str, data: bytes) -> None:

@@ -74,6 +74,46 @@ class BrokerConfig:
     offset_persist_interval_ms: int = 5000  # RocketMQ flushConsumerOffsetInterval
     stats_sample_interval_ms: int = 5000
 
+    # -- consumer groups (SPEC BR5-BR7, BR11) -------------------------------------------------
+    #: A client silent this long is dropped from its groups (RocketMQ channelExpiredTimeout).
+    client_channel_expired_ms: int = 120_000
+    #: Period of the scan for silent clients (RocketMQ ClientHousekeepingService: 10 s).
+    client_scan_interval_ms: int = 10_000
+    #: A queue lock not renewed this long is free again (rebalance.lockMaxLiveTime: 60 s).
+    queue_lock_max_live_ms: int = 60_000
+    #: Auto-create subscription groups on first heartbeat (autoCreateSubscriptionGroup).
+    auto_create_subscription_group: bool = True
+
+    # -- producer path (SPEC BR12, BR13; docs/producer-path.md) -------------------------------
+    #: Deduplicate batches of named producers (producer_id bit 63) by sequence id.
+    dedup_enabled: bool = True
+    #: How often the dedup table is snapshotted (restart replays the CommitLog after it).
+    dedup_snapshot_interval_ms: int = 10_000
+    #: Pending limit of one queue of a non-persistent (``%NP%``) topic, in messages and bytes.
+    non_persistent_max_pending_messages: int = 10_000
+    non_persistent_max_pending_bytes: int = 64 * MiB
+
+    # -- delayed and timed delivery (SPEC BR8; docs/delayed-and-transactional.md) -------------
+    #: The delay levels (RocketMQ messageDelayLevel); units ms, s, m, h, d.
+    message_delay_level: str = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
+    #: Time slice of one bucket file of the timer index.
+    timer_bucket_ms: int = 60_000
+    #: Period of the timer index checkpoint (fsync of the buckets + progress).
+    timer_checkpoint_ms: int = 1000
+    #: Farthest deliver_at accepted, ahead of now (40 days).
+    timer_max_delay_ms: int = 40 * 86_400_000
+
+    # -- transactions (SPEC BR9) ---------------------------------------------------------------
+    #: Period of the check of unresolved half messages (transactionCheckInterval: 60 s).
+    transaction_check_interval_ms: int = 60_000
+    #: A half message younger than this is not checked (transactionTimeOut: 6 s); a message
+    #: may ask for longer with the CHECK_IMMUNITY_TIME_IN_SECONDS property.
+    transaction_timeout_ms: int = 6000
+    #: Checks before a half message goes to TRANS_CHECK_MAX_TIME_TOPIC (transactionCheckMax).
+    transaction_check_max: int = 15
+    #: A half message older than this is dropped unchecked (fileReservedTime: 72 h).
+    transaction_skip_ms: int = 72 * 3_600_000
+
     # -- files under data_dir -----------------------------------------------------------------
     config_dir_name: str = "config"
 
@@ -120,6 +160,9 @@ class BrokerConfig:
             "long_polling_check_ms", "short_polling_time_ms", "register_interval_ms",
             "register_timeout_ms", "heartbeat_timeout_ms", "offset_persist_interval_ms",
             "stats_sample_interval_ms", "max_message_size", "default_topic_queue_nums",
+            "client_channel_expired_ms", "client_scan_interval_ms", "queue_lock_max_live_ms",
+            "timer_bucket_ms", "timer_checkpoint_ms", "timer_max_delay_ms",
+            "transaction_check_interval_ms", "transaction_timeout_ms", "transaction_check_max",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"broker setting {name} must be > 0, got {getattr(self, name)}")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
@@ -33,17 +33,17 @@ from tidemq.broker.errors import RequestRejected
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import RemoteProtocolError
 from tidemq.protocol.frame import (
+    FLAG_ONEWAY,
     FLAG_RESPONSE,
     FRAME_MAGIC,
     FRAME_PREFIX,
     FRAME_VERSION,
     MIN_TOTAL_LEN,
+    Frame,
     FrameDecoder,
+    encode_frame_parts,
 )
 from tidemq.protocol.headers import ErrorResponseHeader
-
-if TYPE_CHECKING:
-    from tidemq.protocol.frame import Frame
 
 __all__ = ["BrokerConnection", "decode_request", "raw_headers", "encode_response"]
 
@@ -170,6 +170,11 @@ class BrokerConnection(asyncio.Protocol):
             self.write([encode_response(opaque, code, header, n), *bodies])
         else:
             self.write([encode_response(opaque, code, header)])
+
+    def send_oneway_request(self, code: int, header: Any) -> None:
+        """A broker -> client one-way request (NOTIFY_CONSUMER_IDS_CHANGED); never answered."""
+        if not self.closed:
+            self.write(encode_frame_parts(Frame(code, 0, FLAG_ONEWAY, header)))
 
     def respond_error(self, opaque: int, code: int, message: str) -> None:
         self.respond(opaque, code, ErrorResponseHeader(message=message))

@@ -188,7 +188,9 @@ class PullProcessor:
         allow_suspend: bool,
     ) -> None:
         """Read and answer (or hold) one validated pull."""
-        r = self.store.get_messages(h.topic, h.queue_id, h.queue_offset, h.max_msg_nums, tags)
+        np = self.broker.non_persistent
+        src = np if np.owns(h.topic) else self.store
+        r = src.get_messages(h.topic, h.queue_id, h.queue_offset, h.max_msg_nums, tags)
         status = r.status
         if status is _S.FOUND:
             bodies = [b.data for b in r.batches]

@@ -35,15 +35,21 @@ import time
 from typing import TYPE_CHECKING
 
 from tidemq.broker.connection import decode_request
+from tidemq.broker.dedup import DupStatus, MessageDeduplication
 from tidemq.broker.errors import RequestRejected, rejection_for_store_error
 from tidemq.broker.topic_config import topic_name_problem
 from tidemq.protocol.codes import ResponseCode
 from tidemq.protocol.errors import CorruptBatchError, TidemqError
 from tidemq.protocol.frame import FLAG_ONEWAY
-from tidemq.protocol.headers import Perm, SendMessageRequestHeader, SendMessageResponseHeader
-from tidemq.protocol.record import RECORD_HEADER, BatchView, Compression, unique_id
+from tidemq.protocol.headers import (
+    DEDUP_PRODUCER_BIT,
+    Perm,
+    SendMessageRequestHeader,
+    SendMessageResponseHeader,
+)
+from tidemq.protocol.record import RECORD_HEADER, BatchView, Compression, TxnType, unique_id
 from tidemq.store.flush import FlushMode
-from tidemq.store.message_store import PutStatus
+from tidemq.store.message_store import PutResult, PutStatus
 
 if TYPE_CHECKING:
     import asyncio
@@ -64,7 +70,9 @@ def _ignore_durability(err: object) -> None:
 class _PendingSend:
     """A SYNC_FLUSH send between its put and its response."""
 
-    __slots__ = ("waiters", "conn", "opaque", "header", "durable", "error", "timer", "answered")
+    __slots__ = (
+        "waiters", "conn", "opaque", "header", "durable", "error", "timer", "answered", "dedup",
+    )
 
     def __init__(self, waiters: _DurabilityWaiters, conn: BrokerConnection, opaque: int) -> None:
         self.waiters = waiters
@@ -75,6 +83,8 @@ class _PendingSend:
         self.error: object = None
         self.timer: asyncio.TimerHandle | None = None
         self.answered = False
+        # (MessageDeduplication, producer id, highest sequence) of a deduplicated batch
+        self.dedup: tuple[MessageDeduplication, int, int] | None = None
 
     def __call__(self, err: object) -> None:  # the store's on_durable, any thread
         self.waiters.arrive(self, err)
@@ -91,6 +101,12 @@ class _PendingSend:
         """The fsync covering this batch finished (loop thread)."""
         self.durable = True
         self.error = err
+        if self.dedup is not None:
+            dedup, pid, highest = self.dedup
+            if err is None:
+                dedup.persisted_up_to(pid, highest)
+            else:
+                dedup.failed(pid)
         if self.header is not None:
             self._answer()
 
@@ -161,6 +177,8 @@ class SendProcessor:
             broker.loop, self.store.config.sync_flush_timeout_ms / 1000.0
         )
         self._topic_bytes: dict[str, bytes] = {}
+        self.dedup = broker.dedup
+        self.non_persistent = broker.non_persistent
 
     def handle(self, conn: BrokerConnection, frame: Frame) -> None:
         h: SendMessageRequestHeader = decode_request(frame, SendMessageRequestHeader)
@@ -241,19 +259,34 @@ class SendProcessor:
                         f"{cfg.max_properties_size}; move data into the body",
                     )
         oneway = frame.flags & FLAG_ONEWAY
+        if self.non_persistent.owns(topic):
+            self.non_persistent.publish(conn, frame.opaque, oneway, body, v, qid)
+            return
         pending = None
+        pid = v.producer_id
+        dedup = self.dedup if pid >= DEDUP_PRODUCER_BIT and self.dedup.enabled else None
+        if dedup is not None and not self._dedup_admits(dedup, conn, frame.opaque, oneway, v):
+            return
         t0 = time.perf_counter()
         try:
             if self.sync_flush:
                 if oneway:
-                    r = self.store.put(body, queue_id=qid, on_durable=_ignore_durability)
+                    r = self._put(h, conn, body, qid, v, on_durable=_ignore_durability)
                 else:
                     pending = _PendingSend(self.waiters, conn, frame.opaque)
-                    r = self.store.put(body, queue_id=qid, on_durable=pending)
+                    if dedup is not None:
+                        pending.dedup = (dedup, pid, v.base_seq + v.count - 1)
+                    r = self._put(h, conn, body, qid, v, on_durable=pending)
             else:
-                r = self.store.put(body, queue_id=qid)
+                r = self._put(h, conn, body, qid, v)
         except TidemqError as exc:
+            if dedup is not None:
+                dedup.failed(pid)
             raise rejection_for_store_error(exc) from None
+        if dedup is not None and (not self.sync_flush or oneway):
+            # ASYNC_FLUSH: the batch is in the CommitLog mapping (survives a broker crash).
+            # A one-way SYNC_FLUSH send has no durability callback; the same holds for it.
+            dedup.persisted_up_to(pid, v.base_seq + v.count - 1)
         self.stats.record_put(topic, r.count, size, time.perf_counter() - t0)
         if oneway:
             return
@@ -261,11 +294,50 @@ class SendProcessor:
             msg_id=unique_id(v.producer_id, v.base_seq),
             queue_id=r.queue_id,
             queue_offset=r.queue_offset,
-            count=r.count,
+            count=v.count,
         )
+        if v.txn == TxnType.PREPARED:
+            header.commit_log_offset = r.phys_offset
+            header.transaction_id = header.msg_id
         if pending is not None:
             pending.stored(header)
         elif r.status is PutStatus.PUT_OK:
             conn.respond(frame.opaque, ResponseCode.SUCCESS, header)
         else:
             conn.respond(frame.opaque, ResponseCode.FLUSH_DISK_TIMEOUT, header)
+
+    def _put(
+        self, h: SendMessageRequestHeader, conn: BrokerConnection, body: bytes, qid: int,
+        v: BatchView, on_durable: object = None,
+    ) -> PutResult:
+        """Half messages to the transaction service; everything else through
+        ``Broker.put_internal`` (which holds delayed and timed batches)."""
+        if v.txn == TxnType.PREPARED:
+            self.broker.transactions.register_producer(h.producer_group, conn)
+            return self.broker.transactions.prepare(body, v, qid, h.producer_group, on_durable)
+        return self.broker.put_internal(body, qid, on_durable=on_durable, view=v)
+
+    def _dedup_admits(
+        self, dedup: MessageDeduplication, conn: BrokerConnection, opaque: int, oneway: int,
+        v: BatchView,
+    ) -> bool:
+        """BR12: False when the batch must not be stored (answered here: DUPLICATE or
+        RETRY_LATER); True when it is new (and now counts as pushed)."""
+        status = dedup.check(v.producer_id, v.base_seq, v.count)
+        if status is DupStatus.NEW:
+            return True
+        if oneway:
+            return False
+        if status is DupStatus.DUPLICATE:
+            conn.respond_error(
+                opaque, ResponseCode.DUPLICATE,
+                f"sequence {v.base_seq} of producer {v.producer_id:016X} is already stored "
+                f"(highest persisted {dedup.last_sequence(v.producer_id)}); not stored again",
+            )
+        else:
+            conn.respond_error(
+                opaque, ResponseCode.RETRY_LATER,
+                f"sequence {v.base_seq} of producer {v.producer_id:016X} was received but is "
+                "not durable yet; retry the same batch shortly",
+            )
+        return False

@@ -356,10 +356,15 @@ def _emit(result: dict[str, Any], as_json: bool) -> None:
 @click.option("--producers", default=1, show_default=True, help="Producer processes.")
 @click.option("--inflight", default=4, show_default=True, help="Batches in flight each.")
 @click.option("--queues", default=8, show_default=True, help="Queues if the topic is created.")
+@click.option("--auto-batch", is_flag=True,
+              help="Send single messages with send_async; the producer batches (up to --batch).")
+@click.option("--producer-name", default=None,
+              help="Deduplicated producer (BR12) of this name (process i: NAME-i).")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def bench_produce_cmd(namesrv: str, topic: str, size: int, count: int, batch: int,
-                      producers: int, inflight: int, queues: int, as_json: bool) -> None:
+                      producers: int, inflight: int, queues: int, auto_batch: bool,
+                      producer_name: str | None, as_json: bool) -> None:
     """Send COUNT messages of SIZE bytes in batches; print the rate."""
     from tidemq.bench.client_bench import bench_produce
 
@@ -368,7 +373,8 @@ def bench_produce_cmd(namesrv: str, topic: str, size: int, count: int, batch: in
     with click.progressbar(length=count, label="producing", file=sys.stderr) as bar:
         result = bench_produce(namesrv=namesrv, topic=topic, size=size, count=count, batch=batch,
                                producers=producers, inflight=inflight, queues=queues,
-                               progress=bar.update)
+                               progress=bar.update, auto_batch=auto_batch,
+                               producer_name=producer_name)
     _emit(result, as_json)
 
 

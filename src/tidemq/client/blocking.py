@@ -27,9 +27,12 @@ from tidemq.client.consumer import PullConsumer as AioPullConsumer
 from tidemq.client.message import Message, MessageExt, MessageQueue, SendResult
 from tidemq.client.producer import Producer as AioProducer
 from tidemq.client.producer import SendCallback
+from tidemq.client.push_consumer import PushConsumer as AioPushConsumer
+from tidemq.client.transaction_producer import TransactionProducer as AioTransactionProducer
+from tidemq.client.transaction_producer import TransactionSendResult
 from tidemq.protocol.headers import ClusterInfo, TopicConfig, TopicRouteData
 
-__all__ = ["Producer", "PullConsumer", "Admin", "io_loop"]
+__all__ = ["Producer", "TransactionProducer", "PullConsumer", "PushConsumer", "Admin", "io_loop"]
 
 T = TypeVar("T")
 
@@ -166,6 +169,35 @@ class Producer(_Facade):
     def send_oneway(self, msg: Message | Sequence[Message], **options: Any) -> None:
         _run(self._aio.send_oneway(msg, **options))
 
+    def cancel(self, result: SendResult, **options: Any) -> None:
+        """Cancel a pending timed message by the SendResult of its send."""
+        _run(self._aio.cancel(result, **options))
+
+
+class TransactionProducer(Producer):
+    """Blocking transactional producer; options as ``tidemq.aio.TransactionProducer``.
+
+    ``execute(msg, arg)`` and ``checker(message_ext)`` are plain functions here and run in a
+    worker thread (they may block on a database), never on the tidemq-io loop. Any thread."""
+
+    def __init__(self, namesrv: str | Sequence[str], group: str, *,
+                 checker: Callable[[MessageExt], Any], **options: Any) -> None:
+        async def check(m: MessageExt) -> Any:
+            return await asyncio.to_thread(checker, m)
+
+        self._aio: AioTransactionProducer = _run(_make(
+            lambda: AioTransactionProducer(namesrv, group, checker=check, **options)
+        ))
+
+    def send_in_transaction(
+        self, msg: Message, execute: Callable[[Message, Any], Any], arg: Any = None,
+        **options: Any,
+    ) -> TransactionSendResult:
+        async def run(m: Message, a: Any) -> Any:
+            return await asyncio.to_thread(execute, m, a)
+
+        return _run(self._aio.send_in_transaction(msg, run, arg, **options))
+
 
 class PullConsumer(_Facade):
     """Blocking lite pull consumer; options as ``tidemq.aio.PullConsumer``. Any thread."""
@@ -247,6 +279,53 @@ class PullConsumer(_Facade):
             self._aio.resume(qs)
 
         _run(go())
+
+
+class PushConsumer(_Facade):
+    """Blocking push consumer; options as ``tidemq.aio.PushConsumer``. Any thread.
+
+    The listener runs on the consumer's thread pool (an ``async def`` listener on the shared
+    ``tidemq-io`` loop, where it must not block)."""
+
+    def __init__(self, namesrv: str | Sequence[str], group: str,
+                 listener: Callable[..., Any], **options: Any) -> None:
+        self._aio: AioPushConsumer = _run(
+            _make(lambda: AioPushConsumer(namesrv, group, listener, **options))
+        )
+
+    @property
+    def client_id(self) -> str:
+        return self._aio.client_id
+
+    def subscribe(self, topic: str, expression: str = "*") -> None:
+        async def go() -> None:
+            self._aio.subscribe(topic, expression)
+
+        _run(go())
+
+    def unsubscribe(self, topic: str) -> None:
+        async def go() -> None:
+            self._aio.unsubscribe(topic)
+
+        _run(go())
+
+    def assignment(self) -> set[MessageQueue]:
+        async def go() -> set[MessageQueue]:
+            return self._aio.assignment()
+
+        return _run(go())
+
+    def stats(self) -> dict[str, Any]:
+        async def go() -> dict[str, Any]:
+            return self._aio.stats()
+
+        return _run(go())
+
+    def pause(self) -> None:
+        self._aio.paused = True
+
+    def resume(self) -> None:
+        self._aio.paused = False
 
 
 class Admin(_Facade):

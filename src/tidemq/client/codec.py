@@ -16,7 +16,7 @@ Pure functions: any thread may call them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -343,15 +343,26 @@ def decode_pull_body(
     tags: frozenset[str] | None = None,
     check_crc: bool = True,
     topic: str | None = None,
+    on_corrupt: Callable[[int, int, str], None] | None = None,
 ) -> tuple[list[MessageExt], int]:
     """:func:`decode_batches` plus the queue offset right after the last batch of the body
-    (``from_offset`` when the body is empty)."""
+    (``from_offset`` when the body is empty).
+
+    ``on_corrupt(queue_offset, count, reason)`` (CO9): a batch failing its CRC or its decoding
+    is reported there and skipped instead of raising; a batch whose framing is broken ends the
+    body (its end cannot be known) and is reported with count -1."""
     mv = body if isinstance(body, memoryview) else memoryview(body)
     out: list[MessageExt] = []
     pos, end = 0, len(mv)
     end_offset = from_offset
     while pos < end:
-        view = BatchView(mv, pos)
+        try:
+            view = BatchView(mv, pos)
+        except CorruptBatchError as exc:
+            if on_corrupt is None:
+                raise
+            on_corrupt(end_offset, -1, str(exc))
+            break
         pos += view.total_size
         end_offset = max(end_offset, view.queue_offset + view.count)
         start = from_offset - view.queue_offset
@@ -359,20 +370,36 @@ def decode_pull_body(
             continue
         if start < 0:
             start = 0
+        if on_corrupt is not None:
+            try:
+                if check_crc:
+                    view.verify()
+                out.extend(_decode_view(view, mv, pos, start, topic, broker_name, tags))
+            except CorruptBatchError as exc:
+                on_corrupt(view.queue_offset, view.count, str(exc))
+            continue
         if check_crc:
             view.verify()
-        btopic = topic if topic is not None else view.topic
-        base = None if view.compression else _base_bytes(mv)
-        if base is not None:
-            # Slice bodies straight out of the received bytes object: no copy of the batch.
-            raw, off = base[0], base[1] + pos - view.total_size + view.records_start
-            rlen = off + view.records_size
-        else:
-            raw, off = bytes(view.raw_records()), 0
-            rlen = len(raw)
-        meta = _BatchMeta(view, btopic, broker_name, raw, off)
-        out.extend(_decode_one(meta, raw, off, rlen, view.count, start, tags))
+        out.extend(_decode_view(view, mv, pos, start, topic, broker_name, tags))
     return out, end_offset
+
+
+def _decode_view(
+    view: BatchView, mv: memoryview, pos: int, start: int, topic: str | None, broker_name: str,
+    tags: frozenset[str] | None,
+) -> list[MessageExt]:
+    """Messages ``start..`` of the batch ``view`` that ends at ``pos`` in ``mv``."""
+    btopic = topic if topic is not None else view.topic
+    base = None if view.compression else _base_bytes(mv)
+    if base is not None:
+        # Slice bodies straight out of the received bytes object: no copy of the batch.
+        raw, off = base[0], base[1] + pos - view.total_size + view.records_start
+        rlen = off + view.records_size
+    else:
+        raw, off = bytes(view.raw_records()), 0
+        rlen = len(raw)
+    meta = _BatchMeta(view, btopic, broker_name, raw, off)
+    return _decode_one(meta, raw, off, rlen, view.count, start, tags)
 
 
 def _base_bytes(mv: memoryview) -> tuple[bytes, int] | None:

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from tidemq.client.errors import (
@@ -88,8 +88,17 @@ class _Pending:
 class Connection(asyncio.Protocol):
     """One connection to a broker or name server. Event loop only."""
 
-    def __init__(self, address: str, *, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        on_request: Callable[[Connection, Frame], None] | None = None,
+    ) -> None:
         self.address = address
+        #: Called (on the loop) with every request the peer sends us, e.g. the broker's
+        #: NOTIFY_CONSUMER_IDS_CHANGED; None ignores them.
+        self.on_request = on_request
         self.max_frame_size = max_frame_size
         self.local_host = ""
         self.local_port = 0
@@ -132,8 +141,13 @@ class Connection(asyncio.Protocol):
                 p.timer.cancel()
                 if not p.future.done():
                     p.future.set_result(frame)
+            elif self.on_request is not None:
+                try:
+                    self.on_request(self, frame)
+                except Exception:  # a handler bug must not break the connection
+                    log.exception("handling request code %d from %s failed", frame.code,
+                                  self.address)
             else:
-                # Broker -> client requests (CHECK_TRANSACTION_STATE, ...) come with later issues.
                 log.debug("ignoring request code %d from %s", frame.code, self.address)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -279,8 +293,11 @@ class ConnectionPool:
         *,
         connect_timeout: float = DEFAULT_TIMEOUT,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        on_request: Callable[[Connection, Frame], None] | None = None,
     ) -> None:
         self.connect_timeout = connect_timeout
+        #: Handler of peer -> client requests, given to every connection (see Connection).
+        self.on_request = on_request
         self.max_frame_size = max_frame_size
         self._conns: dict[str, Connection] = {}
         self._connecting: dict[str, asyncio.Future[Connection]] = {}
@@ -321,7 +338,9 @@ class ConnectionPool:
         try:
             _t, conn = await asyncio.wait_for(
                 loop.create_connection(
-                    lambda: Connection(address, max_frame_size=self.max_frame_size), host, port
+                    lambda: Connection(address, max_frame_size=self.max_frame_size,
+                                       on_request=self.on_request),
+                    host, port,
                 ),
                 self.connect_timeout,
             )

@@ -17,6 +17,13 @@ messages (skipping those before the requested offset and re-checking tags); NO_N
 NO_MATCHED_MSG move on to next_begin_offset; OFFSET_ILLEGAL jumps to the broker's corrected
 offset (logged). Errors back off 1 s and retry.
 
+Integrity (CO9): every received batch's CRC32C is verified (``check_crc``); a batch that fails
+it, or does not decode, is skipped and reported -- ``corrupt_batches`` counts them and a warning
+names the queue and offsets -- instead of stopping the queue. Compressed batches are
+decompressed transparently; chunked messages (PR5) are reassembled per queue
+(``chunking.ChunkAssembler``, incomplete ones expire after ``chunk_expire`` s) and the committed
+position never passes the first chunk of a message still being assembled.
+
 Flow control: a queue stops pulling while it holds ``pull_threshold_per_queue`` unpolled
 messages and resumes when ``poll`` drains it below that.
 
@@ -36,7 +43,8 @@ import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from tidemq.client import offsets
+from tidemq.client import chunking, offsets
+from tidemq.client.chunking import ChunkAssembler
 from tidemq.client.codec import decode_pull_body, parse_tag_expression
 from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
 from tidemq.client.errors import ClientClosedError, NoRouteError
@@ -60,7 +68,7 @@ class _Queue:
 
     __slots__ = (
         "mq", "pull_offset", "consume_offset", "committed", "chunks", "buffered", "task",
-        "paused", "space", "ready",
+        "paused", "space", "ready", "assembler",
     )
 
     def __init__(self, mq: MessageQueue) -> None:
@@ -76,6 +84,7 @@ class _Queue:
         self.space = asyncio.Event()
         self.space.set()
         self.ready: asyncio.Future[None] | None = None  # resolved once the start offset is known
+        self.assembler: ChunkAssembler | None = None  # created at the first chunk seen
 
 
 class PullConsumer:
@@ -107,6 +116,7 @@ class PullConsumer:
         request_timeout: float = DEFAULT_TIMEOUT,
         route_refresh: float = 30.0,
         pool: ConnectionPool | None = None,
+        chunk_expire: float = 60.0,
     ) -> None:
         if not group:
             raise ValueError("a consumer needs a group name")
@@ -124,6 +134,8 @@ class PullConsumer:
         self.pull_threshold = pull_threshold_per_queue or max(1000, 4 * pull_batch_size)
         self.suspend_timeout = suspend_timeout
         self.check_crc = check_crc
+        self.chunk_expire = chunk_expire
+        self.corrupt_batches = 0  # CO9: batches skipped for a CRC or decoding failure
         self.request_timeout = request_timeout
         self._own_pool = pool is None
         self.pool = pool if pool is not None else ConnectionPool(connect_timeout=request_timeout)
@@ -272,7 +284,7 @@ class PullConsumer:
                     out.extend(msgs[:need])
                     chunks[0] = (msgs[need:], nxt)
                     q.buffered -= need
-                    q.consume_offset = msgs[need - 1].queue_offset + 1
+                    q.consume_offset = min(msgs[need - 1].queue_offset + 1, nxt)
                     need = 0
             if q.buffered < self.pull_threshold and not q.space.is_set():
                 q.space.set()
@@ -512,9 +524,10 @@ class PullConsumer:
                     msgs, end = decode_pull_body(
                         frame.body, from_offset=offset, broker_name=mq.broker_name, tags=tags,
                         check_crc=self.check_crc, topic=mq.topic,
+                        on_corrupt=lambda qo, n, why, mq=mq: self._corrupt(mq, qo, n, why),
                     )
                     nxt = max(h.next_begin_offset, end) if end > offset else h.next_begin_offset
-                    self._push(q, msgs, nxt)
+                    self._push(q, self._assemble(q, msgs), nxt)
                 elif status is PullStatus.OFFSET_ILLEGAL:
                     log.warning(
                         "offset %d of %s is illegal (queue holds [%d, %d]); continuing at %d",
@@ -533,8 +546,30 @@ class PullConsumer:
                 log.exception("pull of %s failed unexpectedly; retrying in 1 s", mq)
                 await asyncio.sleep(1.0)
 
+    def _corrupt(self, mq: MessageQueue, queue_offset: int, count: int, why: str) -> None:
+        self.corrupt_batches += 1
+        where = (f"offsets {queue_offset}..{queue_offset + count - 1}" if count > 0
+                 else f"offset {queue_offset} to the end of the pull")
+        log.warning("corrupt batch skipped: topic %s queue %s:%d %s: %s", mq.topic,
+                    mq.broker_name, mq.queue_id, where, why)
+
+    def _assemble(self, q: _Queue, msgs: list[MessageExt]) -> list[MessageExt]:
+        """Chunks (PR5) replaced by the messages they complete."""
+        a = q.assembler
+        if a is None:
+            for m in msgs:
+                if chunking.may_be_chunk(m) and chunking.CHUNK_UUID in m.properties:
+                    a = q.assembler = ChunkAssembler(expire_s=self.chunk_expire)
+                    break
+            else:
+                return msgs
+        return a.feed(msgs)
+
     def _push(self, q: _Queue, msgs: list[MessageExt], nxt: int) -> None:
         q.pull_offset = nxt
+        low = q.assembler.low_water() if q.assembler is not None else None
+        if low is not None and low < nxt:
+            nxt = low  # never commit past a chunked message still being assembled
         if not msgs and not q.chunks:
             q.consume_offset = nxt  # nothing pending before it: the position moves at once
             return

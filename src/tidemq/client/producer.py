@@ -18,9 +18,19 @@ every broker is avoided. Retries re-send the same bytes with the same producer i
 so a broker that deduplicates (BR12) stores the batch once. Pinned sends (queue_id, selector,
 hash_key) are never moved to another queue: that would break their order.
 
-Ids (PR6, PR9): each Producer instance has a random 64-bit ``producer_id``; every batch gets the
+Ids (PR6, PR9): each Producer instance has a random 63-bit ``producer_id``; every batch gets the
 next ``base_seq`` (message i: ``base_seq + i``); the unique message id is
-``record.unique_id(producer_id, seq)``.
+``record.unique_id(producer_id, seq)``. A producer with a ``producer_name`` is deduplicated by the
+brokers (BR12): its id is ``dedup_producer_id(name)`` (bit 63 set), its sequence continues after
+the highest one the brokers persisted for that name (asked at start), ``sequence_id=`` sends a
+batch with an explicit base sequence, a DUPLICATE answer is a success with
+``SendStatus.DUPLICATE``, and its retries stay on the same queue (docs/producer-path.md).
+
+Automatic batching (PR3): ``send_async`` messages without routing options are collected per
+topic and sent as one batch when ``batch_max_messages`` (1000) or ``batch_max_bytes`` (128 KiB)
+is reached or ``batch_max_delay`` (1 ms) has passed. Compression (PR4) applies to a batch whose
+records are at least ``compress_min`` (1 KiB). Messages above ``max_message_size`` are sent in
+chunks (PR5, ``chunking.py``).
 
 Threading: one event loop. Use ``tidemq.Producer`` from threads.
 """
@@ -35,6 +45,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tidemq.client import chunking
 from tidemq.client.codec import encode_messages, set_queue_id
 from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
 from tidemq.client.errors import (
@@ -50,17 +61,23 @@ from tidemq.client.route import RouteCache, TopicRoute
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import BrokerError, LocalProtocolError
 from tidemq.protocol.headers import (
+    CancelTimerMessageRequestHeader,
     ClusterInfo,
+    LastSequenceRequestHeader,
+    LastSequenceResponseHeader,
     QueueData,
     SendMessageRequestHeader,
     SendMessageResponseHeader,
     TopicRouteData,
+    dedup_producer_id,
 )
 from tidemq.protocol.record import Compression, crc32c, pack_host, unique_id
 
 __all__ = ["Producer", "Selector", "SendCallback"]
 
 log = logging.getLogger(__name__)
+
+_Future = asyncio.Future
 
 Selector = Callable[[list[MessageQueue], Message, Any], MessageQueue]
 SendCallback = Callable[[SendResult | None, BaseException | None], None]
@@ -111,12 +128,14 @@ class Producer:
         retries: int = 2,
         max_message_size: int = MAX_MESSAGE_SIZE,
         compression: str = "none",
-        compress_min: int = 4096,
+        compress_min: int = 1024,
         latency_fault: bool = True,
         auto_create_route: bool = True,
         auto_batch: bool = True,
         batch_max_messages: int = 1000,
         batch_max_bytes: int = 128 * 1024,
+        batch_max_delay: float = 0.001,
+        producer_name: str | None = None,
         default_topic_queues: int = 8,
         route_refresh: float = 30.0,
         pool: ConnectionPool | None = None,
@@ -137,7 +156,13 @@ class Producer:
         self.batch_max_messages = batch_max_messages
         self.batch_max_bytes = batch_max_bytes
         self.default_topic_queues = default_topic_queues
-        self.producer_id = secrets.randbits(64)
+        self.batch_max_delay = batch_max_delay
+        self.producer_name = producer_name
+        # Named producers are deduplicated by the broker (bit 63 set); random ids keep it clear.
+        self.producer_id = (
+            dedup_producer_id(producer_name) if producer_name else secrets.randbits(63)
+        )
+        self.last_sequence_id = -1  # named producers: the brokers' highest persisted, at start
         self._seq = 0
         self._own_pool = pool is None
         self.pool = pool if pool is not None else ConnectionPool(connect_timeout=send_timeout)
@@ -149,9 +174,8 @@ class Producer:
         self._closed = False
         self._async: set[asyncio.Future[Any]] = set()
         self._hosts: dict[str, bytes] = {}  # local address -> record.pack_host form
-        # send_async messages of this loop iteration, per topic: (messages, futures, [bytes])
-        self._pending: dict[str, tuple[list[Message], list[asyncio.Future[SendResult]],
-                                       list[int]]] = {}
+        # The open auto-batch of each topic: [messages, futures, body bytes, loop].
+        self._pending: dict[str, list[Any]] = {}
         self._pending_flush = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -161,7 +185,37 @@ class Producer:
         if not self._started:
             self._started = True
             self.routes.start()
+            if self.producer_name:
+                try:
+                    await self._fetch_last_sequence()
+                except BaseException:
+                    self._started = False
+                    raise
         return self
+
+    async def _fetch_last_sequence(self) -> None:
+        """Pulsar's getLastSequenceId: continue after the highest sequence any broker of the
+        cluster persisted for this name."""
+        frame = await self.routes.namesrv_request(RequestCode.GET_BROKER_CLUSTER_INFO)
+        info = frame.header
+        addrs = []
+        if isinstance(info, ClusterInfo):
+            for bd in info.broker_addr_table.values():
+                addrs.extend(bd.broker_addrs.values())
+        last = -1
+        for addr in addrs:
+            conn = await self.pool.get(addr)
+            resp = await conn.request(
+                RequestCode.GET_LAST_SEQUENCE,
+                LastSequenceRequestHeader(producer_name=self.producer_name or ""),
+                timeout=self.send_timeout,
+            )
+            raise_for_error(resp)
+            h = resp.header
+            assert isinstance(h, LastSequenceResponseHeader)
+            last = max(last, h.last_sequence_id)
+        self.last_sequence_id = last
+        self._seq = max(self._seq, last + 1)
 
     async def close(self) -> None:
         """Wait for async sends still in flight, then close connections. Idempotent."""
@@ -192,10 +246,15 @@ class Producer:
         arg: Any = None,
         hash_key: str | bytes | None = None,
         timeout: float | None = None,
+        sequence_id: int | None = None,
     ) -> SendResult:
-        """Send one message and wait for the broker's answer."""
+        """Send one message and wait for the broker's answer. A message too large for one
+        batch is sent in chunks (PR5); ``sequence_id`` sets its sequence explicitly."""
+        if len(msg.body) > self.max_message_size - chunking.CHUNK_HEADROOM // 2:
+            return await self._send_chunked(msg, queue_id, selector, arg, hash_key, timeout,
+                                            sequence_id)
         return await self._send(msg.topic, (msg,), queue_id, selector, arg, hash_key, timeout,
-                                RequestCode.SEND_MESSAGE)
+                                RequestCode.SEND_MESSAGE, sequence_id)
 
     async def send_batch(
         self,
@@ -206,8 +265,13 @@ class Producer:
         arg: Any = None,
         hash_key: str | bytes | None = None,
         timeout: float | None = None,
+        sequence_id: int | None = None,
     ) -> SendResult:
-        """Send messages of one topic as one batch (one queue, consecutive offsets)."""
+        """Send messages of one topic as one batch (one queue, consecutive offsets).
+
+        ``sequence_id``: the batch's base sequence (message i: ``sequence_id + i``) instead of
+        the producer's next one -- for a deduplicated producer re-sending a batch with the ids
+        it had (docs/producer-path.md)."""
         if not msgs:
             raise ValueError("send_batch needs at least one message")
         topic = msgs[0].topic
@@ -217,7 +281,27 @@ class Producer:
                     f"a batch holds one topic; got {topic!r} and {m.topic!r}: send them apart"
                 )
         return await self._send(topic, msgs, queue_id, selector, arg, hash_key, timeout,
-                                RequestCode.SEND_BATCH)
+                                RequestCode.SEND_BATCH, sequence_id)
+
+    async def _send_chunked(
+        self, msg: Message, queue_id: int | MessageQueue | None, selector: Selector | None,
+        arg: Any, hash_key: str | bytes | None, timeout: float | None, sequence_id: int | None,
+    ) -> SendResult:
+        """PR5: one batch per chunk, in order, to one queue; the result of the last chunk
+        (count 1: the consumer sees one message)."""
+        await self._ensure_started()
+        route = self.routes.cached(msg.topic) or await self._route(msg.topic)
+        mq, _pinned = self._select(route, msg, queue_id, selector, arg, hash_key, None)
+        seq = self._seq if sequence_id is None else sequence_id
+        name = self.producer_name or f"{self.producer_id:016X}"
+        parts = chunking.split(msg, f"{name}-{seq}",
+                               chunking.chunk_body_size(self.max_message_size))
+        result: SendResult | None = None
+        for i, part in enumerate(parts):
+            result = await self._send(msg.topic, (part,), mq, None, None, None, timeout,
+                                      RequestCode.SEND_MESSAGE, seq + i)
+        assert result is not None
+        return result
 
     def send_async(
         self,
@@ -228,13 +312,40 @@ class Producer:
         """Start sending now; return a future (awaitable). ``callback(result, error)`` runs on
         the loop when it completes. A list sends as one batch.
 
-        With ``auto_batch`` (the default) single messages without routing options that are
-        sent in the same loop iteration travel as one batch (up to ``batch_max_messages`` /
-        ``batch_max_bytes``; Pulsar's producer batching with no added delay): each still gets
-        its own SendResult, and they share a queue."""
+        With ``auto_batch`` (the default) single messages without routing options travel
+        together as one batch (Pulsar's batch container, PR3): a batch leaves when it holds
+        ``batch_max_messages`` or ``batch_max_bytes``, or ``batch_max_delay`` after its first
+        message. Each message still gets its own SendResult, and they share a queue."""
         fut: asyncio.Future[SendResult]
-        if self.auto_batch and not options and isinstance(msg, Message):
+        if (
+            callback is None and not options and type(msg) is Message and self.auto_batch
+            and len(msg.body) < self.batch_max_bytes
+            and not msg.delay_level and not msg.deliver_at
+        ):
+            # The hot path, kept to the least work per message (no per-future callbacks:
+            # close() waits for the batch's task instead).
+            pending = self._pending.get(msg.topic)
+            if pending is None:
+                return self._enqueue(msg)
+            fut = _Future(loop=pending[3])
+            msgs = pending[0]
+            msgs.append(msg)
+            pending[1].append(fut)
+            size = pending[2] + len(msg.body)
+            pending[2] = size
+            if len(msgs) >= self.batch_max_messages or size >= self.batch_max_bytes:
+                self._dispatch(msg.topic)
+            return fut
+        if (
+            self.auto_batch and not options and isinstance(msg, Message)
+            and len(msg.body) < self.batch_max_bytes
+            # delay and delivery time are per batch: a delayed message travels alone
+            and not msg.delay_level and not msg.deliver_at
+        ):
             fut = self._enqueue(msg)
+            if callback is None:
+                # The hot path: close() waits for the batch's task, not for each future.
+                return fut
         else:
             coro = self.send_batch(msg, **options) if isinstance(msg, list | tuple) else (
                 self.send(msg, **options)  # type: ignore[arg-type]
@@ -254,6 +365,19 @@ class Producer:
 
             fut.add_done_callback(done)
         return fut
+
+    async def cancel(self, result: SendResult, *, timeout: float | None = None) -> None:
+        """Cancel a pending timed message (sent with ``deliver_at`` / ``deliver_after``) by
+        the SendResult of its send. Raises BrokerError (QUERY_NOT_FOUND) when it is not
+        pending any more: delivered, cancelled, or not a timed message."""
+        await self._ensure_started()
+        route = self.routes.cached(result.topic) or await self._route(result.topic)
+        addr = route.broker_addrs[result.broker_name]
+        await self.pool.request(
+            addr, RequestCode.CANCEL_TIMER_MESSAGE,
+            CancelTimerMessageRequestHeader(msg_id=result.msg_id),
+            timeout=self.send_timeout if timeout is None else timeout,
+        )
 
     async def send_oneway(
         self,
@@ -285,25 +409,37 @@ class Producer:
         fut: asyncio.Future[SendResult] = loop.create_future()
         pending = self._pending.get(msg.topic)
         if pending is None:
-            pending = self._pending[msg.topic] = ([], [], [0])
-        msgs, futs, size = pending
+            # [messages, futures, body bytes, loop]
+            pending = self._pending[msg.topic] = [[], [], 0, loop]
+        msgs, futs = pending[0], pending[1]
         msgs.append(msg)
         futs.append(fut)
-        size[0] += len(msg.body)
-        if len(msgs) >= self.batch_max_messages or size[0] >= self.batch_max_bytes:
-            del self._pending[msg.topic]
-            loop.create_task(self._send_pending(msg.topic, msgs, futs))
+        pending[2] += len(msg.body)
+        if len(msgs) >= self.batch_max_messages or pending[2] >= self.batch_max_bytes:
+            self._dispatch(msg.topic)
         elif not self._pending_flush:
             self._pending_flush = True
-            loop.call_soon(self._flush_pending)
+            if self.batch_max_delay > 0:
+                loop.call_later(self.batch_max_delay, self._flush_pending)
+            else:
+                loop.call_soon(self._flush_pending)
         return fut
 
     def _flush_pending(self) -> None:
         self._pending_flush = False
         pending, self._pending = self._pending, {}
         loop = asyncio.get_running_loop()
-        for topic, (msgs, futs, _size) in pending.items():
-            loop.create_task(self._send_pending(topic, msgs, futs))
+        for topic, (msgs, futs, _size, _loop) in pending.items():
+            self._track(loop.create_task(self._send_pending(topic, msgs, futs)))
+
+    def _dispatch(self, topic: str) -> None:
+        """Send the full batch of ``topic`` now."""
+        msgs, futs, _size, loop = self._pending.pop(topic)
+        self._track(loop.create_task(self._send_pending(topic, msgs, futs)))
+
+    def _track(self, task: asyncio.Future[Any]) -> None:
+        self._async.add(task)
+        task.add_done_callback(self._async.discard)
 
     async def _send_pending(
         self, topic: str, msgs: list[Message], futs: list[asyncio.Future[SendResult]]
@@ -319,11 +455,15 @@ class Producer:
                 raise
             return
         pid = self.producer_id
+        prefix = f"{pid:016X}"  # unique_id(pid, seq), formatted once per batch
+        status, qid, qoff, bname, base = (r.status, r.queue_id, r.queue_offset,
+                                          r.broker_name, r.base_seq)
+        step = 1 if qoff >= 0 else 0  # a DUPLICATE batch has no offsets: -1 for each
         for i, f in enumerate(futs):
             if not f.done():
-                seq = r.base_seq + i
-                f.set_result(SendResult(r.status, unique_id(pid, seq), topic, r.queue_id,
-                                        r.queue_offset + i, 1, r.broker_name, pid, seq))
+                seq = base + i
+                f.set_result(SendResult(status, f"{prefix}{seq:016X}", topic, qid,
+                                        qoff + i * step, 1, bname, pid, seq))
 
     # -- internals ---------------------------------------------------------------------------
     async def _route(self, topic: str) -> TopicRoute:
@@ -368,10 +508,17 @@ class Producer:
         )
 
     def _encode(
-        self, topic: str, msgs: Sequence[Message], queue_id: int, host: str, port: int
+        self, topic: str, msgs: Sequence[Message], queue_id: int, host: str, port: int,
+        sequence_id: int | None = None,
     ) -> tuple[bytearray, int]:
-        seq = self._seq
-        self._seq = seq + len(msgs)
+        if sequence_id is None:
+            seq = self._seq
+            self._seq = seq + len(msgs)
+        else:
+            if sequence_id < 0:
+                raise MessageRejectedError(f"sequence_id must be >= 0, got {sequence_id}")
+            seq = sequence_id
+            self._seq = max(self._seq, seq + len(msgs))
         try:
             batch = encode_messages(
                 topic, msgs, queue_id=queue_id, producer_id=self.producer_id, base_seq=seq,
@@ -460,6 +607,7 @@ class Producer:
         hash_key: str | bytes | None,
         timeout: float | None,
         code: int,
+        sequence_id: int | None = None,
     ) -> SendResult:
         if not self._started or self._closed:
             await self._ensure_started()
@@ -472,25 +620,33 @@ class Producer:
         last_broker: str | None = None
         last_exc: Exception | None = None
         attempts = 1 + self.retries
+        dedup = self.producer_name is not None
+        mq: MessageQueue | None = None
         for attempt in range(attempts):
             left = deadline - loop.time()
             if left <= 0:
                 break
-            mq, pinned = self._select(route, msgs[0], queue_id, selector, arg, hash_key,
-                                      last_broker)
+            if mq is None or not dedup:
+                mq, pinned = self._select(route, msgs[0], queue_id, selector, arg, hash_key,
+                                          last_broker)
             addr = route.broker_addrs[mq.broker_name]
             t0 = time.monotonic()
             try:
                 conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
                 if batch is None:
                     batch, seq = self._encode(topic, msgs, mq.queue_id, conn.local_host,
-                                              conn.local_port)
+                                              conn.local_port, sequence_id)
                 elif attempt:
                     # A copy: the transport may still hold the bytes of the failed attempt.
                     batch = bytearray(batch)
                     set_queue_id(batch, mq.queue_id)
                 header = self._header(topic, mq.queue_id, code == RequestCode.SEND_BATCH)
                 frame = await conn.request(code, header, batch, timeout=left)
+                if frame.code == ResponseCode.DUPLICATE:
+                    # BR12: the broker has this sequence already; nothing was stored again.
+                    return SendResult(SendStatus.DUPLICATE, unique_id(self.producer_id, seq),
+                                      topic, mq.queue_id, -1, len(msgs), mq.broker_name,
+                                      self.producer_id, seq)
                 raise_for_error(frame, _SEND_OK_CODES)
             except (ClientError, BrokerError) as exc:
                 if isinstance(exc, MessageRejectedError):
@@ -500,8 +656,12 @@ class Producer:
                     self._faults.update(mq.broker_name, max(latency, FAILURE_LATENCY_MS))
                 last_exc, last_broker = exc, mq.broker_name
                 retry = not isinstance(exc, BrokerError) or exc.response_code in _RETRY_CODES
-                if pinned or not retry:
+                if (pinned and not dedup) or not retry:
                     raise
+                if dedup:
+                    # A deduplicated resend must reach the broker that may hold the first copy
+                    # (same queue, same bytes); give an uncertain first copy time to settle.
+                    await asyncio.sleep(min(0.05 * (attempt + 1), max(0.0, left / 2)))
                 log.info("send to %s failed (%s), attempt %d of %d", mq, exc, attempt + 1,
                          attempts)
                 if isinstance(exc, BrokerError) and exc.response_code in (
@@ -525,7 +685,7 @@ class Producer:
             assert isinstance(h, SendMessageResponseHeader)
             return SendResult(
                 _STATUS[ResponseCode(frame.code)], h.msg_id, topic, h.queue_id, h.queue_offset,
-                h.count, mq.broker_name, self.producer_id, seq,
+                h.count, mq.broker_name, self.producer_id, seq, h.commit_log_offset,
             )
         if last_exc is None:
             raise RequestTimeoutError(f"send to topic {topic!r} timed out after {timeout:g} s")

@@ -68,8 +68,12 @@ class RequestCode(IntEnum):
     GET_TOPIC_STATS = 202  # RocketMQ GET_TOPIC_STATS_INFO
     GET_ALL_TOPIC_LIST_FROM_NAMESERVER = 206
     GET_CONSUME_STATS = 208
+    UPDATE_AND_CREATE_SUBSCRIPTION_GROUP = 200
+    GET_CONSUMER_CONNECTION_LIST = 203
     DELETE_TOPIC = 215  # RocketMQ DELETE_TOPIC_IN_BROKER
     SEND_BATCH = 320  # RocketMQ SEND_BATCH_MESSAGE
+    GET_LAST_SEQUENCE = 330  # tidemq: highest persisted sequence of a producer name (BR12)
+    CANCEL_TIMER_MESSAGE = 340  # tidemq: cancel a deliver_at message by its id (BR8)
 
 
 class ResponseCode(IntEnum):

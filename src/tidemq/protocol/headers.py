@@ -30,6 +30,7 @@ An error response's code is the frame's ``code`` field; its header carries only 
 
 from __future__ import annotations
 
+from hashlib import blake2b
 from typing import Annotated
 
 import msgspec
@@ -77,6 +78,26 @@ __all__ = [
     "FoundMessagesHeader",
     "UnregisterBrokerRequestHeader",
     "BrokerRuntimeInfo",
+    "SubscriptionData",
+    "ConsumerData",
+    "HeartbeatRequestHeader",
+    "UnregisterClientRequestHeader",
+    "ConsumerGroupRequestHeader",
+    "ConsumerListResponseHeader",
+    "QueueRef",
+    "LockBatchRequestHeader",
+    "LockBatchResponseHeader",
+    "ConsumerSendMsgBackRequestHeader",
+    "SubscriptionGroupConfig",
+    "GroupInfoResponseHeader",
+    "LastSequenceRequestHeader",
+    "LastSequenceResponseHeader",
+    "DEDUP_PRODUCER_BIT",
+    "dedup_producer_id",
+    "is_dedup_producer",
+    "EndTransactionRequestHeader",
+    "CheckTransactionStateRequestHeader",
+    "CancelTimerMessageRequestHeader",
     "REQUEST_HEADER_TYPES",
     "RESPONSE_HEADER_TYPES",
     "request_header_type",
@@ -121,6 +142,8 @@ class SendMessageResponseHeader(Header):
     queue_offset: NonNeg
     count: Positive = 1  # messages stored
     transaction_id: str | None = None
+    #: CommitLog offset of what was stored (a half message's, for END_TRANSACTION); -1 = unset
+    commit_log_offset: int = -1
 
 
 # -- pull ---------------------------------------------------------------------------------------
@@ -435,9 +458,188 @@ class BrokerRuntimeInfo(Header):
     table: dict[str, str | int | float | bool] = {}
 
 
+# -- consumer groups (SPEC BR5-BR7, CO4; docs/consumer-groups.md) --------------------------------
+
+
+class SubscriptionData(Header):
+    """One subscription of a consumer group: a topic and its tag (or SQL92) expression."""
+
+    topic: str
+    expression: str = "*"
+    expression_type: str = "TAG"
+    sub_version: int = 0
+
+
+class ConsumerData(Header):
+    """What a push consumer tells the broker about its group in every heartbeat."""
+
+    group: str
+    consume_type: str = "PUSH"  # "PUSH" or "PULL"
+    message_model: str = "CLUSTERING"  # or "BROADCASTING"
+    consume_from: str = "last"
+    subscriptions: list[SubscriptionData] = []
+
+
+class HeartbeatRequestHeader(Header):
+    """HEART_BEAT (every 30 s, and at once after a subscription changes)."""
+
+    client_id: str
+    consumers: list[ConsumerData] = []
+    producer_groups: list[str] = []
+
+
+class UnregisterClientRequestHeader(Header):
+    """UNREGISTER_CLIENT: a consumer leaving ``consumer_group`` cleanly."""
+
+    client_id: str
+    consumer_group: str = ""
+    producer_group: str = ""
+
+
+class ConsumerGroupRequestHeader(Header):
+    """GET_CONSUMER_LIST_BY_GROUP; also the header of NOTIFY_CONSUMER_IDS_CHANGED (broker ->
+    every member of the group, one-way, when the membership changed)."""
+
+    consumer_group: str
+
+
+class ConsumerListResponseHeader(Header):
+    consumer_ids: list[str] = []
+
+
+class QueueRef(Header):
+    """A message queue on the wire (MessageQueue is the client's value type)."""
+
+    topic: str
+    broker_name: str
+    queue_id: U32
+
+
+class LockBatchRequestHeader(Header):
+    """LOCK_BATCH_MQ / UNLOCK_BATCH_MQ of ordered consumption (BR6)."""
+
+    consumer_group: str
+    client_id: str
+    queues: list[QueueRef] = []
+
+
+class LockBatchResponseHeader(Header):
+    """The queues ``client_id`` holds now (LOCK_BATCH_MQ)."""
+
+    locked: list[QueueRef] = []
+
+
+class ConsumerSendMsgBackRequestHeader(Header):
+    """CONSUMER_SEND_MSG_BACK: the message at (``commit_log_offset``, ``index``) failed.
+
+    ``delay_level`` 0 lets the broker choose (3 + reconsume times); -1 sends it straight to the
+    dead-letter queue (an orderly consumer out of local retries)."""
+
+    consumer_group: str
+    commit_log_offset: NonNeg  # physical offset of the batch holding the message
+    index: NonNeg = 0  # the message's index inside that batch
+    delay_level: int = 0
+    origin_msg_id: str = ""
+    origin_topic: str = ""
+    max_reconsume_times: int = -1  # -1: the group's configured maximum (16)
+
+
+class SubscriptionGroupConfig(Header):
+    """A consumer group's settings (RocketMQ's SubscriptionGroupConfig; BR11)."""
+
+    group_name: str
+    consume_enable: bool = True
+    consume_broadcast_enable: bool = True
+    retry_queue_nums: U32 = 1
+    retry_max_times: NonNeg = 16
+    which_broker_when_consume_slowly: NonNeg = 1
+
+
+class GroupInfoResponseHeader(Header):
+    """Response header of GET_CONSUMER_CONNECTION_LIST: members, their subscriptions, config."""
+
+    consumer_ids: list[str] = []
+    message_model: str = ""
+    consume_from: str = ""
+    subscriptions: list[SubscriptionData] = []
+    config: SubscriptionGroupConfig | None = None
+
+
+class LastSequenceRequestHeader(Header):
+    """GET_LAST_SEQUENCE: the highest sequence a broker persisted for a deduplicated producer
+    (Pulsar's getLastSequenceId; docs/producer-path.md)."""
+
+    producer_name: str
+
+
+class LastSequenceResponseHeader(Header):
+    producer_id: int  # dedup_producer_id(producer_name)
+    last_sequence_id: int = -1  # -1: the broker has nothing of this producer
+
+
+#: Bit 63 of a batch's producer_id marks a named, deduplicated producer (BR12).
+DEDUP_PRODUCER_BIT = 1 << 63
+
+
+def dedup_producer_id(producer_name: str) -> int:
+    """The batch producer_id of the producer named ``producer_name``: bit 63 set, the low 63
+    bits from BLAKE2b of the name -- the same on every machine and across restarts, so the
+    broker recognises a restarted producer without parsing properties."""
+    if not producer_name:
+        raise ValueError("a producer name is a non-empty string")
+    digest = blake2b(producer_name.encode(), digest_size=8).digest()
+    return DEDUP_PRODUCER_BIT | (int.from_bytes(digest, "little") & (DEDUP_PRODUCER_BIT - 1))
+
+
+def is_dedup_producer(producer_id: int) -> bool:
+    """True for ids made by :func:`dedup_producer_id` (random instance ids keep bit 63 clear)."""
+    return producer_id >= DEDUP_PRODUCER_BIT
+
+
 # -- which header for which frame ---------------------------------------------------------------
 
+# -- delayed and transactional messages (SPEC BR8, BR9; docs/delayed-and-transactional.md) ------
+
+
+class EndTransactionRequestHeader(Header):
+    """END_TRANSACTION (producer -> broker, usually one-way): the outcome of the local
+    transaction of the half message at (``commit_log_offset``, ``tran_state_table_offset``).
+
+    ``commit_or_rollback`` is ``record.TxnType``: COMMIT 2, ROLLBACK 3, NOT_TYPE 0 = unknown
+    (the broker's check asks again later)."""
+
+    producer_group: str
+    tran_state_table_offset: NonNeg  # the half message's offset in RMQ_SYS_TRANS_HALF_TOPIC
+    commit_log_offset: NonNeg  # the half message's CommitLog offset
+    commit_or_rollback: int = 0
+    msg_id: str = ""  # the transaction's message id (message 0 of the half batch)
+    transaction_id: str = ""
+    from_transaction_check: bool = False
+
+
+class CheckTransactionStateRequestHeader(Header):
+    """CHECK_TRANSACTION_STATE (broker -> producer, one-way): what is the state of this
+    transaction? The body is the half batch as the producer sent it; the answer is an
+    END_TRANSACTION carrying these offsets."""
+
+    producer_group: str
+    tran_state_table_offset: NonNeg
+    commit_log_offset: NonNeg
+    msg_id: str
+    transaction_id: str = ""
+
+
+class CancelTimerMessageRequestHeader(Header):
+    """CANCEL_TIMER_MESSAGE: cancel the pending deliver_at message with this id
+    (QUERY_NOT_FOUND when it is not pending)."""
+
+    msg_id: str
+
+
 REQUEST_HEADER_TYPES: dict[int, type[Header]] = {
+    RequestCode.END_TRANSACTION: EndTransactionRequestHeader,
+    RequestCode.CHECK_TRANSACTION_STATE: CheckTransactionStateRequestHeader,
+    RequestCode.CANCEL_TIMER_MESSAGE: CancelTimerMessageRequestHeader,
     RequestCode.SEND_MESSAGE: SendMessageRequestHeader,
     RequestCode.SEND_BATCH: SendMessageRequestHeader,
     RequestCode.PULL_MESSAGE: PullMessageRequestHeader,
@@ -459,9 +661,21 @@ REQUEST_HEADER_TYPES: dict[int, type[Header]] = {
     RequestCode.GET_BROKER_CLUSTER_INFO: EmptyHeader,
     RequestCode.UNREGISTER_BROKER: UnregisterBrokerRequestHeader,
     RequestCode.GET_BROKER_RUNTIME_INFO: EmptyHeader,
+    RequestCode.HEART_BEAT: HeartbeatRequestHeader,
+    RequestCode.UNREGISTER_CLIENT: UnregisterClientRequestHeader,
+    RequestCode.GET_CONSUMER_LIST_BY_GROUP: ConsumerGroupRequestHeader,
+    RequestCode.NOTIFY_CONSUMER_IDS_CHANGED: ConsumerGroupRequestHeader,
+    RequestCode.LOCK_BATCH_MQ: LockBatchRequestHeader,
+    RequestCode.UNLOCK_BATCH_MQ: LockBatchRequestHeader,
+    RequestCode.CONSUMER_SEND_MSG_BACK: ConsumerSendMsgBackRequestHeader,
+    RequestCode.GET_CONSUMER_CONNECTION_LIST: ConsumerGroupRequestHeader,
+    RequestCode.UPDATE_AND_CREATE_SUBSCRIPTION_GROUP: SubscriptionGroupConfig,
+    RequestCode.GET_LAST_SEQUENCE: LastSequenceRequestHeader,
 }
 
 RESPONSE_HEADER_TYPES: dict[int, type[Header]] = {
+    RequestCode.END_TRANSACTION: EmptyHeader,
+    RequestCode.CANCEL_TIMER_MESSAGE: EmptyHeader,
     RequestCode.SEND_MESSAGE: SendMessageResponseHeader,
     RequestCode.SEND_BATCH: SendMessageResponseHeader,
     RequestCode.PULL_MESSAGE: PullMessageResponseHeader,
@@ -483,6 +697,15 @@ RESPONSE_HEADER_TYPES: dict[int, type[Header]] = {
     RequestCode.DELETE_TOPIC: EmptyHeader,
     RequestCode.UNREGISTER_BROKER: EmptyHeader,
     RequestCode.GET_BROKER_RUNTIME_INFO: BrokerRuntimeInfo,
+    RequestCode.HEART_BEAT: EmptyHeader,
+    RequestCode.UNREGISTER_CLIENT: EmptyHeader,
+    RequestCode.GET_CONSUMER_LIST_BY_GROUP: ConsumerListResponseHeader,
+    RequestCode.LOCK_BATCH_MQ: LockBatchResponseHeader,
+    RequestCode.UNLOCK_BATCH_MQ: EmptyHeader,
+    RequestCode.CONSUMER_SEND_MSG_BACK: EmptyHeader,
+    RequestCode.GET_CONSUMER_CONNECTION_LIST: GroupInfoResponseHeader,
+    RequestCode.UPDATE_AND_CREATE_SUBSCRIPTION_GROUP: EmptyHeader,
+    RequestCode.GET_LAST_SEQUENCE: LastSequenceResponseHeader,
 }
 
 _SEND_OUTCOMES = frozenset(

@@ -1,0 +1,212 @@
+"""Consumer groups on the broker: who is in which group (RocketMQ's ConsumerManager; SPEC BR5).
+
+A push consumer sends HEART_BEAT every 30 s with its client id and, per group, its message model,
+consume-from and subscriptions. The broker keeps, per group, the member clients with the
+connection each heartbeat came on and when it last arrived. A member leaves:
+
+- cleanly, with UNREGISTER_CLIENT;
+- when its connection closes (the client process died or was killed);
+- when it stays silent for ``client_channel_expired_ms`` (120 s; a hung client whose TCP
+  connection is still open), found by a scan every ``client_scan_interval_ms`` (10 s).
+
+Whenever a group's member set changes the broker sends NOTIFY_CONSUMER_IDS_CHANGED (one-way) to
+every remaining member over its own connection, so they rebalance at once instead of waiting
+for their 20 s timer (RocketMQ's ``notifyConsumerIdsChangedEnable``). GET_CONSUMER_LIST_BY_GROUP
+answers the member ids, which every member sorts the same way before allocating queues.
+
+The first heartbeat of a clustering group creates its retry topic ``%RETRY%<group>``
+(RocketMQ does this in its heartbeat handler too), so the retry topic has a route before the
+first message is sent back.
+
+Threads: the broker's event loop only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from tidemq.broker.connection import decode_request
+from tidemq.broker.errors import RequestRejected
+from tidemq.broker.pull_processor import GROUP_NAME
+from tidemq.protocol.codes import RequestCode, ResponseCode
+from tidemq.protocol.headers import (
+    ConsumerData,
+    ConsumerGroupRequestHeader,
+    ConsumerListResponseHeader,
+    EmptyHeader,
+    GroupInfoResponseHeader,
+    HeartbeatRequestHeader,
+    SubscriptionData,
+    UnregisterClientRequestHeader,
+)
+
+if TYPE_CHECKING:
+    from tidemq.broker.broker import Broker
+    from tidemq.broker.connection import BrokerConnection
+    from tidemq.protocol.frame import Frame
+
+__all__ = ["ConsumerManager", "ConsumerGroupInfo", "RETRY_PREFIX", "DLQ_PREFIX", "retry_topic"]
+
+log = logging.getLogger(__name__)
+
+RETRY_PREFIX = "%RETRY%"
+DLQ_PREFIX = "%DLQ%"
+_EMPTY = EmptyHeader()
+
+
+def retry_topic(group: str) -> str:
+    return RETRY_PREFIX + group
+
+
+class _Member:
+    __slots__ = ("client_id", "conn", "last_seen")
+
+    def __init__(self, client_id: str, conn: BrokerConnection, now: float) -> None:
+        self.client_id = client_id
+        self.conn = conn
+        self.last_seen = now
+
+
+class ConsumerGroupInfo:
+    """One group's members and what they last said about the group."""
+
+    def __init__(self, group: str) -> None:
+        self.group = group
+        self.members: dict[str, _Member] = {}
+        self.message_model = "CLUSTERING"
+        self.consume_from = "last"
+        self.consume_type = "PUSH"
+        self.subscriptions: dict[str, SubscriptionData] = {}
+
+    def ids(self) -> list[str]:
+        return sorted(self.members)
+
+
+class ConsumerManager:
+    """Groups, members and their connections; the handlers of the membership requests."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.config = broker.config
+        self.groups: dict[str, ConsumerGroupInfo] = {}
+        self.notifications = 0  # NOTIFY_CONSUMER_IDS_CHANGED frames sent (runtime info)
+
+    def handlers(self) -> dict:
+        return {
+            RequestCode.HEART_BEAT: self.heart_beat,
+            RequestCode.UNREGISTER_CLIENT: self.unregister_client,
+            RequestCode.GET_CONSUMER_LIST_BY_GROUP: self.get_consumer_list,
+            RequestCode.GET_CONSUMER_CONNECTION_LIST: self.get_group_info,
+        }
+
+    # -- requests ----------------------------------------------------------------------------
+    def heart_beat(self, conn: BrokerConnection, frame: Frame) -> None:
+        h: HeartbeatRequestHeader = decode_request(frame, HeartbeatRequestHeader)
+        if not h.client_id:
+            raise RequestRejected(ResponseCode.INVALID_ARGUMENT, "heartbeat without client_id")
+        now = time.monotonic()
+        for cd in h.consumers:
+            self._check_group(cd.group)
+            self.register(conn, h.client_id, cd, now)
+        if not frame.is_oneway:
+            conn.respond(frame.opaque, ResponseCode.SUCCESS, _EMPTY)
+
+    def unregister_client(self, conn: BrokerConnection, frame: Frame) -> None:
+        h: UnregisterClientRequestHeader = decode_request(frame, UnregisterClientRequestHeader)
+        if h.consumer_group:
+            self.unregister(h.consumer_group, h.client_id, "unregistered")
+        if not frame.is_oneway:
+            conn.respond(frame.opaque, ResponseCode.SUCCESS, _EMPTY)
+
+    def get_consumer_list(self, conn: BrokerConnection, frame: Frame) -> None:
+        h: ConsumerGroupRequestHeader = decode_request(frame, ConsumerGroupRequestHeader)
+        info = self.groups.get(h.consumer_group)
+        ids = info.ids() if info is not None else []
+        conn.respond(frame.opaque, ResponseCode.SUCCESS, ConsumerListResponseHeader(ids))
+
+    def get_group_info(self, conn: BrokerConnection, frame: Frame) -> None:
+        h: ConsumerGroupRequestHeader = decode_request(frame, ConsumerGroupRequestHeader)
+        info = self.groups.get(h.consumer_group)
+        sg = self.broker.subscription_groups.get(h.consumer_group)
+        if info is None:
+            header = GroupInfoResponseHeader(config=sg)
+        else:
+            header = GroupInfoResponseHeader(
+                consumer_ids=info.ids(), message_model=info.message_model,
+                consume_from=info.consume_from,
+                subscriptions=list(info.subscriptions.values()), config=sg,
+            )
+        conn.respond(frame.opaque, ResponseCode.SUCCESS, header)
+
+    @staticmethod
+    def _check_group(group: str) -> None:
+        if not GROUP_NAME.match(group):
+            raise RequestRejected(
+                ResponseCode.INVALID_ARGUMENT, f"consumer group {group!r} is not a valid name"
+            )
+
+    # -- membership --------------------------------------------------------------------------
+    def register(
+        self, conn: BrokerConnection, client_id: str, cd: ConsumerData, now: float
+    ) -> bool:
+        """Add or refresh a member; True (and the group is notified) when it is new."""
+        group = cd.group
+        info = self.groups.get(group)
+        if info is None:
+            info = self.groups[group] = ConsumerGroupInfo(group)
+            self.broker.subscription_groups.ensure(group)
+        info.message_model = cd.message_model
+        info.consume_from = cd.consume_from
+        info.consume_type = cd.consume_type
+        info.subscriptions = {s.topic: s for s in cd.subscriptions}
+        m = info.members.get(client_id)
+        if m is not None and m.conn is conn:
+            m.last_seen = now
+            return False
+        info.members[client_id] = _Member(client_id, conn, now)
+        if cd.message_model == "CLUSTERING":
+            self.broker.ensure_retry_topic(group)
+        log.info("consumer %s joined group %s (%d members)", client_id, group, len(info.members))
+        self._notify(info)
+        return True
+
+    def unregister(self, group: str, client_id: str, why: str) -> None:
+        info = self.groups.get(group)
+        if info is None or info.members.pop(client_id, None) is None:
+            return
+        log.info("consumer %s left group %s (%s)", client_id, group, why)
+        self.broker.queue_locks.release_client(group, client_id)
+        if info.members:
+            self._notify(info)
+        else:
+            del self.groups[group]
+
+    def connection_closed(self, conn: BrokerConnection) -> None:
+        for info in list(self.groups.values()):
+            for cid, m in list(info.members.items()):
+                if m.conn is conn:
+                    self.unregister(info.group, cid, "connection closed")
+
+    def scan_expired(self, now: float | None = None) -> int:
+        """Drop members silent for longer than the expiry; the number dropped."""
+        now = time.monotonic() if now is None else now
+        limit = self.config.client_channel_expired_ms / 1000
+        dropped = 0
+        for info in list(self.groups.values()):
+            for cid, m in list(info.members.items()):
+                if now - m.last_seen > limit:
+                    dropped += 1
+                    self.unregister(info.group, cid, f"silent for more than {limit:g} s")
+                    m.conn.close()
+        return dropped
+
+    def _notify(self, info: ConsumerGroupInfo) -> None:
+        header = ConsumerGroupRequestHeader(consumer_group=info.group)
+        for m in info.members.values():
+            m.conn.send_oneway_request(RequestCode.NOTIFY_CONSUMER_IDS_CHANGED, header)
+            self.notifications += 1
+
+    def group_of(self, group: str) -> ConsumerGroupInfo | None:
+        return self.groups.get(group)

@@ -1,0 +1,239 @@
+"""Message deduplication by producer name and sequence id (Pulsar's MessageDeduplication; SPEC
+BR12, PR6; docs/producer-path.md).
+
+A named producer stamps every batch with ``producer_id = dedup_producer_id(name)`` (bit 63 set)
+and ``base_seq``; message ``i`` has sequence ``base_seq + i``. Per producer id this broker keeps
+
+- ``pushed``: the highest sequence of a batch handed to the store (it may not be durable yet);
+- ``persisted``: the highest sequence of a batch the store has made durable (SYNC_FLUSH: after
+  the fsync; ASYNC_FLUSH: when the put returned -- the bytes are in the CommitLog mapping and
+  survive a kill -9 of the broker, as every ASYNC_FLUSH write does).
+
+and classifies each incoming batch (:meth:`check`), exactly as Pulsar's ``isDuplicate``::
+
+    base_seq <= persisted              -> DUPLICATE  (acknowledged, not stored)
+    persisted < base_seq <= pushed     -> UNCERTAIN  (RETRY_LATER: the first copy may still fail)
+    otherwise                          -> NEW        (stored; pushed = base_seq + count - 1)
+
+Producers without a name (random ids, bit 63 clear) are never looked at, so the table holds one
+entry per producer *name*, not per producer instance.
+
+Durability of the table (snapshot + replay): every ``snapshot_interval_s`` the table is copied
+together with the CommitLog offset it covers; the copy is written (``<config>/dedup.json``,
+tmp -> fsync -> rename -> fsync dir) only once the CommitLog is flushed past that offset, so a
+snapshot never claims a sequence whose batch could be lost. At start the snapshot is loaded and
+the CommitLog from its offset to the end is replayed batch by batch from the batch headers
+(producer_id, base_seq, count): no message is decoded. Replay takes the maximum, so batches the
+broker re-puts itself (retries, schedules) with an old sequence do no harm.
+
+Threads: the broker's event loop only; the snapshot file is written in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from tidemq.broker.connection import decode_request
+from tidemq.broker.durable_file import read_file, write_atomic
+from tidemq.protocol.codes import ResponseCode
+from tidemq.protocol.headers import (
+    LastSequenceRequestHeader,
+    LastSequenceResponseHeader,
+    dedup_producer_id,
+    is_dedup_producer,
+)
+from tidemq.protocol.record import BATCH_MAGIC, FILLER_MAGIC, PRODUCER_HEADER, STORE_HEADER
+
+if TYPE_CHECKING:
+    from tidemq.broker.connection import BrokerConnection
+    from tidemq.protocol.frame import Frame
+    from tidemq.store.message_store import MessageStore
+
+__all__ = ["MessageDeduplication", "DupStatus"]
+
+log = logging.getLogger(__name__)
+
+_TOPIC_LEN_OFFSET = 52
+# Offsets inside the producer section (record.PRODUCER_HEADER).
+_COUNT_OFFSET = 8
+_PRODUCER_FIELDS_OFFSET = 24  # producer_id u64
+_BASE_SEQ_OFFSET = 32
+
+
+class DupStatus(enum.Enum):
+    NEW = "new"
+    DUPLICATE = "duplicate"
+    UNCERTAIN = "uncertain"
+
+
+class _Snapshot(msgspec.Struct):
+    #: CommitLog offset this table covers: every batch before it is reflected.
+    commitlog_offset: int
+    #: producer id (decimal string: JSON keys) -> highest persisted sequence
+    producers: dict[str, int] = {}
+    written_at: int = 0
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(_Snapshot)
+
+
+class MessageDeduplication:
+    """Highest pushed / persisted sequence per named producer (event loop only)."""
+
+    def __init__(self, path: str, *, enabled: bool = True, snapshot_interval_s: float = 10.0
+                 ) -> None:
+        self.path = path
+        self.enabled = enabled
+        self.snapshot_interval_s = snapshot_interval_s
+        self.pushed: dict[int, int] = {}
+        self.persisted: dict[int, int] = {}
+        self.duplicates = 0  # batches acknowledged without storing
+        self.uncertain = 0  # batches answered RETRY_LATER
+        self.replayed_batches = 0
+        self.replay_seconds = 0.0
+        self._pending: tuple[int, bytes] | None = None  # (covered offset, snapshot bytes)
+        self._writing: asyncio.Future[None] | None = None
+
+    # -- the send path -------------------------------------------------------------------------
+    def check(self, producer_id: int, base_seq: int, count: int) -> DupStatus:
+        """Classify a batch and, when NEW, record it as pushed. Call only for batches that will
+        be put right after (see :meth:`failed`)."""
+        last = self.pushed.get(producer_id)
+        if last is not None and base_seq <= last:
+            if base_seq <= self.persisted.get(producer_id, -1):
+                self.duplicates += 1
+                return DupStatus.DUPLICATE
+            self.uncertain += 1
+            return DupStatus.UNCERTAIN
+        self.pushed[producer_id] = base_seq + count - 1
+        return DupStatus.NEW
+
+    def persisted_up_to(self, producer_id: int, highest: int) -> None:
+        """The batch ending at ``highest`` is durable."""
+        if highest > self.persisted.get(producer_id, -1):
+            self.persisted[producer_id] = highest
+
+    def failed(self, producer_id: int) -> None:
+        """A pushed batch was not stored (or its durability is unknown): forget what was
+        pushed beyond the persisted sequence, so a resend is taken (Pulsar's
+        resetHighestSequenceIdPushed)."""
+        p = self.persisted.get(producer_id)
+        if p is None:
+            self.pushed.pop(producer_id, None)
+        else:
+            self.pushed[producer_id] = p
+
+    def last_sequence(self, producer_id: int) -> int:
+        return self.persisted.get(producer_id, -1)
+
+    def handle_last_sequence(self, conn: BrokerConnection, frame: Frame) -> None:
+        """GET_LAST_SEQUENCE."""
+        h: LastSequenceRequestHeader = decode_request(frame, LastSequenceRequestHeader)
+        pid = dedup_producer_id(h.producer_name)
+        conn.respond(frame.opaque, ResponseCode.SUCCESS,
+                     LastSequenceResponseHeader(producer_id=pid,
+                                                last_sequence_id=self.last_sequence(pid)))
+
+    # -- recovery ------------------------------------------------------------------------------
+    def recover(self, store: MessageStore) -> None:
+        """Load the snapshot, then replay the CommitLog from the offset it covers."""
+        t0 = time.perf_counter()
+        start = store.min_phys_offset
+        raw = read_file(self.path)
+        if raw is not None:
+            try:
+                snap = _decoder.decode(raw)
+                self.persisted = {int(k): v for k, v in snap.producers.items()}
+                start = max(start, snap.commitlog_offset)
+            except (msgspec.DecodeError, ValueError) as exc:
+                log.error("dedup snapshot %s is unreadable (%s); rebuilding it from the whole "
+                          "CommitLog", self.path, exc)
+                self.persisted = {}
+        self.replayed_batches = self._replay(store, start)
+        self.pushed = dict(self.persisted)
+        self.replay_seconds = time.perf_counter() - t0
+        if self.replayed_batches or self.persisted:
+            log.info("deduplication: %d producers, replayed %d batches from offset %d in %.3f s",
+                     len(self.persisted), self.replayed_batches, start, self.replay_seconds)
+
+    def _replay(self, store: MessageStore, start: int) -> int:
+        """Fold the headers of every batch from ``start`` to the end into ``persisted``."""
+        cl = store.commitlog
+        end = cl.write_pos
+        persisted = self.persisted
+        n = 0
+        for seg, rel, _total, magic in cl.iter_positions(start):
+            if seg.start + rel >= end:
+                break
+            if magic == FILLER_MAGIC:
+                continue
+            if magic != BATCH_MAGIC or rel + STORE_HEADER.size > seg.size:
+                break
+            mm = seg.mm
+            topic_len = int.from_bytes(mm[rel + _TOPIC_LEN_OFFSET : rel + _TOPIC_LEN_OFFSET + 2],
+                                       "little")
+            p = rel + STORE_HEADER.size + topic_len
+            if p + PRODUCER_HEADER.size > seg.size:
+                break
+            pid = int.from_bytes(mm[p + _PRODUCER_FIELDS_OFFSET : p + _PRODUCER_FIELDS_OFFSET + 8],
+                                 "little")
+            n += 1
+            if not is_dedup_producer(pid):
+                continue
+            base = int.from_bytes(mm[p + _BASE_SEQ_OFFSET : p + _BASE_SEQ_OFFSET + 8], "little")
+            count = int.from_bytes(mm[p + _COUNT_OFFSET : p + _COUNT_OFFSET + 4], "little")
+            hi = base + count - 1
+            if hi > persisted.get(pid, -1):
+                persisted[pid] = hi
+        return n
+
+    # -- snapshots -----------------------------------------------------------------------------
+    def _take(self, store: MessageStore) -> tuple[int, bytes]:
+        """The table and the CommitLog offset it covers (every put so far is in the table:
+        both change only on the event loop)."""
+        offset = store.max_phys_offset
+        snap = _Snapshot(offset, {str(k): v for k, v in self.pushed.items()},
+                         time.time_ns() // 1_000_000)
+        return offset, _encoder.encode(snap)
+
+    async def run_snapshots(self, store: MessageStore) -> None:
+        """Every interval: write the previous copy if the CommitLog is durable past the offset
+        it covers, then take a new copy."""
+        while True:
+            await asyncio.sleep(self.snapshot_interval_s)
+            try:
+                await self._snapshot_step(store)
+            except OSError as exc:
+                log.error("writing the dedup snapshot %s failed: %s", self.path, exc)
+
+    async def _snapshot_step(self, store: MessageStore) -> None:
+        pending = self._pending
+        if pending is not None and store.flushed_phys_offset >= pending[0]:
+            self._pending = None
+            await asyncio.to_thread(write_atomic, self.path, pending[1])
+        if self._pending is None and (self.pushed or os.path.exists(self.path)):
+            self._pending = self._take(store)
+
+    def save_now(self, store: MessageStore) -> None:
+        """At shutdown, after the store flushed: the table as it is (blocking)."""
+        if not self.pushed and not os.path.exists(self.path):
+            return
+        store.flush()
+        write_atomic(self.path, self._take(store)[1])
+
+    def stats(self) -> dict[str, int | float]:
+        return {
+            "dedup_producers": len(self.pushed),
+            "dedup_duplicates": self.duplicates,
+            "dedup_uncertain": self.uncertain,
+            "dedup_replayed_batches": self.replayed_batches,
+            "dedup_replay_seconds": round(self.replay_seconds, 3),
+        }

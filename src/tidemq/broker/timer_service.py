@@ -1,0 +1,263 @@
+"""Delivery at any time, to the millisecond (SPEC BR8 "beyond"; RocketMQ 5's timer messages).
+
+A batch whose ``deliver_at`` is in the future (at most ``timer_max_delay_ms`` ahead, 40 days by
+default) is parked in an envelope (``broker/envelope.py``) on the timer topic
+``rmq_sys_wheel_timer`` queue 0, and its due time goes into the durable time index
+(``store/timer_log.py``: time-bucket files of fixed-size entries pointing at the envelope; only
+the earliest bucket is in memory). One loop timer is armed for the earliest due time; a hold
+with an earlier time re-arms it. When it fires, every entry due is delivered (the inner batch
+put to its real topic/queue), then marked DONE in its bucket.
+
+Never early: the timer is armed from the wall clock and, when it fires, entries are taken only
+if ``deliver_at <= now`` (wall ms); a timer that fires early re-arms for the rest.
+
+Restart (including kill -9): the timer topic's consume queue is the write-ahead record of every
+hold. The TimerLog checkpoint says how many of its units are indexed; start-up re-indexes the
+rest. Entries due before the crash that have no DONE mark are checked against the id index
+(``envelope.delivered_copy_exists``): delivered ones are marked DONE, the others delivered. So a
+restart neither loses nor doubles due messages.
+
+Cancel: :meth:`cancel` finds the envelope by the message id the producer got back (the id
+index), and appends a CANCEL entry if the entry is still pending.
+
+Threads: the broker's event loop only (checkpoints run in a worker thread; see TimerLog).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from tidemq.broker.envelope import (
+    REAL_QID,
+    REAL_TOPIC,
+    delivered_copy_exists,
+    find_envelopes,
+    unwrap,
+    wrap,
+)
+from tidemq.protocol.errors import TidemqError
+from tidemq.protocol.record import BatchView, parse_unique_id
+from tidemq.store.message_store import GetStatus, MessageStore, PutResult
+from tidemq.store.timer_log import TimerLog
+
+if TYPE_CHECKING:
+    from tidemq.store.flush import FlushCallback
+
+__all__ = ["TIMER_TOPIC", "TimerMessageService"]
+
+log = logging.getLogger(__name__)
+
+TIMER_TOPIC = "rmq_sys_wheel_timer"
+_BURST = 512
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class TimerMessageService:
+    """One per broker. Event loop only."""
+
+    def __init__(
+        self, store: MessageStore, directory: str, *, bucket_ms: int, checkpoint_ms: int,
+    ) -> None:
+        self.store = store
+        self.dir = directory
+        self.bucket_ms = bucket_ms
+        self.checkpoint_ms = checkpoint_ms
+        self.index: TimerLog | None = None
+        self.delivered = 0
+        self.recovered_done = 0
+        self.lateness_ms: list[int] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._armed_for: int | None = None
+        self._task: asyncio.Task | None = None
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.index = idx = TimerLog(self.dir, self.bucket_ms)
+        self._reindex()
+        horizon = idx.heartbeat_ms + 2 * self.checkpoint_ms + 1000 if idx.heartbeat_ms else 0
+        # Due entries the crash may have delivered without their DONE mark reaching the file.
+        while horizon:
+            batch = idx.pop_due(min(_now_ms(), horizon), 4096)
+            if not batch:
+                break
+            for d, phys, size in batch:
+                if self._already_delivered(phys):
+                    idx.done(d, phys, size)
+                    self.recovered_done += 1
+                else:
+                    self._deliver_one(d, phys, size)
+        if self.recovered_done:
+            log.info("timer: %d entries were delivered before the crash", self.recovered_done)
+        self._rearm()
+        self._task = loop.create_task(self._checkpoint_forever(), name="timer-checkpoint")
+
+    def _reindex(self) -> None:
+        """Add the timer queue's units the index has not recorded (after a crash)."""
+        idx = self.index
+        assert idx is not None
+        off = idx.indexed
+        mx = self.store.max_offset(TIMER_TOPIC, 0)
+        added = 0
+        while off < mx:
+            r = self.store.get_messages(TIMER_TOPIC, 0, off, 1024)
+            if r.status is not GetStatus.FOUND:
+                if r.next_begin_offset > off:
+                    off = r.next_begin_offset
+                    continue
+                break
+            for rb in r.batches:
+                v = BatchView(rb.data)
+                idx.add(v.deliver_at, v.phys_offset, v.total_size)
+                off = rb.queue_offset + 1
+                added += 1
+        idx.indexed = off
+        if added:
+            idx.reload()
+            log.info("timer: re-indexed %d held batches from the timer queue", added)
+
+    async def stop(self) -> None:
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.index is not None:
+            self._checkpoint()
+            self.index.close()
+
+    def _checkpoint(self) -> None:
+        idx = self.index
+        assert idx is not None
+        finished, idx.pending_deletes = idx.pending_deletes, []
+        idx.save_checkpoint(_now_ms())
+        idx.delete_finished(finished)
+
+    async def _checkpoint_forever(self) -> None:
+        idx = self.index
+        assert idx is not None
+        while True:
+            await asyncio.sleep(self.checkpoint_ms / 1000)
+            finished, idx.pending_deletes = idx.pending_deletes, []
+            try:
+                await asyncio.to_thread(idx.save_checkpoint, _now_ms())
+            except OSError as exc:
+                log.error("timer checkpoint in %s failed: %s", self.dir, exc)
+                idx.pending_deletes += finished
+                continue
+            idx.delete_finished(finished)
+
+    # -- holding ---------------------------------------------------------------------------------
+    def hold(
+        self, data: bytes | bytearray | memoryview, v: BatchView, queue_id: int,
+        on_durable: FlushCallback | None,
+    ) -> PutResult:
+        """Park the batch until ``v.deliver_at``."""
+        idx = self.index
+        assert idx is not None
+        at = v.deliver_at
+        env = wrap(
+            TIMER_TOPIC, 0, data, real_topic=v.topic, real_qid=queue_id,
+            producer_id=v.producer_id, base_seq=v.base_seq, count=v.count,
+            born_ts=_now_ms(), deliver_at=at,
+        )
+        r = self.store.put(env, queue_id=0, on_durable=on_durable)
+        idx.add(at, r.phys_offset, r.size)
+        idx.indexed = r.queue_offset + 1
+        if not self._closed and (self._armed_for is None or at < self._armed_for):
+            self._arm(at)
+        return r
+
+    def cancel(self, msg_id: str) -> bool:
+        """Cancel the pending held batch holding message ``msg_id``; False when there is none
+        (unknown id, already delivered or cancelled). ValueError for a malformed id."""
+        idx = self.index
+        assert idx is not None
+        pid, seq = parse_unique_id(msg_id)
+        for phys, m in find_envelopes(self.store, TIMER_TOPIC, pid, seq):
+            v = self.store.read_batch(phys)
+            if idx.is_pending(v.deliver_at, phys):
+                idx.cancel(v.deliver_at, phys, v.total_size)
+                del m
+                return True
+        return False
+
+    # -- delivering ------------------------------------------------------------------------------
+    def _arm(self, at: int) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        assert self._loop is not None
+        self._armed_for = at
+        self._timer = self._loop.call_later(max(0.0, (at - _now_ms()) / 1000), self._fire)
+
+    def _rearm(self) -> None:
+        assert self.index is not None
+        nd = self.index.next_due()
+        if nd is None:
+            self._armed_for = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+        else:
+            self._arm(nd)
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._armed_for = None
+        if self._closed:
+            return
+        idx = self.index
+        assert idx is not None
+        now = _now_ms()
+        try:
+            batch = idx.pop_due(now, _BURST)
+            for d, phys, size in batch:
+                self._deliver_one(d, phys, size)
+                self.lateness_ms.append(now - d)
+        except TidemqError as exc:
+            log.error("timer delivery failed (%s); retrying in 1 s", exc)
+            self._arm(_now_ms() + 1000)
+            return
+        if len(self.lateness_ms) > 100_000:
+            del self.lateness_ms[:50_000]
+        if len(batch) == _BURST:
+            self._arm(0)  # more due: continue after other work had its turn
+        else:
+            self._rearm()
+
+    def _deliver_one(self, d: int, phys: int, size: int) -> None:
+        idx = self.index
+        assert idx is not None
+        try:
+            m = unwrap(self.store, phys)
+        except TidemqError as exc:
+            log.error("timer: held batch at CommitLog offset %d is unreadable (%s); dropped",
+                      phys, exc)
+            idx.done(d, phys, size)
+            return
+        self.store.put(m.body, queue_id=int(m.properties[REAL_QID]))
+        idx.done(d, phys, size)
+        self.delivered += 1
+
+    def _already_delivered(self, phys: int) -> bool:
+        try:
+            env = self.store.read_batch(phys)
+            m = unwrap(self.store, phys)
+        except TidemqError:
+            return False
+        inner = BatchView(m.body)
+        return delivered_copy_exists(self.store, inner.producer_id, inner.base_seq,
+                                     m.properties[REAL_TOPIC], env.store_ts,
+                                     inner.reconsume_times)
+
+    def pending_buckets(self) -> int:
+        return self.index.pending_files() if self.index else 0

@@ -1,0 +1,173 @@
+"""Where a push consumer keeps its consume offsets (RocketMQ's OffsetStore; SPEC CO7).
+
+- :class:`RemoteOffsetStore` (CLUSTERING): offsets are the group's, on the broker of each
+  queue. Updates stay in memory and are sent every 5 s (``persist_all``), when a queue is
+  dropped by a rebalance, and at shutdown; pulls also piggy-back the current offset.
+- :class:`LocalFileOffsetStore` (BROADCASTING): every member consumes everything, so offsets
+  are the member's own, in ``<offset_dir>/<client name>/<group>/offsets.json`` (written tmp ->
+  fsync -> rename -> fsync dir). A restarted member with the same ``instance_name`` continues
+  where it left off.
+
+An offset is the next queue offset to consume. ``update(..., increase_only=True)`` never moves
+an offset backwards (a late result of an older consume must not undo a newer one).
+
+Threads: the consumer's event loop only (file writes go to a worker thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import tempfile
+from typing import Protocol
+
+from tidemq.client import offsets
+from tidemq.client.connection import ConnectionPool
+from tidemq.client.message import MessageQueue
+from tidemq.client.route import RouteCache
+from tidemq.protocol.errors import TidemqError
+
+__all__ = ["OffsetStore", "RemoteOffsetStore", "LocalFileOffsetStore", "default_offset_dir"]
+
+log = logging.getLogger(__name__)
+
+
+def default_offset_dir() -> str:
+    return os.path.join(os.path.expanduser("~"), ".tidemq_offsets")
+
+
+class OffsetStore(Protocol):
+    async def load(self) -> None: ...
+    def update(self, mq: MessageQueue, offset: int, increase_only: bool) -> None: ...
+    def read(self, mq: MessageQueue) -> int: ...
+    async def read_from_store(self, mq: MessageQueue) -> int: ...
+    async def persist(self, mq: MessageQueue) -> None: ...
+    async def persist_all(self, mqs: set[MessageQueue]) -> None: ...
+    def remove(self, mq: MessageQueue) -> None: ...
+
+
+class _MemoryTable:
+    def __init__(self) -> None:
+        self.table: dict[MessageQueue, int] = {}
+
+    def update(self, mq: MessageQueue, offset: int, increase_only: bool) -> None:
+        if offset < 0:
+            return
+        old = self.table.get(mq)
+        if old is None or not increase_only or offset > old:
+            self.table[mq] = offset
+
+    def read(self, mq: MessageQueue) -> int:
+        """The offset in memory, -1 if none."""
+        return self.table.get(mq, -1)
+
+    def remove(self, mq: MessageQueue) -> None:
+        self.table.pop(mq, None)
+
+
+class RemoteOffsetStore(_MemoryTable):
+    """The group's offsets on the brokers (clustering)."""
+
+    def __init__(self, pool: ConnectionPool, routes: RouteCache, group: str,
+                 timeout: float) -> None:
+        super().__init__()
+        self.pool = pool
+        self.routes = routes
+        self.group = group
+        self.timeout = timeout
+        self._sent: dict[MessageQueue, int] = {}
+
+    async def load(self) -> None:
+        return None
+
+    async def read_from_store(self, mq: MessageQueue) -> int:
+        """The broker's offset (also kept in memory); -1 when the group has none."""
+        addr = await self.routes.addr_of(mq)
+        off = await offsets.query_consumer_offset(self.pool, addr, self.group, mq,
+                                                  timeout=self.timeout)
+        if off is None:
+            return -1
+        self.update(mq, off, False)
+        return off
+
+    async def persist(self, mq: MessageQueue) -> None:
+        off = self.table.get(mq)
+        if off is None:
+            return
+        addr = await self.routes.addr_of(mq)
+        await offsets.update_consumer_offset(self.pool, addr, self.group, mq, off,
+                                             timeout=self.timeout)
+        self._sent[mq] = off
+
+    async def persist_all(self, mqs: set[MessageQueue]) -> None:
+        todo = [mq for mq in mqs if mq in self.table and self._sent.get(mq) != self.table[mq]]
+        results = await asyncio.gather(*(self.persist(mq) for mq in todo),
+                                       return_exceptions=True)
+        for mq, r in zip(todo, results, strict=True):
+            if isinstance(r, TidemqError):
+                log.warning("persisting the offset of %s for group %s failed: %s",
+                            mq, self.group, r)
+            elif isinstance(r, BaseException):
+                raise r
+
+    def remove(self, mq: MessageQueue) -> None:
+        super().remove(mq)
+        self._sent.pop(mq, None)
+
+
+class LocalFileOffsetStore(_MemoryTable):
+    """This member's own offsets in a local file (broadcasting)."""
+
+    def __init__(self, directory: str, client_name: str, group: str) -> None:
+        super().__init__()
+        self.path = os.path.join(directory, client_name, group, "offsets.json")
+
+    async def load(self) -> None:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            log.warning("offset file %s is unreadable (%s); starting from consume_from",
+                        self.path, exc)
+            return
+        for key, off in data.get("offsets", {}).items():
+            topic, broker, qid = key.rsplit("|", 2)
+            self.table[MessageQueue(topic, broker, int(qid))] = int(off)
+
+    async def read_from_store(self, mq: MessageQueue) -> int:
+        return self.table.get(mq, -1)
+
+    async def persist(self, mq: MessageQueue) -> None:
+        await self.persist_all({mq})
+
+    async def persist_all(self, mqs: set[MessageQueue]) -> None:
+        data = {"offsets": {f"{mq.topic}|{mq.broker_name}|{mq.queue_id}": off
+                            for mq, off in self.table.items()}}
+        await asyncio.to_thread(_write_atomic, self.path, json.dumps(data).encode())
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    d = os.path.dirname(path)
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".offsets-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+

@@ -1,0 +1,165 @@
+"""ProcessQueue: what a push consumer holds of one queue (RocketMQ's ProcessQueue; SPEC CO3).
+
+Messages pulled but not yet consumed sit here, keyed by queue offset, until a listener has
+consumed them (or they were sent back). The offset committed for the queue is always the
+*smallest offset still in flight* (or, when nothing is, the offset after the last message
+pulled): a consumer that dies loses nothing, it only re-delivers what was in flight.
+
+The dict keeps insertion order and pulls of one queue arrive in offset order, so its first key
+is the minimum in-flight offset without any sorting (removal keeps the order of the rest).
+
+Flow control reads ``msg_count``, ``msg_size`` and :meth:`max_span` (thresholds 1000 messages,
+100 MiB and a span of 2000 offsets, checked by the pull service before every pull).
+
+Orderly consumption moves messages from ``msgs`` to ``consuming`` (:meth:`take_messages`) and
+either commits them (:meth:`commit`) or puts them back to be consumed again
+(:meth:`make_messages_to_consume_again`); ``locked`` / ``last_lock_ts`` mirror the broker lock.
+
+Threads: the consumer's event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+
+from tidemq.client.message import MessageExt
+
+__all__ = ["ProcessQueue", "LOCK_MAX_LIVE", "PULL_MAX_IDLE"]
+
+#: A broker lock older than this on the client side is no longer trusted (RocketMQ 30 s).
+LOCK_MAX_LIVE = 30.0
+#: A queue not pulled for this long is dropped by the rebalance (RocketMQ 120 s).
+PULL_MAX_IDLE = 120.0
+
+
+class ProcessQueue:
+    __slots__ = (
+        "msgs", "msg_count", "msg_size", "queue_offset_max", "dropped", "locked",
+        "last_lock_ts", "last_pull_ts", "last_consume_ts", "consuming", "orderly_running",
+        "consume_lock", "batch_times", "local_retries", "try_unlock_times",
+    )
+
+    def __init__(self) -> None:
+        self.msgs: dict[int, MessageExt] = {}
+        self.msg_count = 0
+        self.msg_size = 0
+        self.queue_offset_max = -1
+        self.dropped = False
+        self.locked = False
+        self.last_lock_ts = 0.0
+        now = time.monotonic()
+        self.last_pull_ts = now
+        self.last_consume_ts = now
+        self.consuming: dict[int, MessageExt] = {}  # orderly: taken, not yet committed
+        self.orderly_running = False  # orderly: a consume request is scheduled or running
+        self.consume_lock = asyncio.Lock()  # orderly: held while a listener call runs
+        self.batch_times: deque[tuple[int, float]] = deque()  # (first offset, put time)
+        self.local_retries: dict[int, int] = {}  # orderly: offset -> local reconsume count
+        self.try_unlock_times = 0
+
+    def put_messages(self, msgs: list[MessageExt]) -> bool:
+        """Add pulled messages; True when an orderly consume request should be dispatched."""
+        d = self.msgs
+        size = 0
+        new = 0
+        for m in msgs:
+            off = m.queue_offset
+            if off not in d:
+                d[off] = m
+                new += 1
+                size += len(m.body)
+        if new:
+            self.msg_count += new
+            self.msg_size += size
+            self.queue_offset_max = max(self.queue_offset_max, msgs[-1].queue_offset)
+            self.batch_times.append((msgs[0].queue_offset, time.monotonic()))
+        dispatch = bool(d) and not self.orderly_running
+        if dispatch:
+            self.orderly_running = True
+        return dispatch
+
+    def max_span(self) -> int:
+        d = self.msgs
+        if not d:
+            return 0
+        return self.queue_offset_max - next(iter(d))
+
+    def remove_messages(self, msgs: list[MessageExt]) -> int:
+        """Forget consumed messages; the offset to commit (-1 if nothing was ever held)."""
+        d = self.msgs
+        self.last_consume_ts = time.monotonic()
+        size = 0
+        removed = 0
+        pop = d.pop
+        for m in msgs:
+            if pop(m.queue_offset, None) is not None:
+                removed += 1
+                size += len(m.body)
+        self.msg_count -= removed
+        self.msg_size -= size
+        if d:
+            first = next(iter(d))
+            bt = self.batch_times
+            while len(bt) > 1 and bt[1][0] <= first:
+                bt.popleft()
+            return first
+        self.batch_times.clear()
+        return self.queue_offset_max + 1 if self.queue_offset_max >= 0 else -1
+
+    def oldest_age(self) -> float:
+        """Seconds since the batch holding the smallest in-flight message was pulled."""
+        if not self.msgs or not self.batch_times:
+            return 0.0
+        return time.monotonic() - self.batch_times[0][1]
+
+    def first_message(self) -> MessageExt | None:
+        d = self.msgs
+        return d[next(iter(d))] if d else None
+
+    # -- orderly -------------------------------------------------------------------------------
+    def take_messages(self, n: int) -> list[MessageExt]:
+        out: list[MessageExt] = []
+        d = self.msgs
+        while d and len(out) < n:
+            off = next(iter(d))
+            m = d.pop(off)
+            self.consuming[off] = m
+            out.append(m)
+        if not out:
+            self.orderly_running = False
+        return out
+
+    def commit(self) -> int:
+        """Orderly: the taken messages are consumed; the offset to commit (-1 if none)."""
+        c = self.consuming
+        if not c:
+            return -1
+        last = max(c)
+        self.msg_count -= len(c)
+        self.msg_size -= sum(len(m.body) for m in c.values())
+        for off in c:
+            self.local_retries.pop(off, None)
+        c.clear()
+        if self.msgs:
+            return next(iter(self.msgs))
+        return last + 1
+
+    def make_messages_to_consume_again(self, msgs: list[MessageExt]) -> None:
+        """Orderly: put taken messages back, in front, and count a local retry each."""
+        rest = self.msgs
+        back = {}
+        for m in msgs:
+            off = m.queue_offset
+            self.consuming.pop(off, None)
+            back[off] = m
+            self.local_retries[off] = self.local_retries.get(off, 0) + 1
+        back.update(rest)
+        self.msgs = dict(sorted(back.items()))
+
+    def lock_expired(self) -> bool:
+        return time.monotonic() - self.last_lock_ts > LOCK_MAX_LIVE
+
+    def pull_expired(self) -> bool:
+        return time.monotonic() - self.last_pull_ts > PULL_MAX_IDLE

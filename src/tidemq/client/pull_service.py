@@ -1,0 +1,218 @@
+"""The pull loop of a push consumer (RocketMQ's PullMessageService and
+DefaultMQPushConsumerImpl#pullMessage; SPEC CO2, seed 004 §4.1, §4.3).
+
+One :class:`PullService` per client instance owns every queue's pull request. A pull request
+(queue, ProcessQueue, next offset) is executed at once or later; each execution sends one
+asynchronous PULL_MESSAGE (long polling: the broker holds it up to 15 s), and its result
+schedules the next execution of the same request, so each queue has at most one pull in flight.
+
+Before a pull (flow control, each case retried after 50 ms and logged every 1000th time):
+
+- the ProcessQueue holds more than ``pull_threshold_for_queue`` (1000) messages, or more than
+  ``pull_threshold_size_for_queue`` (100 MiB) of bodies;
+- concurrent consumption only: the span between the smallest and the largest offset in flight
+  exceeds ``consume_concurrently_max_span`` (2000) -- one stuck message must not let the queue
+  run away from its committed offset;
+- orderly consumption: the queue is not locked by this client on the broker (retry in 3 s);
+- the consumer is paused (retry in 1 s).
+
+Pull statuses, as seed 004 §4.3.3:
+
+- FOUND: next offset = next_begin_offset; messages are filtered by tag string again (the broker
+  filtered by tag hash), put in the ProcessQueue and handed to the consume service; the next
+  pull goes out at once (after ``pull_interval`` when set). An empty list after filtering also
+  pulls again at once.
+- NO_NEW_MSG / NO_MATCHED_MSG: next offset = next_begin_offset; if nothing is in flight the
+  offset store moves there too (``correctTagsOffset``); pull again at once.
+- OFFSET_ILLEGAL: the ProcessQueue is dropped, and 10 s later the corrected offset is stored
+  and persisted and the queue removed, to be re-added by the next rebalance.
+- An error: retry in 3 s.
+
+Messages of the retry topic ``%RETRY%<group>`` get their original topic back (property
+``RETRY_TOPIC``) before the listener sees them.
+
+Threads: the consumer's event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from tidemq.client.codec import decode_pull_body
+from tidemq.client.connection import raise_for_error
+from tidemq.client.message import MessageExt, MessageQueue
+from tidemq.client.process_queue import ProcessQueue
+from tidemq.client.rebalance import RETRY_PREFIX
+from tidemq.protocol.codes import PullStatus, RequestCode, pull_status
+from tidemq.protocol.errors import TidemqError
+from tidemq.protocol.headers import PullMessageRequestHeader, PullSysFlag
+
+if TYPE_CHECKING:
+    from tidemq.client.push_consumer import PushConsumer
+
+__all__ = ["PullService", "PullRequest", "restore_retry_topic"]
+
+log = logging.getLogger(__name__)
+
+FLOW_CONTROL_DELAY = 0.05
+PAUSED_DELAY = 1.0
+ERROR_DELAY = 3.0
+OFFSET_ILLEGAL_DELAY = 10.0
+
+
+class PullRequest:
+    __slots__ = ("mq", "pq", "next_offset")
+
+    def __init__(self, mq: MessageQueue, pq: ProcessQueue, next_offset: int) -> None:
+        self.mq = mq
+        self.pq = pq
+        self.next_offset = next_offset
+
+
+def restore_retry_topic(msgs: list[MessageExt]) -> None:
+    """Give messages pulled from a retry topic their original topic back (in place)."""
+    for m in msgs:
+        origin = m.properties.get("RETRY_TOPIC")
+        if origin:
+            m._b.topic = origin
+
+
+class PullService:
+    """Executes pull requests for every queue of one consumer (event loop only)."""
+
+    def __init__(self, consumer: PushConsumer) -> None:
+        self.c = consumer
+        self.loop = asyncio.get_running_loop()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self.flow_controlled = 0
+        self.pulls = 0
+
+    def start_queue(self, mq: MessageQueue, pq: ProcessQueue, offset: int) -> None:
+        self.execute_now(PullRequest(mq, pq, offset))
+
+    def execute_now(self, req: PullRequest) -> None:
+        if self._closed or req.pq.dropped:
+            return
+        t = self.loop.create_task(self._pull(req))
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def execute_later(self, req: PullRequest, delay: float) -> None:
+        if not self._closed:
+            self.loop.call_later(delay, self.execute_now, req)
+
+    async def close(self) -> None:
+        self._closed = True
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- one pull ----------------------------------------------------------------------------
+    async def _pull(self, req: PullRequest) -> None:
+        c = self.c
+        pq = req.pq
+        if pq.dropped:
+            return
+        pq.last_pull_ts = time.monotonic()
+        if c.paused:
+            self.execute_later(req, PAUSED_DELAY)
+            return
+        if (pq.msg_count > c.pull_threshold_for_queue
+                or pq.msg_size > c.pull_threshold_size_for_queue
+                or (not c.orderly and pq.max_span() > c.consume_concurrently_max_span)):
+            self.flow_controlled += 1
+            if self.flow_controlled % 1000 == 1:
+                log.info("flow control of %s: %d messages, %d bytes, span %d in flight",
+                         req.mq, pq.msg_count, pq.msg_size, pq.max_span())
+            self.execute_later(req, FLOW_CONTROL_DELAY)
+            return
+        if c.orderly and not c.broadcasting and not pq.locked:
+            self.execute_later(req, ERROR_DELAY)
+            return
+        mq = req.mq
+        sub = c.subscriptions.get(mq.topic)
+        if sub is None:
+            return  # unsubscribed meanwhile; the rebalance drops the queue
+        expression, tags = sub
+        flags = PullSysFlag.SUSPEND
+        if tags is not None:
+            flags |= PullSysFlag.SUBSCRIPTION
+        commit = 0
+        if not c.broadcasting:
+            off = c.offset_store.read(mq)
+            if off > 0:
+                flags |= PullSysFlag.COMMIT_OFFSET
+                commit = off
+        try:
+            addr = await c.routes.addr_of(mq)
+            conn = c.pool.get_nowait(addr) or await c.pool.get(addr)
+            header = PullMessageRequestHeader(
+                consumer_group=c.group, topic=mq.topic, queue_id=mq.queue_id,
+                queue_offset=req.next_offset, max_msg_nums=c.pull_batch_size, sys_flag=flags,
+                commit_offset=commit, suspend_timeout_millis=c.suspend_ms,
+                subscription=expression if tags is not None else None,
+            )
+            self.pulls += 1
+            frame = await conn.request(RequestCode.PULL_MESSAGE, header,
+                                       timeout=c.suspend_ms / 1000 + 10.0)
+            status = pull_status(frame.code)
+            if status is None:
+                raise_for_error(frame)
+            h: Any = frame.header
+            if pq.dropped:
+                return
+            if status is PullStatus.FOUND:
+                msgs, _end = decode_pull_body(
+                    frame.body, from_offset=req.next_offset, broker_name=mq.broker_name,
+                    tags=tags, check_crc=c.check_crc, topic=None,
+                )
+                req.next_offset = h.next_begin_offset
+                if msgs:
+                    if mq.topic.startswith(RETRY_PREFIX):
+                        restore_retry_topic(msgs)
+                    dispatch = pq.put_messages(msgs)
+                    c.consume_service.submit(msgs, pq, mq, dispatch)
+                if c.pull_interval > 0:
+                    self.execute_later(req, c.pull_interval)
+                else:
+                    self.execute_now(req)
+            elif status is PullStatus.OFFSET_ILLEGAL:
+                log.warning("pull offset %d of %s is illegal (queue holds [%d, %d]); "
+                            "the queue restarts at %d", req.next_offset, mq, h.min_offset,
+                            h.max_offset, h.next_begin_offset)
+                req.next_offset = h.next_begin_offset
+                pq.dropped = True
+                self.loop.call_later(OFFSET_ILLEGAL_DELAY, self._fix_offset, req)
+            else:  # NO_NEW_MSG, NO_MATCHED_MSG
+                req.next_offset = h.next_begin_offset
+                if pq.msg_count == 0:
+                    c.offset_store.update(mq, req.next_offset, True)
+                self.execute_now(req)
+        except asyncio.CancelledError:
+            raise
+        except TidemqError as exc:
+            if not self._closed:
+                log.warning("pull of %s failed: %s; retrying in %g s", mq, exc, ERROR_DELAY)
+            self.execute_later(req, ERROR_DELAY)
+        except Exception:  # a bug must not silently stop a queue forever
+            log.exception("pull of %s failed unexpectedly; retrying in %g s", mq, ERROR_DELAY)
+            self.execute_later(req, ERROR_DELAY)
+
+    def _fix_offset(self, req: PullRequest) -> None:
+        async def go() -> None:
+            c = self.c
+            c.offset_store.update(req.mq, req.next_offset, False)
+            try:
+                await c.offset_store.persist(req.mq)
+            except TidemqError as exc:
+                log.warning("persisting the corrected offset of %s failed: %s", req.mq, exc)
+            c.rebalance.table.pop(req.mq, None)
+
+        if not self._closed:
+            t = self.loop.create_task(go())
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)

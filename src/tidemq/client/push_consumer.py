@@ -1,0 +1,393 @@
+"""The asyncio push consumer (RocketMQ's DefaultMQPushConsumer; SPEC CO1-CO7, seed 004).
+
+::
+
+    async def handle(msgs, ctx):
+        return tidemq.ConsumeStatus.SUCCESS
+
+    async with PushConsumer("127.0.0.1:9876", group="billing", listener=handle) as c:
+        c.subscribe("orders", "created || paid")
+        await asyncio.sleep(60)
+
+How it fits together (one instance = RocketMQ's MQClientInstance + the consumer)::
+
+    heartbeat (30 s) --> brokers: ConsumerManager tracks the group's members
+    broker --NOTIFY_CONSUMER_IDS_CHANGED--> wake --> Rebalance (also every 20 s)
+    Rebalance: allocate sorted queues over sorted member ids --> add/drop ProcessQueues
+    PullService: one async pull in flight per queue --> ProcessQueue --> consume service
+    ConsumeConcurrentlyService / ConsumeOrderlyService --> listener --> offset store
+    offset store --> broker every 5 s (clustering) / local file (broadcasting)
+
+In clustering the consumer also subscribes to its group's retry topic ``%RETRY%<group>``,
+where failed messages come back (with their original topic restored) after the delay of their
+retry level. Settings are RocketMQ's defaults (SPEC CO1); see the constructor.
+
+``close()`` stops pulling, waits for nothing more than the listener calls in flight, persists
+offsets, releases queue locks and unregisters from the brokers, which tell the remaining members
+to rebalance at once.
+
+Threads: one event loop (``tidemq.PushConsumer`` runs it for ordinary threads). Sync listeners
+run on the consumer's thread pool; ``async def`` listeners on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from tidemq.client.codec import parse_tag_expression
+from tidemq.client.connection import DEFAULT_TIMEOUT, Connection, ConnectionPool
+from tidemq.client.consume_concurrently import ConsumeConcurrentlyService
+from tidemq.client.consume_orderly import ConsumeOrderlyService
+from tidemq.client.errors import ClientClosedError, NoRouteError
+from tidemq.client.listener import ConsumeHook, Listener, MessageModel
+from tidemq.client.message import ConsumeFrom, MessageQueue
+from tidemq.client.offset_store import (
+    LocalFileOffsetStore,
+    RemoteOffsetStore,
+    default_offset_dir,
+)
+from tidemq.client.pull_service import PullService
+from tidemq.client.rebalance import RETRY_PREFIX, AllocateStrategy, Rebalance
+from tidemq.client.route import RouteCache
+from tidemq.protocol.codes import RequestCode
+from tidemq.protocol.errors import TidemqError
+from tidemq.protocol.frame import Frame
+from tidemq.protocol.headers import (
+    ConsumerData,
+    HeartbeatRequestHeader,
+    SubscriptionData,
+    UnregisterClientRequestHeader,
+)
+
+__all__ = ["PushConsumer"]
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+
+def _local_ip() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class PushConsumer:
+    """A push consumer: subscribe, and the listener is called with the messages.
+
+    Options (RocketMQ's defaults): ``orderly`` (False), ``message_model`` ("clustering" or
+    "broadcasting"), ``consume_from`` ("last", "first", "timestamp" with ``consume_timestamp``
+    in ms), ``allocate_strategy`` (AllocateStrategy.AVG; ``allocate_config`` /
+    ``consumer_rooms`` for CONFIG / MACHINE_ROOM), ``consume_thread_max`` (20),
+    ``consume_message_batch_max_size`` (1 message per listener call), ``pull_batch_size``
+    (32), ``pull_threshold_for_queue`` (1000 messages), ``pull_threshold_size_for_queue``
+    (100 MiB), ``consume_concurrently_max_span`` (2000), ``pull_interval`` (0 s),
+    ``max_reconsume_times`` (16), ``suspend_current_queue_time`` (1 s), ``consume_timeout``
+    (15 min), ``heartbeat_interval`` (30 s), ``rebalance_interval`` (20 s),
+    ``persist_interval`` (5 s), ``lock_interval`` (20 s), ``suspend_timeout`` (15 s: how long a
+    broker holds a pull), ``instance_name`` (part of the client id; in broadcasting it names the
+    local offset file, so keep it stable across restarts), ``offset_dir`` (~/.tidemq_offsets),
+    ``hooks`` (ConsumeHook objects), ``check_crc`` (True).
+    """
+
+    def __init__(
+        self,
+        namesrv: str | Sequence[str],
+        group: str,
+        listener: Listener,
+        *,
+        orderly: bool = False,
+        message_model: str | MessageModel = MessageModel.CLUSTERING,
+        consume_from: str | ConsumeFrom = ConsumeFrom.LAST,
+        consume_timestamp: int | None = None,
+        allocate_strategy: str | AllocateStrategy = AllocateStrategy.AVG,
+        allocate_config: Sequence[MessageQueue] = (),
+        consumer_rooms: Sequence[str] = (),
+        consume_thread_max: int = 20,
+        consume_message_batch_max_size: int = 1,
+        pull_batch_size: int = 32,
+        pull_threshold_for_queue: int = 1000,
+        pull_threshold_size_for_queue: int = 100 * MiB,
+        consume_concurrently_max_span: int = 2000,
+        pull_interval: float = 0.0,
+        max_reconsume_times: int = 16,
+        suspend_current_queue_time: float = 1.0,
+        consume_timeout: float = 15 * 60.0,
+        heartbeat_interval: float = 30.0,
+        rebalance_interval: float = 20.0,
+        persist_interval: float = 5.0,
+        lock_interval: float = 20.0,
+        suspend_timeout: float = 15.0,
+        instance_name: str | None = None,
+        offset_dir: str | None = None,
+        hooks: Sequence[ConsumeHook] = (),
+        check_crc: bool = True,
+        request_timeout: float = DEFAULT_TIMEOUT,
+        route_refresh: float = 30.0,
+    ) -> None:
+        if not group:
+            raise ValueError("a push consumer needs a group name")
+        if not callable(listener):
+            raise ValueError("listener must be a function (msgs, ctx) -> status")
+        if consume_message_batch_max_size < 1 or pull_batch_size < 1:
+            raise ValueError("batch sizes must be >= 1")
+        self.group = group
+        self.listener = listener
+        self.orderly = orderly
+        self.message_model = MessageModel(str(message_model).lower())
+        self.broadcasting = self.message_model is MessageModel.BROADCASTING
+        self.consume_from = ConsumeFrom(consume_from)
+        if self.consume_from is ConsumeFrom.TIMESTAMP and consume_timestamp is None:
+            raise ValueError("consume_from='timestamp' needs consume_timestamp (ms since epoch)")
+        self.consume_timestamp = consume_timestamp or 0
+        self.allocate_strategy = AllocateStrategy(allocate_strategy)
+        self.allocate_config = list(allocate_config)
+        self.consumer_rooms = list(consumer_rooms)
+        self.consume_thread_max = consume_thread_max
+        self.consume_message_batch_max_size = consume_message_batch_max_size
+        self.pull_batch_size = pull_batch_size
+        self.pull_threshold_for_queue = pull_threshold_for_queue
+        self.pull_threshold_size_for_queue = pull_threshold_size_for_queue
+        self.consume_concurrently_max_span = consume_concurrently_max_span
+        self.pull_interval = pull_interval
+        self.max_reconsume_times = max_reconsume_times
+        self.suspend_current_queue_time = suspend_current_queue_time
+        self.consume_timeout = consume_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.rebalance_interval = rebalance_interval
+        self.persist_interval = persist_interval
+        self.lock_interval = lock_interval
+        self.suspend_ms = int(suspend_timeout * 1000)
+        self.instance_name = instance_name or uuid.uuid4().hex[:12]
+        self.client_id = f"{_local_ip()}@{os.getpid()}@{self.instance_name}"
+        self.offset_dir = offset_dir or default_offset_dir()
+        self.hooks = list(hooks)
+        self.check_crc = check_crc
+        self.request_timeout = request_timeout
+        self.paused = False
+        self._namesrv = namesrv
+        self._route_refresh = route_refresh
+        #: topic -> (expression, tag set or None)
+        self.subscriptions: dict[str, tuple[str, frozenset[str] | None]] = {}
+        self._started = False
+        self._closed = False
+        self._tasks: list[asyncio.Task] = []
+        self._wake: asyncio.Event | None = None
+        self.pool: ConnectionPool = None  # type: ignore[assignment]  # set by start()
+        self.routes: RouteCache = None  # type: ignore[assignment]
+
+    # -- configuration -------------------------------------------------------------------------
+    def subscribe(self, topic: str, expression: str = "*") -> None:
+        """Consume ``topic``: ``expression`` is "*" or "TagA || TagB"."""
+        self.subscriptions[topic] = (expression, parse_tag_expression(expression))
+        if self._started:
+            self._kick(heartbeat=True)
+
+    def unsubscribe(self, topic: str) -> None:
+        self.subscriptions.pop(topic, None)
+        if self._started:
+            self._kick(heartbeat=True)
+
+    def assignment(self) -> set[MessageQueue]:
+        """The queues this member consumes now (retry topic included)."""
+        return set(self.rebalance.table) if self._started else set()
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def stats(self) -> dict[str, Any]:
+        cs = self.consume_service
+        return {
+            "client_id": self.client_id,
+            "queues": len(self.rebalance.table),
+            "consumed": cs.consumed,
+            "failed": getattr(cs, "failed", 0),
+            "pulls": self.pull_service.pulls,
+            "flow_controlled": self.pull_service.flow_controlled,
+            "rebalances": self.rebalance.rebalances,
+            "in_flight": sum(pq.msg_count for pq in self.rebalance.table.values()),
+        }
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> PushConsumer:
+        if self._closed:
+            raise ClientClosedError("this consumer was closed; create a new one")
+        if self._started:
+            return self
+        loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self.pool = ConnectionPool(connect_timeout=self.request_timeout,
+                                   on_request=self._on_request)
+        self.routes = RouteCache(self.pool, self._namesrv, refresh_interval=self._route_refresh,
+                                 timeout=self.request_timeout)
+        self.routes.start()
+        if not self.broadcasting:
+            self.subscriptions.setdefault(RETRY_PREFIX + self.group, ("*", None))
+            self.offset_store: Any = RemoteOffsetStore(self.pool, self.routes, self.group,
+                                                       self.request_timeout)
+        else:
+            self.offset_store = LocalFileOffsetStore(self.offset_dir, self.instance_name,
+                                                     self.group)
+        await self.offset_store.load()
+        self.pull_service = PullService(self)
+        self.consume_service: Any = (
+            ConsumeOrderlyService(self) if self.orderly else ConsumeConcurrentlyService(self)
+        )
+        self.rebalance = Rebalance(self)
+        self._started = True
+        await self.send_heartbeat()
+        await self.rebalance.do_rebalance()
+        self._tasks = [
+            loop.create_task(self._heartbeat_loop(), name="tidemq-heartbeat"),
+            loop.create_task(self._rebalance_loop(), name="tidemq-rebalance"),
+            loop.create_task(self._persist_loop(), name="tidemq-persist-offsets"),
+            loop.create_task(self._clean_loop(), name="tidemq-clean-expired"),
+        ]
+        if self.orderly and not self.broadcasting:
+            self._tasks.append(loop.create_task(self._lock_loop(), name="tidemq-lock"))
+        return self
+
+    async def close(self) -> None:
+        """Stop, persist offsets, release locks, leave the group. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._started:
+            return
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.pull_service.close()
+        for pq in self.rebalance.table.values():
+            pq.dropped = True
+        try:
+            await self.offset_store.persist_all(set(self.rebalance.table))
+        except TidemqError as exc:
+            log.warning("persisting offsets of group %s at close failed: %s", self.group, exc)
+        if self.orderly and not self.broadcasting and self.rebalance.table:
+            try:
+                await self.rebalance.unlock(list(self.rebalance.table))
+            except TidemqError as exc:
+                log.info("unlocking queues at close failed: %s", exc)
+        await self._unregister()
+        await self.consume_service.close()
+        await self.routes.close()
+        self.pool.close()
+
+    async def __aenter__(self) -> PushConsumer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- heartbeats and membership ---------------------------------------------------------------
+    def _heartbeat_header(self) -> HeartbeatRequestHeader:
+        subs = [SubscriptionData(topic=t, expression=e) for t, (e, _) in self.subscriptions.items()]
+        cd = ConsumerData(
+            group=self.group, message_model=self.message_model.value.upper(),
+            consume_from=self.consume_from.value, subscriptions=subs,
+        )
+        return HeartbeatRequestHeader(client_id=self.client_id, consumers=[cd])
+
+    async def _brokers(self) -> dict[str, str]:
+        addrs: dict[str, str] = {}
+        for topic in list(self.subscriptions):
+            try:
+                route = await self.routes.get(topic)
+            except NoRouteError:
+                continue
+            addrs.update(route.broker_addrs)
+        return addrs
+
+    async def send_heartbeat(self) -> None:
+        header = self._heartbeat_header()
+        for name, addr in (await self._brokers()).items():
+            try:
+                await self.pool.request(addr, RequestCode.HEART_BEAT, header,
+                                        timeout=self.request_timeout)
+            except TidemqError as exc:
+                log.warning("heartbeat to broker %s (%s) failed: %s", name, addr, exc)
+
+    async def _unregister(self) -> None:
+        header = UnregisterClientRequestHeader(client_id=self.client_id,
+                                               consumer_group=self.group)
+        for addr in (await self._brokers()).values():
+            try:
+                await self.pool.request(addr, RequestCode.UNREGISTER_CLIENT, header,
+                                        timeout=self.request_timeout)
+            except TidemqError as exc:
+                log.info("unregistering from %s failed: %s", addr, exc)
+
+    def _on_request(self, conn: Connection, frame: Frame) -> None:
+        if frame.code == RequestCode.NOTIFY_CONSUMER_IDS_CHANGED:
+            log.info("group %s membership changed (told by %s); rebalancing", self.group,
+                     conn.address)
+            if self._wake is not None:
+                self._wake.set()
+
+    def _kick(self, *, heartbeat: bool = False) -> None:
+        async def go() -> None:
+            if heartbeat:
+                await self.send_heartbeat()
+            if self._wake is not None:
+                self._wake.set()
+
+        asyncio.get_running_loop().create_task(go())
+
+    # -- periodic work ---------------------------------------------------------------------------
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            try:
+                await self.send_heartbeat()
+            except Exception:
+                log.exception("heartbeat failed")
+
+    async def _rebalance_loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            timeout = 0.5 if self.rebalance.retry_soon else self.rebalance_interval
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self.rebalance.do_rebalance()
+            except Exception:
+                log.exception("rebalance of group %s failed", self.group)
+
+    async def _persist_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.persist_interval)
+            try:
+                await self.offset_store.persist_all(set(self.rebalance.table))
+            except Exception:
+                log.exception("persisting offsets of group %s failed", self.group)
+
+    async def _lock_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.lock_interval)
+            try:
+                await self.rebalance.lock_all()
+            except Exception:
+                log.exception("renewing queue locks of group %s failed", self.group)
+
+    async def _clean_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.consume_timeout, 60.0))
+            for mq, pq in list(self.rebalance.table.items()):
+                try:
+                    await self.consume_service.clean_expired(pq, mq)
+                except Exception:
+                    log.exception("cleaning expired messages of %s failed", mq)

@@ -1,0 +1,366 @@
+"""TimerLog: the durable time index of messages held for delivery at a given time (SPEC BR8).
+
+The messages themselves stay in the CommitLog (the broker wraps each held batch in an envelope
+on the timer topic); the TimerLog only says *when* each envelope is due. It is a directory of
+time-bucket files, one per ``bucket_ms`` slice of delivery time (60 s by default), each an
+append-only array of fixed-size entries::
+
+    <dir>/<20-digit bucket start, ms since the epoch>.tl
+    <dir>/checkpoint.json     {"indexed": n, "heartbeat_ms": t}
+
+One entry, 32 bytes, little-endian::
+
+    +-----+------+------------------+------------------------------------------------------+
+    | off | size | field            | meaning                                              |
+    +-----+------+------------------+------------------------------------------------------+
+    |   0 |    8 | deliver_at  i64  | due time, ms since the epoch                         |
+    |   8 |    8 | phys        u64  | CommitLog offset of the envelope batch (its handle)  |
+    |  16 |    4 | size        u32  | total_size of the envelope batch                     |
+    |  20 |    2 | kind        u16  | 1 ADD, 2 CANCEL, 3 DONE (delivered)                  |
+    |  22 |    2 | reserved    u16  | 0                                                    |
+    |  24 |    4 | crc         u32  | CRC32C of bytes [0, 24)                              |
+    |  28 |    4 | pad         u32  | 0                                                    |
+    +-----+------+------------------+------------------------------------------------------+
+
+An entry is pending when its bucket holds an ADD for its ``phys`` and no CANCEL or DONE for it.
+A bucket file is deleted once every entry in it is done or cancelled (after a checkpoint, so a
+recovery never re-indexes an entry whose bucket is gone).
+
+Memory: only the *loaded* bucket (the earliest bucket that still has pending entries) is in
+memory, as three sorted numpy arrays (due, phys, size: 20 bytes per entry), plus a small heap of
+entries added later whose due time falls at or before the loaded bucket. The rest lives on disk
+only, so millions of pending messages cost their files, not the heap.
+
+Recovery (by the owner): ``indexed`` counts the timer topic's consume-queue units already added
+here; the owner re-adds units from ``indexed`` to the queue's end after a crash (duplicates of
+the same ``phys`` collapse at load). ``heartbeat_ms`` is the wall time of the last checkpoint: a
+crash happened before ``heartbeat_ms + checkpoint interval``, which bounds the entries that may
+have been delivered without their DONE mark reaching the file.
+
+Corruption: a torn tail (file size not a multiple of 32) is cut; an entry whose CRC does not
+match is skipped and reported with file and position (never a crash).
+
+Threads: the owner's thread (the broker's event loop) calls everything except :meth:`sync`,
+which may run in a worker thread concurrently with appends.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import heapq
+import json
+import logging
+import os
+import struct
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from tidemq.protocol.record import crc32c
+
+__all__ = ["TimerLog", "ENTRY", "ENTRY_SIZE", "ADD", "CANCEL", "DONE"]
+
+log = logging.getLogger(__name__)
+
+ENTRY = struct.Struct(
+    "<q"  # 0  deliver_at
+    "Q"  # 8  phys
+    "I"  # 16 size
+    "H"  # 20 kind
+    "H"  # 22 reserved
+)
+ENTRY_BODY = 24
+assert ENTRY.size == ENTRY_BODY
+_CRC_PAD = struct.Struct("<II")
+ENTRY_SIZE = 32
+_DTYPE = np.dtype(
+    [("due", "<i8"), ("phys", "<u8"), ("size", "<u4"), ("kind", "<u2"), ("res", "<u2"),
+     ("crc", "<u4"), ("pad", "<u4")]
+)
+assert _DTYPE.itemsize == ENTRY_SIZE
+
+ADD, CANCEL, DONE = 1, 2, 3
+_SUFFIX = ".tl"
+_MAX_OPEN = 32
+
+
+def encode_entry(deliver_at: int, phys: int, size: int, kind: int) -> bytes:
+    body = ENTRY.pack(deliver_at, phys, size, kind, 0)
+    return body + _CRC_PAD.pack(crc32c(body), 0)
+
+
+class TimerLog:
+    """The time index. See the module docstring for the format and the threading contract."""
+
+    def __init__(self, directory: str | os.PathLike[str], bucket_ms: int = 60_000) -> None:
+        if bucket_ms <= 0:
+            raise ValueError("bucket_ms must be > 0")
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.bucket_ms = bucket_ms
+        self.indexed = 0
+        self.heartbeat_ms = 0
+        self.problems: list[str] = []
+        self._buckets: list[int] = []  # sorted starts of bucket files that exist
+        self._fds: OrderedDict[int, int] = OrderedDict()  # bucket start -> append fd (LRU)
+        self._dirty: set[int] = set()
+        self._fd_lock = threading.Lock()
+        self._loaded: int | None = None
+        self._due = np.empty(0, np.int64)
+        self._phys = np.empty(0, np.uint64)
+        self._size = np.empty(0, np.uint32)
+        self._i = 0
+        self._heap: list[tuple[int, int, int]] = []
+        self._heap_phys: set[int] = set()
+        self._skip: set[int] = set()  # phys done or cancelled among the in-memory entries
+        self.added = self.delivered = self.cancelled = 0
+        self.pending_deletes: list[int] = []  # finished buckets, unlinked after a checkpoint
+        self._load_meta()
+        self.next_due()  # load the first bucket before any add (adds compare against it)
+
+    # -- files -----------------------------------------------------------------------------------
+    def _load_meta(self) -> None:
+        for p in self.dir.iterdir():
+            if p.suffix == _SUFFIX and p.stem.isdigit():
+                self._buckets.append(int(p.stem))
+        self._buckets.sort()
+        cp = self.dir / "checkpoint.json"
+        if cp.exists():
+            try:
+                data = json.loads(cp.read_text())
+                self.indexed = int(data["indexed"])
+                self.heartbeat_ms = int(data["heartbeat_ms"])
+            except (ValueError, KeyError, TypeError) as exc:
+                self.problems.append(f"{cp}: unreadable ({exc}); re-indexing from the start")
+
+    def _path(self, start: int) -> Path:
+        return self.dir / f"{start:020d}{_SUFFIX}"
+
+    def bucket_of(self, deliver_at: int) -> int:
+        return deliver_at - deliver_at % self.bucket_ms
+
+    def _append(self, start: int, data: bytes) -> None:
+        with self._fd_lock:
+            fd = self._fds.get(start)
+            if fd is None:
+                if start not in self._buckets:
+                    bisect.insort(self._buckets, start)
+                if start in self.pending_deletes:  # finished, then written again: keep it
+                    self.pending_deletes.remove(start)
+                fd = os.open(self._path(start), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                self._fds[start] = fd
+                if len(self._fds) > _MAX_OPEN:
+                    old, ofd = self._fds.popitem(last=False)
+                    if old in self._dirty:
+                        os.fsync(ofd)
+                        self._dirty.discard(old)
+                    os.close(ofd)
+            else:
+                self._fds.move_to_end(start)
+            os.write(fd, data)
+            self._dirty.add(start)
+
+    def sync(self) -> None:
+        """fsync every bucket written since the last sync (any thread)."""
+        with self._fd_lock:
+            dirty = [(s, self._fds[s]) for s in self._dirty if s in self._fds]
+            self._dirty.clear()
+            for _s, fd in dirty:
+                os.fsync(fd)
+
+    def save_checkpoint(self, now_ms: int) -> None:
+        """Sync the buckets, then durably record ``indexed`` and the heartbeat (tmp, fsync,
+        rename, fsync dir). Blocking; the owner may run it in a worker thread."""
+        indexed = self.indexed
+        self.sync()
+        path = self.dir / "checkpoint.json"
+        tmp = self.dir / "checkpoint.json.tmp"
+        data = json.dumps({"indexed": indexed, "heartbeat_ms": now_ms}).encode()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        dfd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def _read_bucket(self, start: int) -> np.ndarray:
+        path = self._path(start)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return np.empty(0, _DTYPE)
+        n = len(raw) // ENTRY_SIZE
+        if len(raw) % ENTRY_SIZE:
+            self.problems.append(f"{path}: torn tail of {len(raw) % ENTRY_SIZE} bytes cut")
+            log.warning("timer log %s: torn tail of %d bytes cut", path, len(raw) % ENTRY_SIZE)
+            with open(path, "r+b") as f:
+                f.truncate(n * ENTRY_SIZE)
+        arr = np.frombuffer(raw, _DTYPE, count=n)
+        mv = memoryview(raw)
+        ok = np.fromiter(
+            (crc32c(mv[i : i + ENTRY_BODY]) for i in range(0, n * ENTRY_SIZE, ENTRY_SIZE)),
+            dtype=np.uint32, count=n,
+        ) == arr["crc"]
+        if not ok.all():
+            for i in np.flatnonzero(~ok)[:10]:
+                msg = f"{path}: entry at byte {int(i) * ENTRY_SIZE} fails its CRC; skipped"
+                self.problems.append(msg)
+                log.error("timer log %s", msg)
+            arr = arr[ok]
+        return arr
+
+    # -- writing -----------------------------------------------------------------------------------
+    def add(self, deliver_at: int, phys: int, size: int) -> None:
+        start = self.bucket_of(deliver_at)
+        self._append(start, encode_entry(deliver_at, phys, size, ADD))
+        self.added += 1
+        if self._loaded is None or start <= self._loaded:
+            if phys not in self._heap_phys:
+                heapq.heappush(self._heap, (deliver_at, phys, size))
+                self._heap_phys.add(phys)
+            if self._loaded is None:
+                self._loaded = start
+
+    def cancel(self, deliver_at: int, phys: int, size: int) -> None:
+        """Cancel the pending entry (deliver_at, phys); the caller checked it is pending."""
+        self._append(self.bucket_of(deliver_at), encode_entry(deliver_at, phys, size, CANCEL))
+        self._skip.add(phys)
+        self.cancelled += 1
+
+    def done(self, deliver_at: int, phys: int, size: int) -> None:
+        """Record that (deliver_at, phys) was delivered (call after the delivery's put)."""
+        self._append(self.bucket_of(deliver_at), encode_entry(deliver_at, phys, size, DONE))
+        self._skip.add(phys)
+        self.delivered += 1
+
+    def is_pending(self, deliver_at: int, phys: int) -> bool:
+        """True when the bucket of ``deliver_at`` holds an ADD for ``phys`` and nothing ends it
+        (reads the bucket file: for cancels, not the hot path)."""
+        if phys in self._skip:
+            return False
+        arr = self._read_bucket(self.bucket_of(deliver_at))
+        sel = arr[arr["phys"] == phys]
+        return bool((sel["kind"] == ADD).any()) and not bool((sel["kind"] != ADD).any())
+
+    # -- reading ---------------------------------------------------------------------------------
+    def _load_next(self) -> bool:
+        """Load the earliest bucket with pending entries; False when there is none."""
+        while self._buckets:
+            start = self._buckets[0]
+            arr = self._read_bucket(start)
+            ended = set(arr["phys"][arr["kind"] != ADD].tolist())
+            adds = arr[arr["kind"] == ADD]
+            if ended:
+                adds = adds[~np.isin(adds["phys"], np.fromiter(ended, np.uint64, len(ended)))]
+            if self._heap_phys and len(adds):
+                adds = adds[~np.isin(adds["phys"], np.fromiter(
+                    self._heap_phys, np.uint64, len(self._heap_phys)))]
+            if len(adds):
+                _u, first = np.unique(adds["phys"], return_index=True)
+                adds = adds[first]
+                order = np.argsort(adds["due"], kind="stable")
+                adds = adds[order]
+                self._due = adds["due"].astype(np.int64)
+                self._phys = adds["phys"].astype(np.uint64)
+                self._size = adds["size"].astype(np.uint32)
+                self._i = 0
+                self._skip = ended
+                self._loaded = start
+                return True
+            if not self._heap:
+                self._drop_bucket(start)
+                continue
+            # nothing pending in the file; the heap still holds earlier entries
+            self._loaded = start
+            self._due = np.empty(0, np.int64)
+            self._i = 0
+            return True
+        self._loaded = None
+        return False
+
+    def _drop_bucket(self, start: int) -> None:
+        self._buckets.remove(start)
+        with self._fd_lock:
+            fd = self._fds.pop(start, None)
+            self._dirty.discard(start)
+            if fd is not None:
+                os.fsync(fd)
+                os.close(fd)
+        self.pending_deletes.append(start)
+
+    def delete_finished(self, finished: list[int]) -> None:
+        """Unlink the files of buckets that were finished (``pending_deletes`` taken before
+        the last :meth:`save_checkpoint`) and have not been written since."""
+        for start in finished:
+            if start in self._buckets or start in self._fds:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                self._path(start).unlink()
+
+    def next_due(self) -> int | None:
+        """The earliest pending due time, or None when nothing is pending."""
+        while True:
+            while self._i < len(self._due) and int(self._phys[self._i]) in self._skip:
+                self._i += 1
+            while self._heap and self._heap[0][1] in self._skip:
+                _d, p, _s = heapq.heappop(self._heap)
+                self._heap_phys.discard(p)
+            a = int(self._due[self._i]) if self._i < len(self._due) else None
+            h = self._heap[0][0] if self._heap else None
+            if a is not None or h is not None:
+                return min(x for x in (a, h) if x is not None)
+            if self._loaded is not None and self._loaded in self._buckets:
+                self._drop_bucket(self._loaded)
+            if not self._load_next():
+                return None
+
+    def pop_due(self, now_ms: int, limit: int = 1024) -> list[tuple[int, int, int]]:
+        """Up to ``limit`` pending entries due at or before ``now_ms``, earliest first, as
+        (deliver_at, phys, size). They stay pending until :meth:`done`."""
+        out: list[tuple[int, int, int]] = []
+        while len(out) < limit:
+            if out and self._i >= len(self._due) and not self._heap:
+                break  # the next bucket loads on the next call, after these are done()
+            nd = self.next_due()
+            if nd is None or nd > now_ms:
+                break
+            if self._heap and self._heap[0][0] == nd:
+                d, p, s = heapq.heappop(self._heap)
+                self._heap_phys.discard(p)
+            else:
+                i = self._i
+                d, p, s = int(self._due[i]), int(self._phys[i]), int(self._size[i])
+                self._i = i + 1
+            self._skip.add(p)  # handed out: not again (done() writes the durable mark)
+            out.append((d, p, s))
+        return out
+
+    def reload(self) -> None:
+        """Forget the in-memory entries and load the earliest bucket again from its file
+        (after re-adding entries on recovery: the files, with their DONE marks, decide)."""
+        self._loaded = None
+        self._due = np.empty(0, np.int64)
+        self._i = 0
+        self._heap, self._heap_phys, self._skip = [], set(), set()
+        self.next_due()
+
+    def pending_files(self) -> int:
+        return len(self._buckets)
+
+    def close(self) -> None:
+        with self._fd_lock:
+            for fd in self._fds.values():
+                with contextlib.suppress(OSError):
+                    os.fsync(fd)
+                os.close(fd)
+            self._fds.clear()
+            self._dirty.clear()

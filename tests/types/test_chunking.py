@@ -1,0 +1,84 @@
+"""Chunked messages (SPEC PR5): split above the broker limit, reassembled by the consumer."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+
+import pytest
+from producer_path_helpers import dev_cluster, drain, make_topic
+
+from tidemq import aio
+from tidemq.client import chunking
+from tidemq.client.codec import decode_pull_body, encode_messages
+from tidemq.protocol.record import STORE_FIELDS, STORE_FIELDS_OFFSET, seal_store_header
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from dev_cluster()
+
+
+def received(msgs: list[aio.Message], first_offset: int) -> list[aio.MessageExt]:
+    """``msgs`` as a consumer receives them: one stored batch each, consecutive offsets."""
+    out = []
+    for k, m in enumerate(msgs):
+        b = encode_messages(m.topic, [m], queue_id=0, producer_id=1, base_seq=k, born_ts=1)
+        STORE_FIELDS.pack_into(b, STORE_FIELDS_OFFSET, 0, first_offset + k, 2)
+        seal_store_header(b, 0, 72 + len(m.topic))
+        out += decode_pull_body(bytes(b), from_offset=first_offset + k)[0]
+    return out
+
+
+def test_split_and_reassemble_with_interleaved_messages():
+    body = os.urandom(10_000)
+    parts = chunking.split(aio.Message("t", body, tags="T", properties={"a": "1"}), "p-7", 3000)
+    assert len(parts) == 4
+    assert [p.properties[chunking.CHUNK_ID] for p in parts] == ["0", "1", "2", "3"]
+    assert {p.properties[chunking.CHUNK_UUID] for p in parts} == {"p-7"}
+    plain = aio.Message("t", b"plain")
+    stream = received([parts[0], plain, parts[1], parts[2], parts[3]], 100)
+    a = chunking.ChunkAssembler()
+    first = a.feed(stream[:3])
+    assert [m.body for m in first] == [b"plain"]
+    assert a.low_water() == 100  # commit no further than the first chunk
+    [whole] = a.feed(stream[3:])
+    assert whole.body == body and whole.queue_offset == 104
+    assert whole.properties == {"a": "1"} and whole.tags == "T"
+    assert a.low_water() is None and a.assembled == 1
+
+
+def test_incomplete_chunks_expire_after_60_s():
+    now = [0.0]
+    a = chunking.ChunkAssembler(clock=lambda: now[0])
+    parts = chunking.split(aio.Message("t", b"x" * 5000), "p-1", 2000)
+    stream = received(parts, 0)
+    assert a.feed(stream[:2]) == []
+    now[0] = 59.0
+    assert a.feed([]) == [] and a.expired == 0 and a.low_water() == 0
+    now[0] = 61.0
+    assert a.feed(stream[2:]) == []  # the last chunk arrives after its message expired
+    assert a.expired == 1 and a.low_water() is None
+
+
+def test_50_mib_message_round_trips(cluster):
+    async def main():
+        topic = "chunk-big"
+        await make_topic(cluster.namesrv, topic, 1)
+        body = os.urandom(50 * 1024 * 1024)
+        async with aio.Producer(cluster.namesrv, producer_name="chunker",
+                                send_timeout=30) as p:
+            r = await p.send(aio.Message(topic, body, properties={"k": "v"}))
+            small = await p.send(aio.Message(topic, b"after"))
+        assert r.status is aio.SendStatus.SEND_OK
+        assert small.queue_offset == r.queue_offset + 1 >= 13  # 4 MiB broker limit: 13 chunks
+        async with aio.PullConsumer(cluster.namesrv, "g-chunk", consume_from="first") as c:
+            c.subscribe(topic)
+            got = await drain(c, 2, timeout=60)
+            assert c.position(got[0].message_queue) == small.queue_offset + 1
+        assert len(got) == 2
+        assert hashlib.sha256(got[0].body).digest() == hashlib.sha256(body).digest()
+        assert got[0].properties == {"k": "v"} and got[1].body == b"after"
+
+    asyncio.run(main())

@@ -1,0 +1,135 @@
+"""Deduplication by producer name and sequence id (SPEC PR6, BR12)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import tempfile
+
+import pytest
+from producer_path_helpers import dev_cluster, drain, make_topic, runtime_info
+
+from client.conftest import start_dev, stop_dev
+from tidemq import aio
+from tidemq.broker.dedup import DupStatus, MessageDeduplication
+from tidemq.protocol.headers import dedup_producer_id, is_dedup_producer
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from dev_cluster()
+
+
+def test_producer_id_is_stable_and_marked():
+    a = dedup_producer_id("orders-1")
+    assert a == dedup_producer_id("orders-1") != dedup_producer_id("orders-2")
+    assert is_dedup_producer(a)
+    assert a == 0xCD538A924EEC27FD  # pinned: other machines and releases must agree
+    p = aio.Producer("127.0.0.1:1")
+    assert not is_dedup_producer(p.producer_id)  # unnamed producers are never deduplicated
+
+
+def test_table_classifies_pushed_persisted_and_failed():
+    d = MessageDeduplication("/nonexistent/dedup.json")
+    pid = dedup_producer_id("p")
+    assert d.check(pid, 0, 10) is DupStatus.NEW  # pushed 9, persisted none
+    assert d.check(pid, 5, 1) is DupStatus.UNCERTAIN  # pushed, not yet durable
+    d.persisted_up_to(pid, 9)
+    assert d.check(pid, 0, 10) is DupStatus.DUPLICATE
+    assert d.check(pid, 9, 1) is DupStatus.DUPLICATE
+    assert d.check(pid, 10, 5) is DupStatus.NEW  # pushed 14
+    d.failed(pid)  # the put of 10..14 failed: a resend must be taken
+    assert d.check(pid, 10, 5) is DupStatus.NEW
+    assert d.last_sequence(pid) == 9
+    assert (d.duplicates, d.uncertain) == (2, 1)
+
+
+def test_duplicate_is_acknowledged_not_stored_and_sequence_continues(cluster):
+    async def main():
+        topic = "dedup-basic"
+        await make_topic(cluster.namesrv, topic, 1)
+        msgs = [aio.Message(topic, f"m{i}".encode()) for i in range(3)]
+        async with aio.Producer(cluster.namesrv, producer_name="orders-1") as p:
+            assert p.last_sequence_id == -1
+            r1 = await p.send_batch(msgs)
+            assert (r1.status, r1.base_seq, r1.queue_offset) == (aio.SendStatus.SEND_OK, 0, 0)
+            again = await p.send_batch(msgs, sequence_id=0)  # a resend with the same ids
+            assert again.status is aio.SendStatus.DUPLICATE and again.queue_offset == -1
+            r2 = await p.send(aio.Message(topic, b"next"))
+            assert (r2.base_seq, r2.queue_offset) == (3, 3)
+        async with aio.Producer(cluster.namesrv, producer_name="orders-1") as p2:
+            # A restarted producer continues after what the broker persisted for its name.
+            assert p2.last_sequence_id == 3
+            r3 = await p2.send(aio.Message(topic, b"after restart"))
+            assert (r3.status, r3.base_seq, r3.queue_offset) == (aio.SendStatus.SEND_OK, 4, 4)
+            dup = await p2.send(aio.Message(topic, b"next"), sequence_id=3)
+            assert dup.status is aio.SendStatus.DUPLICATE
+        async with aio.PullConsumer(cluster.namesrv, "g-dedup", consume_from="first") as c:
+            c.subscribe(topic)
+            got = await drain(c, 5)
+            await asyncio.sleep(0.3)
+            got += await c.poll(timeout=0.2)
+        assert [m.body for m in got] == [b"m0", b"m1", b"m2", b"next", b"after restart"]
+        info = await runtime_info(cluster.broker)
+        assert info["dedup_duplicates"] >= 2
+
+    asyncio.run(main())
+
+
+def _commitlog_end(info: dict) -> int:
+    return int(info["commitlog_max_offset"])
+
+
+def test_resend_after_kill_9_and_restart_stores_nothing_twice():
+    """Batches sent before a kill -9 (some after the last dedup snapshot) are re-sent after the
+    restart with the same sequence ids: every resend is a DUPLICATE, nothing is stored twice."""
+    with tempfile.TemporaryDirectory(prefix="tidemq-dedup-kill-") as d:
+        c = start_dev(d, "dedup_snapshot_interval_ms=300")
+        topic = "dedup-kill"
+        batches = [[aio.Message(topic, f"b{b}-m{i}".encode()) for i in range(10)]
+                   for b in range(40)]
+
+        async def before():
+            await make_topic(c.namesrv, topic, 2)
+            async with aio.Producer(c.namesrv, producer_name="spark-q1-p0") as p:
+                for b in batches[:20]:
+                    await p.send_batch(b, sequence_id=_seq(b, batches), queue_id=0)
+                await asyncio.sleep(1.0)  # a snapshot covers the first 20 batches ...
+                for b in batches[20:]:  # ... the last 20 only the CommitLog replay can find
+                    await p.send_batch(b, sequence_id=_seq(b, batches), queue_id=1)
+            return await runtime_info(c.broker)
+
+        info1 = asyncio.run(before())
+        os.kill(c.proc.pid, signal.SIGKILL)
+        c.proc.wait()
+        c2 = start_dev(d, "dedup_snapshot_interval_ms=300")
+        try:
+            async def after():
+                info = await runtime_info(c2.broker)
+                assert info["dedup_replayed_batches"] >= 20, info
+                async with aio.Producer(c2.namesrv, producer_name="spark-q1-p0") as p:
+                    assert p.last_sequence_id == 399
+                    for k, b in enumerate(batches):
+                        r = await p.send_batch(b, sequence_id=_seq(b, batches),
+                                               queue_id=0 if k < 20 else 1)
+                        assert r.status is aio.SendStatus.DUPLICATE, (k, r)
+                    r = await p.send(aio.Message(topic, b"new"), queue_id=1)
+                    assert r.status is aio.SendStatus.SEND_OK and r.base_seq == 400
+                info2 = await runtime_info(c2.broker)
+                async with aio.Admin(c2.namesrv) as admin:
+                    qs = sorted(await admin.topic_queues(topic))
+                    maxes = [await admin.max_offset(mq) for mq in qs]
+                return info2, maxes
+
+            info2, maxes = asyncio.run(after())
+            assert maxes == [200, 201]  # 20 batches of 10 per queue, plus the one new message
+            assert info2["dedup_duplicates"] == 40
+            print("commitlog end before kill", _commitlog_end(info1), "after resends",
+                  _commitlog_end(info2))
+        finally:
+            stop_dev(c2)
+
+
+def _seq(b, batches) -> int:
+    return batches.index(b) * 10
