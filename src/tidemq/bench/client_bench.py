@@ -264,7 +264,7 @@ def bench_consume(
 
 async def _e2e(
     namesrv: str, topic: str, size: int, rate: int, seconds: float, queues: int,
-    progress: Progress | None,
+    batch_delay: float, progress: Progress | None,
 ) -> dict[str, Any]:
     await ensure_topic(namesrv, topic, queues)
     group = f"bench-e2e-{uuid.uuid4().hex[:12]}"
@@ -277,7 +277,7 @@ async def _e2e(
     consumer = PullConsumer(namesrv, group, consume_from="last", auto_commit=False,
                             pull_batch_size=256, pool=pool)
     consumer.subscribe(topic)
-    async with consumer, Producer(namesrv, pool=pool) as producer:
+    async with consumer, Producer(namesrv, pool=pool, batch_max_delay=batch_delay) as producer:
         # Wait until every queue has its start offset, so nothing sent is skipped.
         await consumer.poll(timeout=0.01)
         for _ in range(200):
@@ -330,6 +330,7 @@ async def _e2e(
         "workload": "e2e",
         "size": size,
         "rate": rate,
+        "batch_delay_ms": batch_delay * 1000,
         "seconds": round(send_secs, 3),
         "sent": sent,
         "received": len(lat),
@@ -352,8 +353,12 @@ def bench_e2e(
     rate: int = 10_000,
     seconds: float = 10.0,
     queues: int = 8,
+    batch_delay: float = 0.0,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
+    """Send ``rate`` msgs/s for ``seconds`` through ``send_async`` (auto-batched, the producer
+    waiting ``batch_delay`` s for more before a batch leaves) and receive them with a long-polling
+    PullConsumer on the same client connections; latency is send call -> poll return."""
     if size < _TS.size:
         raise ValueError(f"e2e messages carry an 8-byte timestamp: --size must be >= {_TS.size}")
-    return run_loop(_e2e(namesrv, topic, size, rate, seconds, queues, progress))  # type: ignore[no-any-return]
+    return run_loop(_e2e(namesrv, topic, size, rate, seconds, queues, batch_delay, progress))  # type: ignore[no-any-return]

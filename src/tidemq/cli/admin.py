@@ -402,17 +402,21 @@ def bench_consume_cmd(namesrv: str, topic: str, count: int, batch: int, as_json:
 @click.option("--rate", default=10_000, show_default=True, help="Messages per second.")
 @click.option("--seconds", default=10.0, show_default=True)
 @click.option("--queues", default=8, show_default=True, help="Queues if the topic is created.")
+@click.option("--batch-delay-ms", default=0.0, show_default=True,
+              help="The producer's batch_max_delay. 0 sends what one loop iteration queued "
+                   "at its end (still one batch, no wait); the producer's default is 1 ms.")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def bench_e2e_cmd(namesrv: str, topic: str, size: int, rate: int, seconds: float, queues: int,
-                  as_json: bool) -> None:
+                  batch_delay_ms: float, as_json: bool) -> None:
     """Send at RATE for SECONDS and consume at once; print send -> receive latency."""
     from tidemq.bench.client_bench import bench_e2e
 
     total = int(rate * seconds)
     with click.progressbar(length=total, label="end to end", file=sys.stderr) as bar:
         result = bench_e2e(namesrv=namesrv, topic=topic, size=size, rate=rate, seconds=seconds,
-                           queues=queues, progress=bar.update)
+                           queues=queues, batch_delay=batch_delay_ms / 1000,
+                           progress=bar.update)
     _emit(result, as_json)
 
 
