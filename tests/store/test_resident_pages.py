@@ -40,3 +40,4 @@ def test_written_pages_far_behind_the_tail_leave_the_process(tmp_path):
         assert next(v.messages()).body == body
     finally:
         store.close()
+
