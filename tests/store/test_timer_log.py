@@ -125,7 +125,7 @@ class TimerLogModel(RuleBasedStateMachine):
 
 
 TestTimerLogModel = TimerLogModel.TestCase
-TestTimerLogModel.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
+TestTimerLogModel.settings = settings(max_examples=60, stateful_step_count=50, deadline=None)
 
 
 def test_entry_golden_bytes() -> None:

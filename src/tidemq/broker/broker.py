@@ -578,6 +578,7 @@ class Broker:
             "delay_delivered": self.schedule.delivered,
             "timer_delivered": self.timers.delivered,
             "timer_bucket_files": self.timers.pending_buckets(),
+            **self.timers.stats(),
             "txn_half_pending": self.transactions.pending(),
             **{f"txn_{k}": n for k, n in self.transactions.stats.items()},
         })

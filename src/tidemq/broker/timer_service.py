@@ -261,5 +261,12 @@ class TimerMessageService:
                                      m.properties[REAL_TOPIC], env.store_ts,
                                      inner.reconsume_times)
 
+    def stats(self) -> dict[str, int]:
+        idx = self.index
+        if idx is None:
+            return {}
+        return {"timer_index_bytes": idx.memory_bytes(), "timer_added": idx.added,
+                "timer_cancelled": idx.cancelled, "timer_recovered_done": self.recovered_done}
+
     def pending_buckets(self) -> int:
         return self.index.pending_files() if self.index else 0

@@ -8,6 +8,7 @@ import sys
 import click
 
 from tidemq.cli.admin import register as register_admin
+from tidemq.cli.bench_types import register as register_bench_types
 from tidemq.cli.demo import demo
 from tidemq.cli.servers import register as register_servers
 
@@ -88,6 +89,7 @@ def bench_recovery_cmd(gib, segment_size, data_dir, as_json) -> None:
 cli.add_command(demo)
 register_servers(cli)
 register_admin(cli)
+register_bench_types(cli)
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -373,8 +373,7 @@ class Producer:
             )
             n = len(msg) if isinstance(msg, list | tuple) else 1
             self._npending += n
-            fut = asyncio.ensure_future(coro)
-            fut.add_done_callback(lambda _f: self._give_back(n))
+            fut = asyncio.ensure_future(self._counted(coro, n))
         self._async.add(fut)
         fut.add_done_callback(self._async.discard)
         if callback is not None:
@@ -465,8 +464,13 @@ class Producer:
         self._async.add(task)
         task.add_done_callback(self._async.discard)
 
-    def _give_back(self, n: int) -> None:
-        self._npending -= n
+    async def _counted(self, coro: Any, n: int) -> SendResult:
+        """Run a send_async send; its ``n`` messages stop counting as pending before its
+        future completes (so whoever sees it done may send ``n`` more at once)."""
+        try:
+            return await coro
+        finally:
+            self._npending -= n
 
     async def flush(self) -> None:
         """Send the open automatic batches now and wait until every ``send_async`` so far is
