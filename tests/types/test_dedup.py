@@ -168,3 +168,37 @@ def test_resend_in_the_uncertain_window_is_answered_retry_later(tmp_path):
             assert mx.header.offset == 1  # stored once
     finally:
         srv.stop()
+
+
+def test_snapshot_golden_bytes_and_replay_after_it(tmp_path):
+    """docs/format.md section 7: the snapshot file layout, and a restart that loads it and
+    replays only the CommitLog after its offset."""
+    from tidemq.broker.dedup import _encoder, _Snapshot
+    from tidemq.protocol.record import MessageData, encode_batch
+    from tidemq.store.config import StoreConfig
+    from tidemq.store.message_store import MessageStore
+
+    pid = dedup_producer_id("orders-1")
+    raw = _encoder.encode(_Snapshot(1048576, {str(pid): 399}, 1700000000000))
+    assert raw == (b'{"commitlog_offset":1048576,"producers":{"14795321561836169213":399},'
+                   b'"written_at":1700000000000}')
+    store = MessageStore(StoreConfig(data_dir=str(tmp_path / "store"), segment_size=1 << 20))
+    try:
+        path = str(tmp_path / "dedup.json")
+        d = MessageDeduplication(path)
+        d.recover(store)
+        for seq in range(0, 50, 10):  # five batches of 10
+            assert d.check(pid, seq, 10) is DupStatus.NEW
+            store.put(encode_batch("t", [MessageData(b"x")] * 10, producer_id=pid,
+                                   base_seq=seq))
+            d.persisted_up_to(pid, seq + 9)
+        d.save_now(store)  # covers seq 0..49
+        store.put(encode_batch("t", [MessageData(b"y")] * 10, producer_id=pid, base_seq=50))
+        again = MessageDeduplication(path)
+        again.recover(store)
+        assert again.replayed_batches == 1  # only the batch after the snapshot's offset
+        assert again.last_sequence(pid) == 59
+        assert again.check(pid, 50, 10) is DupStatus.DUPLICATE
+        assert again.check(pid, 60, 1) is DupStatus.NEW
+    finally:
+        store.close()
