@@ -133,6 +133,48 @@ def test_deliver_at_to_the_millisecond_and_cancel(dev: DevCluster) -> None:
     asyncio.run(main())
 
 
+def test_deliver_at_is_at_most_100_ms_late_at_p99_under_load(dev: DevCluster) -> None:
+    """Timed messages come due while another process floods the broker with auto-batched
+    sends (`tidemq bench produce --auto-batch`)."""
+    import subprocess
+    import sys
+
+    async def main() -> None:
+        topic = "timed-load"
+        await make_topic(dev.namesrv, topic, 2)
+        load = subprocess.Popen(
+            [sys.executable, "-m", "tidemq.cli.main", "bench", "produce", "--namesrv", dev.namesrv,
+             "--topic", "load", "--size", "100", "--count", "5000000", "--auto-batch",
+             "--json"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        try:
+            await asyncio.sleep(1.0)  # the load is running
+            async with aio.Producer(dev.namesrv) as p:
+                now = int(time.time() * 1000)
+                at = [now + 500 + 10 * i for i in range(200)]  # due over 2 s
+                await asyncio.gather(*(p.send(aio.Message(topic, f"l{i}".encode(),
+                                                          deliver_at=a))
+                                       for i, a in enumerate(at)))
+            got = await collect(dev.namesrv, topic, "timed-load-g", 200, 30)
+            still_loading = load.poll() is None
+        finally:
+            load.kill()
+            load.wait()
+        assert still_loading, "the load generator stopped before the timed messages were due"
+        assert sorted(m.body for m in got) == sorted(f"l{i}".encode() for i in range(200))
+        late = []
+        for m in got:
+            due = at[int(m.body[1:])]
+            assert m.store_timestamp >= due, f"{m.body!r} early"
+            late.append(m.store_timestamp - due)
+        print(f"\ndeliver_at under load (load still running: {still_loading}): lateness ms "
+              f"p50={pct(late, .5)} p99={pct(late, .99)} max={max(late)}")
+        assert pct(late, 0.99) <= 100, f"p99 lateness {pct(late, .99)} ms > 100 ms"
+
+    asyncio.run(main())
+
+
 def test_kill_9_with_pending_messages_loses_and_doubles_nothing() -> None:
     async def send_all(c: DevCluster, topic: str) -> tuple[dict[bytes, int], list[bytes]]:
         await make_topic(c.namesrv, topic, 2)
