@@ -83,6 +83,28 @@ class DevProcess:
                     out[key] = int(rest.split()[0]) * 1024
         return out
 
+    def rss_by_mapping(self) -> dict[str, int]:
+        """Resident bytes per kind of mapping (/proc/<pid>/smaps): the store's files by
+        directory (commitlog, consumequeue, index, ...), anonymous memory, other files."""
+        assert self.proc is not None
+        out: dict[str, int] = {}
+        kind = "anon"
+        root = os.path.realpath(self.data_dir) + os.sep
+        with open(f"/proc/{self.proc.pid}/smaps") as f:
+            for line in f:
+                head = line.split()
+                if head and "-" in head[0] and not head[0].endswith(":"):
+                    path = head[5] if len(head) >= 6 else ""
+                    if path.startswith(root):
+                        kind = path[len(root):].split(os.sep)[0]
+                    elif path.startswith("/"):
+                        kind = "other files"
+                    else:
+                        kind = "anon"
+                elif head and head[0] == "Rss:":
+                    out[kind] = out.get(kind, 0) + int(head[1]) * 1024
+        return out
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -142,10 +164,12 @@ def bench_delay_index(*, count: int = 1_000_000, window: int = 2000,
         try:
             time.sleep(2.0)  # let start-up settle (segment warming reads, imports)
             before = dev.memory()
+            maps_before = dev.rss_by_mapping()
             info0 = run_loop(runtime_info(dev.broker))
             send_s = run_loop(_send_timed(dev.namesrv, "bench-delay", count, window))
             time.sleep(2.5)  # a timer checkpoint and a CommitLog flush (and its page trim)
             after = dev.memory()
+            maps_after = dev.rss_by_mapping()
             info1 = run_loop(runtime_info(dev.broker))
             dev.stop()
             clean = DevProcess(d).start()
@@ -170,6 +194,10 @@ def bench_delay_index(*, count: int = 1_000_000, window: int = 2000,
         "rss_added_mb": round((after["VmRSS"] - before["VmRSS"]) / mib, 1),
         "rss_anon_added_mb": round((after["RssAnon"] - before["RssAnon"]) / mib, 1),
         "rss_file_added_mb": round((after["RssFile"] - before["RssFile"]) / mib, 1),
+        "rss_added_by_mapping_mb": {
+            k: round((maps_after.get(k, 0) - maps_before.get(k, 0)) / mib, 1)
+            for k in sorted(set(maps_after) | set(maps_before))
+        },
         "commitlog_mb": round(info1["commitlog_max_offset"] / mib, 1),
         "restart_seconds": round(clean.start_seconds, 2),
         "restart_after_kill9_seconds": round(crashed.start_seconds, 2),

@@ -455,9 +455,12 @@ class ConsumeQueue:
     def flush(self) -> None:
         """fdatasync every file written since the last flush (and the directory if files
         were created or deleted)."""
-        for mf in self._files:
+        files = self._files
+        for i, mf in enumerate(files):
             if mf.dirty:
                 mf.flush()
+                if i < len(files) - 1:  # written to its end: leave the process's memory
+                    mf.drop_resident(0, mf.size)
         if self._dir_dirty:
             self._dir_dirty = False
             fsync_dir(self.dir)

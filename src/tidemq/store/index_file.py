@@ -95,6 +95,10 @@ def _ms_of(name: str) -> int:
     return (dt - _EPOCH) // timedelta(milliseconds=1) + int(name[14:])
 
 
+#: Newest entries of an index file kept mapped in after a flush (8 MiB of them).
+_RESIDENT_ENTRIES = (8 << 20) // ENTRY_SIZE
+
+
 class IndexFile:
     """One index file. Only :class:`IndexService` uses it and it follows that class's thread
     contract: one writer; readers walk chains concurrently. A put writes the entry before the
@@ -517,6 +521,12 @@ class IndexService:
         for f in self._files:
             if f.mf.dirty:
                 f.mf.flush()
+                # entries are appended in order: all but the newest leave the process's
+                # memory (lookups fault them back from the page cache); the slot table stays
+                f.mf.drop_resident(
+                    f.entries_start,
+                    f.entries_start + (f.index_count - _RESIDENT_ENTRIES) * ENTRY_SIZE,
+                )
         if self._dir_dirty:
             self._dir_dirty = False
             fsync_dir(self.root)

@@ -20,6 +20,7 @@ with 10,000 queues needs 10,000 descriptors, not 20,000.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -153,6 +154,19 @@ class MappedFile:
             except OSError as exc:
                 self.dirty = True
                 raise _os_error(self.path, "fdatasync", exc)
+
+    def drop_resident(self, start: int, end: int) -> None:
+        """Drop the pages of bytes [start, end) from this process (madvise MADV_DONTNEED):
+        the data stays in the page cache and the file, a later access faults it back in.
+        Keeps the RSS of a broker with large mapped files bounded (call on flushed bytes)."""
+        start = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = min(end, self.size) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end <= start:
+            return
+        with self._lock:
+            if self._open:
+                with contextlib.suppress(ValueError, OSError):
+                    self.mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
         """Release the mapping unless a reader still holds a buffer of it."""
