@@ -202,3 +202,25 @@ def test_snapshot_golden_bytes_and_replay_after_it(tmp_path):
         assert again.check(pid, 60, 1) is DupStatus.NEW
     finally:
         store.close()
+
+
+def test_snapshot_beyond_the_commitlog_end_is_not_trusted(tmp_path):
+    """A snapshot covering more CommitLog than recovery kept (data lost with a torn tail) is
+    ignored and the table rebuilt from the CommitLog: a resend of a lost batch is stored."""
+    from tidemq.broker.dedup import _encoder, _Snapshot
+    from tidemq.protocol.record import MessageData, encode_batch
+    from tidemq.store.config import StoreConfig
+    from tidemq.store.message_store import MessageStore
+
+    pid = dedup_producer_id("lost")
+    path = tmp_path / "dedup.json"
+    path.write_bytes(_encoder.encode(_Snapshot(10 << 20, {str(pid): 99}, 0)))
+    store = MessageStore(StoreConfig(data_dir=str(tmp_path / "store"), segment_size=1 << 20))
+    try:
+        store.put(encode_batch("t", [MessageData(b"x")] * 10, producer_id=pid, base_seq=0))
+        d = MessageDeduplication(str(path))
+        d.recover(store)
+        assert d.last_sequence(pid) == 9  # from the CommitLog, not the snapshot's 99
+        assert d.check(pid, 10, 10) is DupStatus.NEW
+    finally:
+        store.close()

@@ -151,6 +151,13 @@ class MessageDeduplication:
         if raw is not None:
             try:
                 snap = _decoder.decode(raw)
+                if snap.commitlog_offset > store.max_phys_offset:
+                    # The CommitLog lost data the snapshot covers (a torn tail cut): trusting
+                    # it would acknowledge resends of lost batches as duplicates.
+                    raise ValueError(
+                        f"it covers the CommitLog up to {snap.commitlog_offset} but the "
+                        f"CommitLog ends at {store.max_phys_offset}"
+                    )
                 self.persisted = {int(k): v for k, v in snap.producers.items()}
                 start = max(start, snap.commitlog_offset)
             except (msgspec.DecodeError, ValueError) as exc:
