@@ -1,4 +1,4 @@
-"""The CommitLog keeps its resident set bounded: pages more than RESIDENT_BEHIND (64 MiB) behind
+"""The CommitLog keeps its resident set bounded: pages more than RESIDENT_BEHIND (32 MiB) behind
 the flushed position are dropped from the process after a flush, and reading them again still
 returns the stored bytes (they come back from the page cache)."""
 
@@ -34,7 +34,7 @@ def test_written_pages_far_behind_the_tail_leave_the_process(tmp_path):
         store.flush()
         rss = _commitlog_rss(str(tmp_path / "commitlog"))
         print(f"\nCommitLog resident after 230 MiB written: {rss >> 20} MiB")
-        assert rss <= RESIDENT_BEHIND + (40 << 20), f"{rss >> 20} MiB of the CommitLog resident"
+        assert rss <= RESIDENT_BEHIND + (24 << 20), f"{rss >> 20} MiB of the CommitLog resident"
         v = store.read_batch(first.phys_offset)
         v.verify()
         assert next(v.messages()).body == body
