@@ -224,3 +224,25 @@ def test_snapshot_beyond_the_commitlog_end_is_not_trusted(tmp_path):
         assert d.check(pid, 10, 10) is DupStatus.NEW
     finally:
         store.close()
+
+
+def test_snapshot_is_written_without_named_producers_so_restart_replays_little(tmp_path):
+    """The snapshot's offset is where a restart's replay begins: a broker whose producers are
+    all unnamed must write it too (it used not to, and replayed the whole CommitLog)."""
+    from tidemq.protocol.record import MessageData, encode_batch
+    from tidemq.store.config import StoreConfig
+    from tidemq.store.message_store import MessageStore
+
+    store = MessageStore(StoreConfig(data_dir=str(tmp_path / "store"), segment_size=1 << 20))
+    try:
+        for i in range(100):
+            store.put(encode_batch("t", [MessageData(b"x")], producer_id=7, base_seq=i))
+        d = MessageDeduplication(str(tmp_path / "dedup.json"))
+        d.recover(store)
+        assert d.replayed_batches == 100
+        d.save_now(store)
+        again = MessageDeduplication(str(tmp_path / "dedup.json"))
+        again.recover(store)
+        assert again.replayed_batches == 0
+    finally:
+        store.close()

@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import os
 import time
 from typing import TYPE_CHECKING
 
@@ -226,13 +225,13 @@ class MessageDeduplication:
         if pending is not None and store.flushed_phys_offset >= pending[0]:
             self._pending = None
             await asyncio.to_thread(write_atomic, self.path, pending[1])
-        if self._pending is None and (self.pushed or os.path.exists(self.path)):
+        # Written even with no named producer: the snapshot's offset is also where the next
+        # start's replay begins (without it, every start replayed the whole CommitLog).
+        if self._pending is None:
             self._pending = self._take(store)
 
     def save_now(self, store: MessageStore) -> None:
         """At shutdown, after the store flushed: the table as it is (blocking)."""
-        if not self.pushed and not os.path.exists(self.path):
-            return
         store.flush()
         write_atomic(self.path, self._take(store)[1])
 

@@ -219,16 +219,23 @@ class TimerMessageService:
         assert idx is not None
         now = _now_ms()
         batch = idx.pop_due(now, _BURST)
-        for i, (d, phys, size) in enumerate(batch):
-            try:
-                self._deliver_one(d, phys, size)
-            except TidemqError as exc:
-                # the undelivered ones are due again (not lost until a restart)
-                idx.release(batch[i:])
-                log.error("timer delivery failed (%s); retrying in 1 s", exc)
-                self._arm(_now_ms() + 1000)
-                return
-            self.lateness_ms.append(now - d)
+        try:
+            for i, (d, phys, size) in enumerate(batch):
+                try:
+                    self._deliver_one(d, phys, size)
+                except TidemqError as exc:
+                    # the undelivered ones are due again (not lost until a restart)
+                    idx.release(batch[i:])
+                    log.error("timer delivery failed (%s); retrying in 1 s", exc)
+                    self._arm(_now_ms() + 1000)
+                    return
+                self.lateness_ms.append(now - d)
+        finally:
+            # The DONE marks reach the page cache in the same turn as the deliveries (one
+            # write per bucket per burst), so a kill -9 cannot lose them; only a power loss
+            # before the next fsync can, which the restart's id-index check covers.
+            for start in {idx.bucket_of(d) for d, _p, _s in batch}:
+                idx.write_now(start)
         if len(self.lateness_ms) > 100_000:
             del self.lateness_ms[:50_000]
         if len(batch) == _BURST:
