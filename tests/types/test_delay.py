@@ -134,8 +134,8 @@ def test_deliver_at_to_the_millisecond_and_cancel(dev: DevCluster) -> None:
 
 
 def test_deliver_at_is_at_most_100_ms_late_at_p99_under_load(dev: DevCluster) -> None:
-    """Timed messages come due while another process floods the broker with auto-batched
-    sends (`tidemq bench produce --auto-batch`)."""
+    """Timed messages come due while another process produces and consumes 20,000 messages
+    a second through the same broker (`tidemq bench e2e --rate 20000`)."""
     import subprocess
     import sys
 
@@ -143,8 +143,8 @@ def test_deliver_at_is_at_most_100_ms_late_at_p99_under_load(dev: DevCluster) ->
         topic = "timed-load"
         await make_topic(dev.namesrv, topic, 2)
         load = subprocess.Popen(
-            [sys.executable, "-m", "tidemq.cli.main", "bench", "produce", "--namesrv", dev.namesrv,
-             "--topic", "load", "--size", "100", "--count", "5000000", "--auto-batch",
+            [sys.executable, "-m", "tidemq.cli.main", "bench", "e2e", "--namesrv", dev.namesrv,
+             "--topic", "load", "--size", "100", "--rate", "20000", "--seconds", "30",
              "--json"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
