@@ -41,7 +41,7 @@ def bench_delay_index_cmd(count: int, window: int, data_dir: str | None, as_json
 
 @click.command("txn")
 @click.option("--count", default=50_000, show_default=True, help="Transactions.")
-@click.option("--window", default=256, show_default=True, help="Transactions in flight.")
+@click.option("--window", default=64, show_default=True, help="Transactions in flight.")
 @_data_dir
 @click.option("--json", "as_json", is_flag=True)
 def bench_txn_cmd(count: int, window: int, data_dir: str | None, as_json: bool) -> None:
