@@ -51,7 +51,11 @@ from tidemq.broker.errors import RequestRejected
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import OffsetOutOfRangeError, TidemqError
 from tidemq.protocol.frame import FLAG_ONEWAY, Frame, encode_frame_parts
-from tidemq.protocol.headers import CheckTransactionStateRequestHeader, EndTransactionRequestHeader
+from tidemq.protocol.headers import (
+    CheckTransactionStateRequestHeader,
+    EndTransactionRequestHeader,
+    HeartbeatRequestHeader,
+)
 from tidemq.protocol.record import (
     STORE_HEADER,
     STORE_HEADER_SIZE,
@@ -184,11 +188,12 @@ class TransactionService:
         ``inner`` (the consumer-group handler) or answers SUCCESS itself when there is none."""
 
         def handle(conn: BrokerConnection, frame: Frame) -> None:
-            h = frame.header
-            groups = getattr(h, "producer_groups", None)
-            if groups is None and isinstance(h, dict):
-                groups = h.get("producer_groups")
-            for g in groups or ():
+            from tidemq.broker.connection import decode_request
+
+            # The broker keeps request headers raw (msgspec.Raw) until a handler decodes them:
+            # read the producer groups from the decoded header, never from the raw frame.
+            h: HeartbeatRequestHeader = decode_request(frame, HeartbeatRequestHeader)
+            for g in h.producer_groups:
                 self.register_producer(g, conn)
             if inner is not None:
                 inner(conn, frame)
