@@ -27,7 +27,8 @@ QUEUES = 8
 KEYS = 24
 PER_KEY = 40
 ORDERLY = dict(orderly=True, consume_from="first", lock_interval=0.3,
-               suspend_current_queue_time=0.05, persist_interval=0.5)
+               suspend_current_queue_time=0.05, persist_interval=0.5,
+               heartbeat_interval=1.0)
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,8 @@ def test_join_and_leave_settle_within_a_second_and_lose_nothing(dev) -> None:
                 i += 1
                 time.sleep(0.002)
 
-    opts = dict(consume_from="first", rebalance_interval=20.0, persist_interval=1.0)
+    opts = dict(consume_from="first", rebalance_interval=20.0, persist_interval=1.0,
+                heartbeat_interval=1.0)
     consumers = [tidemq.PushConsumer(dev.namesrv, "rebal-g", handle, **opts)]
     consumers[0].start()
     consumers[0].subscribe(TOPIC)
