@@ -1,4 +1,5 @@
-"""Client-side commands: `tidemq topic|send|consume|group` and `tidemq bench produce|consume|e2e`.
+"""Client-side commands: `tidemq topic|send|consume|group|dlq` (group and dlq commands other
+than `group lag` are in cli/groups.py) and `tidemq bench produce|consume|e2e`.
 
 Every command takes ``--namesrv`` (default: $TIDEMQ_NAMESRV, else 127.0.0.1:9876). Errors from
 the cluster become one-line ClickExceptions carrying the broker's message (exit code 1), never a
@@ -426,6 +427,9 @@ def register(cli: click.Group) -> None:
     cli.add_command(send_cmd)
     cli.add_command(consume_cmd)
     cli.add_command(group_group)
+    from tidemq.cli.groups import register as register_groups
+
+    register_groups(cli, group_group, namesrv_option, friendly)
     bench = cli.commands.get("bench")
     if isinstance(bench, click.Group):
         bench.add_command(bench_produce_cmd)
