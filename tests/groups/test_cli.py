@@ -125,3 +125,15 @@ def test_reset_offset_to_a_timestamp(dev) -> None:
 def test_bad_arguments_are_clear_errors(dev, args, message) -> None:
     r = _run(dev, *args, ok=False)
     assert r.exit_code != 0 and message in r.output, r.output
+
+
+def test_bench_consume_push_mode_runs_and_reports(dev) -> None:
+    """A smoke run of `tidemq bench consume --group G --consumers N` (not a timed test)."""
+    r = _run(dev, "bench", "consume", "--topic", "cli-bench", "--group", "cli-bench-g",
+             "--consumers", "2", "--count", "2000", "--listener-batch", "8", "--json")
+    out = json.loads(r.output.strip().splitlines()[-1])
+    assert out["complete"] and out["count"] >= 2000 and out["consumers"] == 2
+    assert out["msgs_per_s"] > 0 and out["join_settle_ms"] is not None
+    assert out["leave_settle_ms"] is not None
+    with tidemq.Admin(dev.namesrv) as admin:
+        assert admin.group_lag("cli-bench-g", "cli-bench").total_lag == 0
