@@ -330,7 +330,10 @@ class PushConsumer(_Facade):
         self._aio.paused = True
 
     def resume(self) -> None:
-        self._aio.paused = False
+        async def go() -> None:
+            self._aio.resume()
+
+        _run(go())
 
 
 class Admin(_Facade):

@@ -207,6 +207,8 @@ class PushConsumer:
 
     def resume(self) -> None:
         self.paused = False
+        if self._started and not self._closed:
+            self.pull_service.resume()
 
     def stats(self) -> dict[str, Any]:
         cs = self.consume_service
