@@ -27,7 +27,8 @@ QUEUES = 8
 KEYS = 24
 PER_KEY = 40
 ORDERLY = dict(orderly=True, consume_from="first", lock_interval=0.3,
-               suspend_current_queue_time=0.05, persist_interval=0.5)
+               suspend_current_queue_time=0.05, persist_interval=0.5,
+               heartbeat_interval=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +200,31 @@ def test_lock_table_defaults_expire_after_60_s_and_renewal_keeps_the_holder() ->
     assert locks.holder("g", q, now=100.5) == "b"
     locks.release_client("g", "b")
     assert locks.holder("g", q, now=100.5) is None
+
+
+def test_a_message_out_of_local_retries_goes_to_the_dlq_and_the_queue_moves_on(dev) -> None:
+    topic, group = "ord-dlq", "ord-dlq-g"
+    with tidemq.Admin(dev.namesrv) as admin:
+        admin.create_topic(topic, 1)
+    lock = threading.Lock()
+    calls: list[bytes] = []
+
+    def handle(msgs, ctx):
+        with lock:
+            calls.extend(m.body for m in msgs)
+        if any(m.body == b"poison" for m in msgs):
+            return tidemq.ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
+        return tidemq.ConsumeOrderlyStatus.SUCCESS
+
+    with tidemq.Producer(dev.namesrv) as p:
+        for b in (b"a", b"poison", b"b", b"c"):
+            p.send(tidemq.Message(topic, b))
+    with tidemq.PushConsumer(dev.namesrv, group, handle, max_reconsume_times=2,
+                             **ORDERLY) as c, tidemq.Admin(dev.namesrv) as admin:
+        c.subscribe(topic)
+        wait_until(lambda: b"c" in calls, 10)
+        dlq = admin.dlq_messages(group)
+    # Three attempts (two local retries), then the DLQ; the queue resumes in order.
+    assert calls == [b"a", b"poison", b"poison", b"poison", b"b", b"c"]
+    assert [m.body for m in dlq] == [b"poison"]
+    assert dlq[0].properties["RETRY_TOPIC"] == topic

@@ -207,6 +207,8 @@ class PushConsumer:
 
     def resume(self) -> None:
         self.paused = False
+        if self._started and not self._closed:
+            self.pull_service.resume()
 
     def stats(self) -> dict[str, Any]:
         cs = self.consume_service
@@ -368,8 +370,12 @@ class PushConsumer:
         assert self._wake is not None
         while True:
             timeout = 0.5 if self.rebalance.retry_soon else self.rebalance_interval
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that
+            # arrives as the event is set (a notification during close), and close() would
+            # then wait for the next 20 s round.
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
             self._wake.clear()

@@ -278,7 +278,8 @@ class Rebalance:
         """Orderly: wait (up to 1 s, as RocketMQ's tryLock) for the listener call in progress
         to end and commit, and hold the queue's consume lock; False if the call goes on."""
         try:
-            await asyncio.wait_for(pq.consume_lock.acquire(), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: see _rebalance_loop
+                await pq.consume_lock.acquire()
         except TimeoutError:
             return False
         return True
