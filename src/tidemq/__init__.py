@@ -52,6 +52,7 @@ __all__ = [
     "RequestTimeoutError",
     "NoRouteError",
     "MessageRejectedError",
+    "ProducerQueueFullError",
 ]
 
 _WHERE = {
@@ -85,6 +86,7 @@ _WHERE = {
     "RequestTimeoutError": "tidemq.client.errors",
     "NoRouteError": "tidemq.client.errors",
     "MessageRejectedError": "tidemq.client.errors",
+    "ProducerQueueFullError": "tidemq.client.errors",
 }
 
 if TYPE_CHECKING:
@@ -104,6 +106,7 @@ if TYPE_CHECKING:
         ConnectionLostError,
         MessageRejectedError,
         NoRouteError,
+        ProducerQueueFullError,
         RequestTimeoutError,
         TidemqError,
     )

@@ -27,6 +27,7 @@ from tidemq.client.errors import (
     ConnectionLostError,
     MessageRejectedError,
     NoRouteError,
+    ProducerQueueFullError,
     RequestTimeoutError,
     TidemqError,
 )
@@ -90,4 +91,5 @@ __all__ = [
     "RequestTimeoutError",
     "NoRouteError",
     "MessageRejectedError",
+    "ProducerQueueFullError",
 ]

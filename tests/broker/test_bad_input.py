@@ -244,3 +244,27 @@ def test_peer_that_stops_mid_frame(broker):
 def _split(addr: str):
     host, _, port = addr.rpartition(":")
     return host, int(port)
+
+
+@pytest.mark.parametrize("topic", ["SCHEDULE_TOPIC_XXXX", "rmq_sys_wheel_timer",
+                                   "RMQ_SYS_TRANS_HALF_TOPIC", "RMQ_SYS_TRANS_OP_HALF_TOPIC",
+                                   "TRANS_CHECK_MAX_TIME_TOPIC"])
+def test_system_topics_are_not_writable_by_clients(wire, topic):
+    r = send_body(wire, batch(topic, [b"forged envelope"]), topic=topic)
+    assert r.code == R.NO_PERMISSION
+    assert "system topic the broker writes itself" in error_message(r)
+    still_usable(wire)
+
+
+@pytest.mark.parametrize("kind", ["delay_level", "deliver_at", "prepared"])
+def test_non_persistent_topic_refuses_delayed_and_transactional(wire, kind):
+    from tidemq.protocol.record import MessageData, TxnType, encode_batch
+
+    topic = "%NP%np-refuse"
+    kw = {"delay_level": 2} if kind == "delay_level" else (
+        {"deliver_at": 2**42} if kind == "deliver_at" else {"txn": TxnType.PREPARED})
+    assert wire.create_topic(topic, 1).code == R.SUCCESS
+    r = send_body(wire, encode_batch(topic, [MessageData(b"x")], **kw), topic=topic)
+    assert r.code == R.MESSAGE_ILLEGAL
+    assert "non-persistent: it cannot take delayed, timed or transactional" in error_message(r)
+    still_usable(wire)

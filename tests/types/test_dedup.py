@@ -133,3 +133,38 @@ def test_resend_after_kill_9_and_restart_stores_nothing_twice():
 
 def _seq(b, batches) -> int:
     return batches.index(b) * 10
+
+
+def test_resend_in_the_uncertain_window_is_answered_retry_later(tmp_path):
+    """SYNC_FLUSH: a resend that arrives while the first copy is stored but not yet durable
+    gets RETRY_LATER (the first copy may still fail); once it is durable, DUPLICATE. Both
+    frames are written in one packet, so the broker handles the second before the flush
+    thread's answer for the first can reach its event loop."""
+    from broker.wire import Wire, batch, start_broker
+    from tidemq.protocol.codes import RequestCode, ResponseCode
+    from tidemq.protocol.frame import Frame, encode_frame
+    from tidemq.protocol.headers import (
+        QueueOffsetRequestHeader,
+        SendMessageRequestHeader,
+        dedup_producer_id,
+    )
+
+    srv = start_broker(tmp_path, "", "-o", "flush_mode=sync")
+    try:
+        with Wire(srv.addr) as w:
+            assert w.create_topic("dd-window", 1).code == ResponseCode.SUCCESS
+            body = bytes(batch("dd-window", [b"once"], producer_id=dedup_producer_id("w"),
+                               base_seq=5))
+            h = SendMessageRequestHeader(producer_group="pg", topic="dd-window", queue_id=0)
+            w.send_raw(b"".join(encode_frame(Frame(RequestCode.SEND_MESSAGE, op, 0, h, body))
+                                for op in (9001, 9002)))
+            first, second = w.recv(9001), w.recv(9002)
+            assert first.code == ResponseCode.SUCCESS
+            assert second.code == ResponseCode.RETRY_LATER
+            again = w.request(RequestCode.SEND_MESSAGE, h, body)
+            assert again.code == ResponseCode.DUPLICATE
+            mx = w.request(RequestCode.GET_MAX_OFFSET,
+                           QueueOffsetRequestHeader(topic="dd-window", queue_id=0))
+            assert mx.header.offset == 1  # stored once
+    finally:
+        srv.stop()

@@ -157,3 +157,22 @@ def test_non_persistent_topic_is_served_from_memory_and_drops_past_the_limit(clu
         assert after["commitlog_max_offset"] == before["commitlog_max_offset"]
 
     asyncio.run(main())
+
+
+def test_send_async_is_bounded_by_max_pending_messages(cluster):
+    async def main():
+        topic = "pp-bounded"
+        await make_topic(cluster.namesrv, topic, 1)
+        async with aio.Producer(cluster.namesrv, max_pending_messages=10,
+                                batch_max_delay=0.05) as p:
+            futs = [p.send_async(aio.Message(topic, f"{i}".encode())) for i in range(9)]
+            futs.append(p.send_async([aio.Message(topic, b"list")]))  # a list counts too
+            with pytest.raises(aio.ProducerQueueFullError, match="max_pending_messages=10"):
+                p.send_async(aio.Message(topic, b"one too many"))
+            await p.flush()
+            assert all(f.done() and not f.exception() for f in futs)
+            assert p._npending == 0
+            r = await p.send_async(aio.Message(topic, b"room again"))
+            assert r.status is aio.SendStatus.SEND_OK
+
+    asyncio.run(main())

@@ -58,7 +58,14 @@ if TYPE_CHECKING:
     from tidemq.broker.connection import BrokerConnection
     from tidemq.protocol.frame import Frame
 
-__all__ = ["SendProcessor"]
+__all__ = ["SendProcessor", "SYSTEM_TOPIC_PREFIXES", "SYSTEM_TOPICS"]
+
+#: Topics only the broker writes: SCHEDULE_TOPIC_XXXX (delay levels), rmq_sys_wheel_timer
+#: (deliver_at), RMQ_SYS_TRANS_HALF_TOPIC / RMQ_SYS_TRANS_OP_HALF_TOPIC (transactions) and the
+#: discard topic of transactions checked too often. A client batch there would be taken for
+#: the broker's own envelope by the services that read them.
+SYSTEM_TOPIC_PREFIXES = ("SCHEDULE_TOPIC_XXXX", "rmq_sys_", "RMQ_SYS_")
+SYSTEM_TOPICS = frozenset({"TRANS_CHECK_MAX_TIME_TOPIC"})
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +205,13 @@ class SendProcessor:
                 "headers); send fewer or smaller messages per batch",
             )
         topic = h.topic
+        if topic.startswith(SYSTEM_TOPIC_PREFIXES) or topic in SYSTEM_TOPICS:
+            raise RequestRejected(
+                ResponseCode.NO_PERMISSION,
+                f"topic {topic!r} is a system topic the broker writes itself (delayed, timed "
+                "or transactional messages); clients cannot send to it -- send to the real "
+                "topic with delay_level / deliver_at, or through a TransactionProducer",
+            )
         tc = self.topics.get(topic)
         if tc is None:
             problem = topic_name_problem(topic)
@@ -260,6 +274,13 @@ class SendProcessor:
                     )
         oneway = frame.flags & FLAG_ONEWAY
         if self.non_persistent.owns(topic):
+            if v.delay_level or v.deliver_at or v.txn == TxnType.PREPARED:
+                raise RequestRejected(
+                    ResponseCode.MESSAGE_ILLEGAL,
+                    f"topic {topic!r} is non-persistent: it cannot take delayed, timed or "
+                    "transactional messages (the broker holds those on disk); send them to a "
+                    "persistent topic",
+                )
             self.non_persistent.publish(conn, frame.opaque, oneway, body, v, qid)
             return
         pending = None

@@ -218,15 +218,17 @@ class TimerMessageService:
         idx = self.index
         assert idx is not None
         now = _now_ms()
-        try:
-            batch = idx.pop_due(now, _BURST)
-            for d, phys, size in batch:
+        batch = idx.pop_due(now, _BURST)
+        for i, (d, phys, size) in enumerate(batch):
+            try:
                 self._deliver_one(d, phys, size)
-                self.lateness_ms.append(now - d)
-        except TidemqError as exc:
-            log.error("timer delivery failed (%s); retrying in 1 s", exc)
-            self._arm(_now_ms() + 1000)
-            return
+            except TidemqError as exc:
+                # the undelivered ones are due again (not lost until a restart)
+                idx.release(batch[i:])
+                log.error("timer delivery failed (%s); retrying in 1 s", exc)
+                self._arm(_now_ms() + 1000)
+                return
+            self.lateness_ms.append(now - d)
         if len(self.lateness_ms) > 100_000:
             del self.lateness_ms[:50_000]
         if len(batch) == _BURST:

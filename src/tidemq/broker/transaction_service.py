@@ -43,6 +43,7 @@ import json
 import logging
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from tidemq.broker.durable_file import read_file, write_atomic
@@ -87,6 +88,7 @@ CHECK_TIMES = "TRANSACTION_CHECK_TIMES"
 FIRST_BORN = "FIRST_BORN"
 IMMUNITY = "CHECK_IMMUNITY_TIME_IN_SECONDS"
 _PREPARED_OFFSET_AT = 36
+_SLICE = 256  # half messages judged per turn of the event loop in a check round
 
 
 def with_topic(data: bytes | bytearray | memoryview, topic: str) -> bytearray:
@@ -295,7 +297,7 @@ class TransactionService:
         while True:
             await asyncio.sleep(self.config.transaction_check_interval_ms / 1000)
             try:
-                self.check_once()
+                await self.check_round()
             except Exception:
                 log.exception("transaction check round failed")
             try:
@@ -304,7 +306,22 @@ class TransactionService:
                 log.error("persisting transaction progress to %s failed: %s", self.path, exc)
 
     def check_once(self) -> None:
-        """One round over the pending half messages (see the module docstring)."""
+        """One round over the pending half messages (see the module docstring), at once."""
+        for _ in self._round():
+            pass
+
+    async def check_round(self) -> None:
+        """One round, giving the event loop a turn every ``_SLICE`` half messages: a backlog
+        of a million half messages must not stall sends and pulls for the whole round."""
+        for i, _ in enumerate(self._round()):
+            if i % _SLICE == _SLICE - 1:
+                await asyncio.sleep(0)
+
+    def _round(self) -> Iterator[None]:
+        """The check round as a generator that yields after each half message. Safe to
+        suspend at a yield: each entry is judged from the state at that moment (an
+        END_TRANSACTION handled in between resolves its transaction before the round gets to
+        it; one for an entry already passed is seen through ``resolved``)."""
         cfg = self.config
         now = _now()
         end = self.store.max_offset(HALF_TOPIC, 0)
@@ -335,6 +352,7 @@ class TransactionService:
                 self.half_progress = q + 1
             else:
                 prefix = False
+            yield
         while self._ops and self._ops[0][1] < self.half_progress:
             op_off, half, txn = self._ops.popleft()
             if self.resolved.get(txn) == half:

@@ -11,6 +11,7 @@
         ├── RequestTimeoutError              no response within the timeout
         ├── NoRouteError                     the name servers know no route for the topic
         └── MessageRejectedError             the client refused the message (size, topic, ...)
+            └── ProducerQueueFullError       max_pending_messages async sends are unanswered
 
 Every error says what to do in its message; ``code`` is the stable machine name.
 """
@@ -29,6 +30,7 @@ __all__ = [
     "RequestTimeoutError",
     "NoRouteError",
     "MessageRejectedError",
+    "ProducerQueueFullError",
 ]
 
 
@@ -58,3 +60,10 @@ class NoRouteError(ClientError):
 
 class MessageRejectedError(ClientError):
     code = "MESSAGE_REJECTED"
+
+
+class ProducerQueueFullError(MessageRejectedError):
+    """``send_async`` with ``max_pending_messages`` messages already unanswered (Pulsar's
+    ProducerQueueIsFullError): await some of the futures, or ``await producer.flush()``."""
+
+    code = "PRODUCER_QUEUE_FULL"

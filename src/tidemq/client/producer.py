@@ -53,6 +53,7 @@ from tidemq.client.errors import (
     ClientError,
     MessageRejectedError,
     NoRouteError,
+    ProducerQueueFullError,
     RequestTimeoutError,
 )
 from tidemq.client.latency_fault import FAILURE_LATENCY_MS, LatencyFaultTable
@@ -116,7 +117,8 @@ class Producer:
     Options: ``send_timeout`` (3 s, covers all retries), ``retries`` (2), ``max_message_size``
     (4 MiB per batch, checked before sending), ``compression`` ("none", "lz4", "zstd", "zlib")
     with ``compress_min`` bytes, ``latency_fault`` (True: avoid slow/failed brokers),
-    ``route_refresh`` (30 s), ``pool`` (share a ConnectionPool between clients).
+    ``route_refresh`` (30 s), ``pool`` (share a ConnectionPool between clients),
+    ``max_pending_messages`` (100 000 unanswered ``send_async`` messages at most).
     """
 
     def __init__(
@@ -139,9 +141,12 @@ class Producer:
         default_topic_queues: int = 8,
         route_refresh: float = 30.0,
         pool: ConnectionPool | None = None,
+        max_pending_messages: int = 100_000,
     ) -> None:
         if retries < 0:
             raise ValueError("retries must be >= 0")
+        if max_pending_messages < 1:
+            raise ValueError("max_pending_messages must be >= 1")
         if compression not in Compression.NAMES:
             raise ValueError(f"compression must be one of {sorted(Compression.NAMES)}")
         self.group = group or DEFAULT_GROUP
@@ -177,6 +182,11 @@ class Producer:
         # The open auto-batch of each topic: [messages, futures, body bytes, loop].
         self._pending: dict[str, list[Any]] = {}
         self._pending_flush = False
+        # Messages of send_async calls not answered yet (queued in an open batch or in flight):
+        # bounded by max_pending_messages so a caller that never awaits cannot grow memory
+        # without limit (Pulsar's maxPendingMessages).
+        self.max_pending_messages = max_pending_messages
+        self._npending = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> Producer:
@@ -315,8 +325,17 @@ class Producer:
         With ``auto_batch`` (the default) single messages without routing options travel
         together as one batch (Pulsar's batch container, PR3): a batch leaves when it holds
         ``batch_max_messages`` or ``batch_max_bytes``, or ``batch_max_delay`` after its first
-        message. Each message still gets its own SendResult, and they share a queue."""
+        message. Each message still gets its own SendResult, and they share a queue.
+
+        At most ``max_pending_messages`` messages (100 000) may be unanswered; one more raises
+        ProducerQueueFullError -- await earlier futures (or :meth:`flush`) first."""
         fut: asyncio.Future[SendResult]
+        if self._npending >= self.max_pending_messages:
+            raise ProducerQueueFullError(
+                f"{self._npending} messages sent with send_async are not answered yet "
+                f"(max_pending_messages={self.max_pending_messages}); await some of their "
+                "futures or `await producer.flush()` before sending more"
+            )
         if (
             callback is None and not options and type(msg) is Message and self.auto_batch
             and len(msg.body) < self.batch_max_bytes
@@ -324,6 +343,7 @@ class Producer:
         ):
             # The hot path, kept to the least work per message (no per-future callbacks:
             # close() waits for the batch's task instead).
+            self._npending += 1  # given back per batch by _send_pending
             pending = self._pending.get(msg.topic)
             if pending is None:
                 return self._enqueue(msg)
@@ -342,6 +362,7 @@ class Producer:
             # delay and delivery time are per batch: a delayed message travels alone
             and not msg.delay_level and not msg.deliver_at
         ):
+            self._npending += 1  # given back per batch by _send_pending
             fut = self._enqueue(msg)
             if callback is None:
                 # The hot path: close() waits for the batch's task, not for each future.
@@ -350,7 +371,10 @@ class Producer:
             coro = self.send_batch(msg, **options) if isinstance(msg, list | tuple) else (
                 self.send(msg, **options)  # type: ignore[arg-type]
             )
+            n = len(msg) if isinstance(msg, list | tuple) else 1
+            self._npending += n
             fut = asyncio.ensure_future(coro)
+            fut.add_done_callback(lambda _f: self._give_back(n))
         self._async.add(fut)
         fut.add_done_callback(self._async.discard)
         if callback is not None:
@@ -441,6 +465,17 @@ class Producer:
         self._async.add(task)
         task.add_done_callback(self._async.discard)
 
+    def _give_back(self, n: int) -> None:
+        self._npending -= n
+
+    async def flush(self) -> None:
+        """Send the open automatic batches now and wait until every ``send_async`` so far is
+        answered (failures stay in their futures)."""
+        if self._pending:
+            self._flush_pending()
+        while self._async:
+            await asyncio.gather(*list(self._async), return_exceptions=True)
+
     async def _send_pending(
         self, topic: str, msgs: list[Message], futs: list[asyncio.Future[SendResult]]
     ) -> None:
@@ -448,12 +483,14 @@ class Producer:
         try:
             r = await self._send(topic, msgs, None, None, None, None, None, code)
         except BaseException as exc:
+            self._npending -= len(msgs)
             for f in futs:
                 if not f.done():
                     f.set_exception(exc)
             if not isinstance(exc, Exception):
                 raise
             return
+        self._npending -= len(msgs)
         pid = self.producer_id
         prefix = f"{pid:016X}"  # unique_id(pid, seq), formatted once per batch
         status, qid, qoff, bname, base = (r.status, r.queue_id, r.queue_offset,

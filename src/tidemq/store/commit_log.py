@@ -16,6 +16,7 @@ concurrently with appends; ``view``/``read_batch`` may be called from any thread
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
 from collections.abc import Iterator
@@ -32,6 +33,14 @@ from tidemq.protocol.record import (
 from tidemq.store.segment import Segment, SegmentAllocator, WarmAhead, segment_name
 
 log = logging.getLogger(__name__)
+
+#: Pages of the mappings more than this far behind the flushed position are dropped from the
+#: process (madvise MADV_DONTNEED; the data stays in the page cache and in the file), so the
+#: broker's RSS stays bounded however much it writes: a 1 GiB segment would otherwise become
+#: 1 GiB of resident memory once written. A reader of old data faults pages back in (from the
+#: page cache); the next trim drops them again.
+RESIDENT_BEHIND = 64 * 1024 * 1024
+_PAGE = mmap.PAGESIZE
 
 
 class CommitLog:
@@ -58,6 +67,7 @@ class CommitLog:
         self._warmer: WarmAhead | None = None
         self._flush_lock = threading.Lock()
         self._zombies: list[Segment] = []  # deleted segments still pinned by readers' views
+        self._trimmed_at = 0  # flushed position of the last trim (flush thread only)
 
     # -- opening ---------------------------------------------------------------------------
     def open_segments(self) -> list[str]:
@@ -204,7 +214,25 @@ class CommitLog:
                         f"{start} is not durable"
                     ) from exc
             self.flushed_pos = target
+            if target - self._trimmed_at >= RESIDENT_BEHIND // 4:
+                self._trimmed_at = target
+                self._drop_resident(target - RESIDENT_BEHIND)
             return target
+
+    def _drop_resident(self, below: int) -> None:
+        """Unmap from this process the pages of every segment below ``below`` (flushed
+        bytes: nothing is lost; see RESIDENT_BEHIND)."""
+        for seg in list(self.segments):
+            if seg.start >= below:
+                break
+            length = min(seg.size, below - seg.start)
+            length -= length % _PAGE
+            if length <= 0:
+                continue
+            try:
+                seg.mm.madvise(mmap.MADV_DONTNEED, 0, length)
+            except (ValueError, OSError):  # closed under us (retention, shutdown)
+                continue
 
     # -- truncation and retention -------------------------------------------------------------
     def truncate(self, end: int, dirty_end: int | None = None) -> list[str]:

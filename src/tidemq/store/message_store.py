@@ -193,6 +193,11 @@ class MessageStore:
         self._lock_fd = self._acquire_lock()
         self._closed = False
         self._put_lock = threading.Lock()
+        # One checkpoint at a time: the housekeeper and flush() callers (the broker's loop, a
+        # worker thread) would otherwise share checkpoint.tmp -- one's O_TRUNC under the
+        # other's write, one's rename under the other's fsync -- and a newer checkpoint could
+        # be replaced by an older one.
+        self._checkpoint_lock = threading.Lock()
         self._listeners: list[DispatchListener] = []
         self._queue_offsets: dict[tuple[str, int], int] = {}
         self._host = _HOST.pack(config.store_port, pack_host(config.store_host))
@@ -653,6 +658,10 @@ class MessageStore:
     # -- durability and housekeeping ----------------------------------------------------------
     def _save_checkpoint(self) -> None:
         """Flush CommitLog, consume queues and index, then record what is durable."""
+        with self._checkpoint_lock:
+            self._save_checkpoint_locked()
+
+    def _save_checkpoint_locked(self) -> None:
         with self._put_lock:
             dispatched = self.commitlog.write_pos
             queues = {queue_key(t, q): o for (t, q), o in self._queue_offsets.items()}

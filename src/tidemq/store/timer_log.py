@@ -40,8 +40,10 @@ have been delivered without their DONE mark reaching the file.
 Corruption: a torn tail (file size not a multiple of 32) is cut; an entry whose CRC does not
 match is skipped and reported with file and position (never a crash).
 
-Threads: the owner's thread (the broker's event loop) calls everything except :meth:`sync`,
-which may run in a worker thread concurrently with appends.
+Threads: the owner's thread (the broker's event loop) calls everything except :meth:`sync`
+and :meth:`save_checkpoint`, which may run in a worker thread concurrently with appends. The
+owner's thread never fsyncs: descriptors it stops using (bucket finished, or evicted from the
+open-file LRU) are handed to the next :meth:`sync`, which fsyncs and closes them.
 """
 
 from __future__ import annotations
@@ -108,7 +110,12 @@ class TimerLog:
         self._fds: OrderedDict[int, int] = OrderedDict()  # bucket start -> append fd (LRU)
         self._dirty: set[int] = set()
         self._fd_lock = threading.Lock()
+        self._retired: list[tuple[int, bool]] = []  # (fd, needs fsync): closed by sync()
+        self._syncing: set[int] = set()  # fds a sync() is fsyncing outside the lock
+        # Invariant: every pending entry of a bucket at or before ``_loaded`` is in memory
+        # (arrays, heap) or handed out; ``_loaded`` only moves forward (until a reload).
         self._loaded: int | None = None
+        self._in_arrays: int | None = None  # the bucket whose file the arrays were read from
         self._due = np.empty(0, np.int64)
         self._phys = np.empty(0, np.uint64)
         self._size = np.empty(0, np.uint32)
@@ -116,6 +123,9 @@ class TimerLog:
         self._heap: list[tuple[int, int, int]] = []
         self._heap_phys: set[int] = set()
         self._skip: set[int] = set()  # phys done or cancelled among the in-memory entries
+        # phys handed out by pop_due and not yet done() -> its bucket start: a bucket with
+        # such entries is never deleted (a crash before done() must find them again)
+        self._handed: dict[int, int] = {}
         self.added = self.delivered = self.cancelled = 0
         self.pending_deletes: list[int] = []  # finished buckets, unlinked after a checkpoint
         self._load_meta()
@@ -154,22 +164,41 @@ class TimerLog:
                 self._fds[start] = fd
                 if len(self._fds) > _MAX_OPEN:
                     old, ofd = self._fds.popitem(last=False)
-                    if old in self._dirty:
-                        os.fsync(ofd)
-                        self._dirty.discard(old)
-                    os.close(ofd)
+                    self._retire(old, ofd)
             else:
                 self._fds.move_to_end(start)
             os.write(fd, data)
             self._dirty.add(start)
 
+    def _retire(self, start: int, fd: int) -> None:
+        """Stop appending through ``fd`` (lock held). Its fsync and close are left to the next
+        :meth:`sync` -- a worker thread -- so the owner's thread never waits for the disk."""
+        self._retired.append((fd, start in self._dirty))
+        self._dirty.discard(start)
+
     def sync(self) -> None:
-        """fsync every bucket written since the last sync (any thread)."""
+        """fsync every bucket written since the last sync, and close retired descriptors
+        (any thread). The lock is not held during the fsyncs: appends go on meanwhile."""
         with self._fd_lock:
-            dirty = [(s, self._fds[s]) for s in self._dirty if s in self._fds]
+            dirty = [self._fds[s] for s in self._dirty if s in self._fds]
             self._dirty.clear()
-            for _s, fd in dirty:
+            # a descriptor another sync() is fsyncing right now is closed by a later sync
+            retired = [r for r in self._retired if r[0] not in self._syncing]
+            self._retired = [r for r in self._retired if r[0] in self._syncing]
+            # an open fd must not be closed (and its number reused) while we fsync it
+            self._syncing.update(dirty)
+        try:
+            for fd in dirty:
                 os.fsync(fd)
+            for fd, was_dirty in retired:
+                try:
+                    if was_dirty:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+        finally:
+            with self._fd_lock:
+                self._syncing.difference_update(dirty)
 
     def save_checkpoint(self, now_ms: int) -> None:
         """Sync the buckets, then durably record ``indexed`` and the heartbeat (tmp, fsync,
@@ -240,7 +269,23 @@ class TimerLog:
         """Record that (deliver_at, phys) was delivered (call after the delivery's put)."""
         self._append(self.bucket_of(deliver_at), encode_entry(deliver_at, phys, size, DONE))
         self._skip.add(phys)
+        self._handed.pop(phys, None)
         self.delivered += 1
+
+    def release(self, entries: list[tuple[int, int, int]]) -> None:
+        """Give back entries handed out by :meth:`pop_due` that were not delivered (the
+        delivery failed): they are due again at once."""
+        for d, p, s in entries:
+            if self._handed.pop(p, None) is None:
+                continue
+            self._skip.discard(p)
+            if p not in self._heap_phys:
+                heapq.heappush(self._heap, (d, p, s))
+                self._heap_phys.add(p)
+            # it was in memory before it was handed out, so its bucket is at or before the
+            # loaded one (which never moves back): the heap is its place
+            if self._loaded is None:
+                self._loaded = self.bucket_of(d)
 
     def is_pending(self, deliver_at: int, phys: int) -> bool:
         """True when the bucket of ``deliver_at`` holds an ADD for ``phys`` and nothing ends it
@@ -261,9 +306,10 @@ class TimerLog:
             adds = arr[arr["kind"] == ADD]
             if ended:
                 adds = adds[~np.isin(adds["phys"], np.fromiter(ended, np.uint64, len(ended)))]
-            if self._heap_phys and len(adds):
-                adds = adds[~np.isin(adds["phys"], np.fromiter(
-                    self._heap_phys, np.uint64, len(self._heap_phys)))]
+            # already in memory (heap) or handed out and awaiting done()
+            held = self._heap_phys | self._handed.keys()
+            if held and len(adds):
+                adds = adds[~np.isin(adds["phys"], np.fromiter(held, np.uint64, len(held)))]
             if len(adds):
                 _u, first = np.unique(adds["phys"], return_index=True)
                 adds = adds[first]
@@ -273,29 +319,32 @@ class TimerLog:
                 self._phys = adds["phys"].astype(np.uint64)
                 self._size = adds["size"].astype(np.uint32)
                 self._i = 0
-                self._skip = ended
-                self._loaded = start
+                self._skip = ended | set(self._handed)
+                self._loaded = start if self._loaded is None else max(start, self._loaded)
+                self._in_arrays = start
                 return True
             if not self._heap:
                 self._drop_bucket(start)
                 continue
             # nothing pending in the file; the heap still holds earlier entries
-            self._loaded = start
+            self._loaded = start if self._loaded is None else max(start, self._loaded)
             self._due = np.empty(0, np.int64)
             self._i = 0
+            self._in_arrays = start
             return True
-        self._loaded = None
+        self._loaded = self._in_arrays = None
         return False
 
     def _drop_bucket(self, start: int) -> None:
         self._buckets.remove(start)
         with self._fd_lock:
             fd = self._fds.pop(start, None)
-            self._dirty.discard(start)
             if fd is not None:
-                os.fsync(fd)
-                os.close(fd)
-        self.pending_deletes.append(start)
+                self._retire(start, fd)
+        if start not in self._handed.values():
+            self.pending_deletes.append(start)
+        # else: its handed-out entries' DONE appends bring the bucket back; it is dropped
+        # (and deleted) once a load finds every entry in it ended
 
     def delete_finished(self, finished: list[int]) -> None:
         """Unlink the files of buckets that were finished (``pending_deletes`` taken before
@@ -318,8 +367,8 @@ class TimerLog:
             h = self._heap[0][0] if self._heap else None
             if a is not None or h is not None:
                 return min(x for x in (a, h) if x is not None)
-            if self._loaded is not None and self._loaded in self._buckets:
-                self._drop_bucket(self._loaded)
+            if self._in_arrays is not None and self._in_arrays in self._buckets:
+                self._drop_bucket(self._in_arrays)
             if not self._load_next():
                 return None
 
@@ -341,26 +390,27 @@ class TimerLog:
                 d, p, s = int(self._due[i]), int(self._phys[i]), int(self._size[i])
                 self._i = i + 1
             self._skip.add(p)  # handed out: not again (done() writes the durable mark)
+            self._handed[p] = self.bucket_of(d)
             out.append((d, p, s))
         return out
 
     def reload(self) -> None:
         """Forget the in-memory entries and load the earliest bucket again from its file
         (after re-adding entries on recovery: the files, with their DONE marks, decide)."""
-        self._loaded = None
+        self._loaded = self._in_arrays = None
         self._due = np.empty(0, np.int64)
         self._i = 0
         self._heap, self._heap_phys, self._skip = [], set(), set()
+        self._handed.clear()
         self.next_due()
 
     def pending_files(self) -> int:
         return len(self._buckets)
 
     def close(self) -> None:
+        """fsync and close everything (blocking; at shutdown)."""
         with self._fd_lock:
-            for fd in self._fds.values():
-                with contextlib.suppress(OSError):
-                    os.fsync(fd)
-                os.close(fd)
+            for start, fd in self._fds.items():
+                self._retire(start, fd)
             self._fds.clear()
-            self._dirty.clear()
+        self.sync()
