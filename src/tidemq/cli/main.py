@@ -10,6 +10,7 @@ import click
 from tidemq.cli.admin import register as register_admin
 from tidemq.cli.demo import demo
 from tidemq.cli.servers import register as register_servers
+from tidemq.cli.spark_bench import register as register_spark_bench
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -88,6 +89,7 @@ def bench_recovery_cmd(gib, segment_size, data_dir, as_json) -> None:
 cli.add_command(demo)
 register_servers(cli)
 register_admin(cli)
+register_spark_bench(cli)
 
 
 def main() -> None:  # pragma: no cover - console entry
