@@ -46,6 +46,11 @@ class Dev:
         self.broker_port = _free_port()
         self.proc: subprocess.Popen[str] | None = None
         self.namesrv = f"127.0.0.1:{self.ns_port}"
+        self.log_path = os.path.join(os.path.dirname(data_dir), "dev.log")
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "tidemq.cli.main", "dev", "--data-dir", self.data_dir,
@@ -56,14 +61,17 @@ class Dev:
                "-o", "store.index_max_entries=16384"]
         deadline = time.monotonic() + 20
         while True:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            # stderr to a file: an unread pipe would block the broker once it filled up.
+            with open(self.log_path, "a") as log:
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
             assert proc.stdout is not None
             line = proc.stdout.readline()
             if line.startswith("tidemq dev ready"):
                 self.proc = proc
                 return
-            err = proc.communicate(timeout=10)[1]
+            proc.wait(10)
+            err = self.log()
             # The old process's sockets may linger for a moment after SIGKILL.
             if "address already in use" not in err.lower() or time.monotonic() > deadline:
                 raise AssertionError(f"tidemq dev did not start: {line!r}\n{err}")
@@ -89,7 +97,7 @@ def test_acknowledged_messages_survive_repeated_kill_9(tmp_path) -> None:
     dev = Dev(str(tmp_path / "data"))
     dev.start()
     stop = threading.Event()
-    acked: set[bytes] = set()
+    acked: dict[bytes, tuple[int, int]] = {}  # body -> (queue id, queue offset) acknowledged
     failures = collections.Counter()
     lock = threading.Lock()
 
@@ -110,26 +118,55 @@ def test_acknowledged_messages_survive_repeated_kill_9(tmp_path) -> None:
                     continue
                 if r.status == tidemq.SendStatus.SEND_OK:
                     with lock:
-                        acked.update(bodies)
+                        for k, body in enumerate(bodies):
+                            acked[body] = (r.queue_id, r.queue_offset + k)
 
     consumed = collections.Counter()
+    give_up = threading.Event()
+    positions: dict[int, int | None] = {}  # queue id -> the group consumer's position at the end
 
     def consume() -> None:
         with tidemq.PullConsumer(dev.namesrv, "chaos-g", consume_from="first",
                                  auto_commit=False) as c:
             c.subscribe(TOPIC)
-            while not stop.is_set() or not _caught_up():
-                try:
-                    msgs = c.poll(timeout=0.5)
-                    with lock:
-                        consumed.update(m.body for m in msgs)
-                    c.commit()
-                except Exception:
-                    time.sleep(0.05)
+            try:
+                _consume(c)
+            finally:
+                positions.update({mq.queue_id: c.position(mq) for mq in c.assignment()})
+                if not _caught_up():
+                    _dump(c)
+
+    def _consume(c) -> None:
+        while not give_up.is_set() and (not stop.is_set() or not _caught_up()):
+            try:
+                msgs = c.poll(timeout=0.5)
+                with lock:
+                    consumed.update(m.body for m in msgs)
+                c.commit()
+            except Exception:
+                time.sleep(0.05)
+
+    def _dump(c) -> None:
+        """Print the consumer's per-queue state and where its pull tasks wait (diagnosis)."""
+        import io
+
+        from tidemq.client.blocking import _run
+
+        async def state() -> str:
+            out = io.StringIO()
+            for mq, q in c._aio._queues.items():
+                out.write(f"{mq.queue_id}: pull={q.pull_offset} consume={q.consume_offset} "
+                          f"buffered={q.buffered} paused={q.paused} space={q.space.is_set()} "
+                          f"chunks={len(q.chunks)}\n")
+                if q.task is not None:
+                    q.task.print_stack(file=out)
+            return out.getvalue()
+
+        print(_run(state()))
 
     def _caught_up() -> bool:
         with lock:
-            return acked <= consumed.keys()
+            return acked.keys() <= consumed.keys()
 
     with tidemq.Admin(dev.namesrv) as admin:
         admin.create_topic(TOPIC, QUEUES)
@@ -151,18 +188,12 @@ def test_acknowledged_messages_survive_repeated_kill_9(tmp_path) -> None:
         for t in threads:
             t.join(30)
     consumer.join(60)
+    give_up.set()
+    consumer.join(10)
     try:
-        assert not consumer.is_alive(), "the group never caught up with the acknowledged sends"
-        with lock:
-            missing = acked - consumed.keys()
-        assert not missing, f"{len(missing)} acknowledged messages lost, e.g. {sorted(missing)[:5]}"
-        redelivered = sum(n - 1 for n in consumed.values() if n > 1)
-        print(f"{KILLS} kills: {len(acked)} acknowledged, {len(consumed)} consumed distinct, "
-              f"{redelivered} redelivered, failed sends {dict(failures)}")
-        assert len(acked) > 100, "too little traffic to prove anything"
-
         # A fresh read of the whole topic: each body once, offsets without gaps.
         seen: collections.Counter[bytes] = collections.Counter()
+        where: dict[bytes, tuple[int, int]] = {}
         offsets: dict[int, list[int]] = collections.defaultdict(list)
         with tidemq.PullConsumer(dev.namesrv, "chaos-audit", consume_from="first",
                                  auto_commit=False) as audit:
@@ -173,11 +204,30 @@ def test_acknowledged_messages_survive_repeated_kill_9(tmp_path) -> None:
                 idle = 0 if msgs else idle + 1
                 for m in msgs:
                     seen[m.body] += 1
+                    where[m.body] = (m.queue_id, m.queue_offset)
                     offsets[m.queue_id].append(m.queue_offset)
+        with tidemq.Admin(dev.namesrv) as admin:
+            maxes = {mq.queue_id: admin.max_offset(mq) for mq in admin.topic_queues(TOPIC)}
+        with lock:
+            lost = {b: acked[b] for b in acked.keys() - seen.keys()}
+            unconsumed = {b: (acked[b], where.get(b)) for b in acked.keys() - consumed.keys()}
+        assert not lost, f"{len(lost)} acknowledged messages not stored: {list(lost.items())[:5]}"
+        assert not unconsumed, (
+            f"{len(unconsumed)} acknowledged messages stored but never delivered to the group "
+            f"(acked at, stored at): {list(unconsumed.items())[:5]}; group consumer positions "
+            f"{positions}, queue max offsets {maxes}\nbroker log:\n{dev.log()[-3000:]}"
+        )
+        redelivered = sum(n - 1 for n in consumed.values() if n > 1)
+        print(f"{KILLS} kills: {len(acked)} acknowledged, {len(consumed)} consumed distinct, "
+              f"{redelivered} redelivered, failed sends {dict(failures)}")
+        assert len(acked) > 100, "too little traffic to prove anything"
         dupes = {b: n for b, n in seen.items() if n > 1}
         assert not dupes, f"stored twice: {list(dupes.items())[:5]}"
-        assert acked <= seen.keys()
         for qid, offs in offsets.items():
             assert offs == list(range(offs[0], offs[0] + len(offs))), f"queue {qid} has gaps"
+        moved = {b: (acked[b], where[b]) for b in acked if acked[b] != where[b]}
+        assert not moved, f"queue positions changed after a crash: {list(moved.items())[:5]}"
     finally:
+        stop.set()
+        consumer.join(5)
         dev.stop()
