@@ -138,3 +138,56 @@ def test_a_message_stuck_past_the_consume_timeout_is_sent_back(dev) -> None:
         wait_until(lambda: (b"stuck", 1) in seen, 10)
         wait_until(lambda: admin.group_lag("pc-stuck-g", topic).total_lag == 0, 5)
         release.set()
+
+
+def test_consume_from_last_first_and_timestamp_for_a_new_group(dev) -> None:
+    topic = "pc-from"
+    with tidemq.Admin(dev.namesrv) as admin:
+        admin.create_topic(topic, 2)
+    with tidemq.Producer(dev.namesrv) as p:
+        for i in range(4):
+            p.send(tidemq.Message(topic, b"old%d" % i))
+        time.sleep(0.05)
+        cut = int(time.time() * 1000)
+        time.sleep(0.05)
+        for i in range(4):
+            p.send(tidemq.Message(topic, b"mid%d" % i))
+    got: dict[str, set[bytes]] = {"last": set(), "first": set(), "timestamp": set()}
+    lock = threading.Lock()
+
+    def listener(name: str):  # noqa: ANN202
+        def handle(msgs, ctx):
+            with lock:
+                got[name].update(m.body for m in msgs)
+            return tidemq.ConsumeStatus.SUCCESS
+        return handle
+
+    opts = dict(heartbeat_interval=1.0, persist_interval=0.2)
+    consumers = [
+        tidemq.PushConsumer(dev.namesrv, "pc-from-last", listener("last"), consume_from="last",
+                            **opts),
+        tidemq.PushConsumer(dev.namesrv, "pc-from-first", listener("first"),
+                            consume_from="first", **opts),
+        tidemq.PushConsumer(dev.namesrv, "pc-from-ts", listener("timestamp"),
+                            consume_from="timestamp", consume_timestamp=cut, **opts),
+    ]
+    try:
+        for c in consumers:
+            c.subscribe(topic)
+            c.start()
+        for c in consumers:
+            wait_until(lambda c=c: len([q for q in c.assignment() if q.topic == topic]) == 2, 5)
+        time.sleep(0.3)  # every queue has its start offset
+        with tidemq.Producer(dev.namesrv) as p:
+            for i in range(4):
+                p.send(tidemq.Message(topic, b"new%d" % i))
+        wait_until(lambda: all(len(s) >= n for s, n in
+                               zip(got.values(), (4, 12, 8), strict=True)), 10)
+        time.sleep(0.2)
+    finally:
+        for c in consumers:
+            c.close()
+    old, mid, new = ({b"%s%d" % (k, i) for i in range(4)} for k in (b"old", b"mid", b"new"))
+    assert got["last"] == new
+    assert got["first"] == old | mid | new
+    assert got["timestamp"] == mid | new

@@ -1,8 +1,9 @@
 """`tidemq bench consume --group G --consumers N`: push consumers of one group drain a backlog.
 
-1. COUNT messages of SIZE bytes are produced to TOPIC (unless ``produce=False``); the backlog is
-   what the group has not consumed yet (everything, for a new group: it starts from the first
-   offset).
+1. COUNT messages of SIZE bytes are produced to TOPIC in batches of ``produce_batch`` (1000)
+   unless ``produce=False``; the backlog is what the group has not consumed yet (everything, for
+   a new group: it starts from the first offset). A pull answers whole stored batches, so the
+   batch size the backlog was produced with shapes the result (docs/consumer-groups.md).
 2. N consumer processes (spawned; one ``aio.PushConsumer`` each, clustering) join the group
    *paused*; once the group's rebalance has given every queue of TOPIC to exactly one member
    they resume together. Their listener does nothing and returns SUCCESS:
@@ -151,6 +152,7 @@ def bench_push_consume(
     pull_batch: int = 32,
     queues: int = 8,
     produce: bool = True,
+    produce_batch: int = 1000,
     async_listener: bool = False,
     settle: bool = True,
     progress: Progress | None = None,
@@ -159,8 +161,8 @@ def bench_push_consume(
         raise ValueError("consumers, listener_batch and pull_batch must be >= 1")
     run_loop(ensure_topic(namesrv, topic, queues))
     if produce:
-        bench_produce(namesrv=namesrv, topic=topic, size=size, count=count, batch=1000,
-                      queues=queues)
+        bench_produce(namesrv=namesrv, topic=topic, size=size, count=count,
+                      batch=produce_batch, queues=queues, inflight=8)
     group = group or f"bench-push-{uuid.uuid4().hex[:12]}"
     expected, nq = run_loop(_expected(namesrv, topic, group))
     if expected <= 0:
@@ -216,6 +218,7 @@ def bench_push_consume(
         "pull_batch": pull_batch,
         "listener": "async" if async_listener else "thread pool",
         "size": size,
+        "produce_batch": produce_batch if produce else None,
         "count": done,
         "complete": done >= expected,
         "seconds": round(secs, 3),

@@ -397,6 +397,8 @@ def bench_produce_cmd(namesrv: str, topic: str, size: int, count: int, batch: in
               help="Push mode: body bytes of the COUNT messages produced first.")
 @click.option("--queues", default=8, show_default=True, help="Queues if the topic is created.")
 @click.option("--no-produce", is_flag=True, help="Push mode: consume the existing backlog.")
+@click.option("--produce-batch", type=click.IntRange(1), default=1000, show_default=True,
+              help="Push mode: messages per stored batch of the backlog produced first.")
 @click.option("--async-listener", is_flag=True,
               help="Push mode: an async no-op listener (on the loop, not the thread pool).")
 @click.option("--no-settle", is_flag=True,
@@ -405,8 +407,8 @@ def bench_produce_cmd(namesrv: str, topic: str, size: int, count: int, batch: in
 @friendly
 def bench_consume_cmd(namesrv: str, topic: str, count: int, batch: int, group: str | None,
                       consumers: int | None, listener_batch: int, pull_batch: int, size: int,
-                      queues: int, no_produce: bool, async_listener: bool, no_settle: bool,
-                      as_json: bool) -> None:
+                      queues: int, no_produce: bool, produce_batch: int, async_listener: bool,
+                      no_settle: bool, as_json: bool) -> None:
     """Read COUNT messages of TOPIC's backlog from the earliest offset; print the rate.
 
     With --group or --consumers: produce COUNT messages, then N push consumer processes of
@@ -419,7 +421,8 @@ def bench_consume_cmd(namesrv: str, topic: str, count: int, batch: int, group: s
             result = bench_push_consume(
                 namesrv=namesrv, topic=topic, group=group, consumers=consumers or 1,
                 count=count, size=size, listener_batch=listener_batch, pull_batch=pull_batch,
-                queues=queues, produce=not no_produce, async_listener=async_listener,
+                queues=queues, produce=not no_produce, produce_batch=produce_batch,
+                async_listener=async_listener,
                 settle=not no_settle, progress=bar.update)
         _emit(result, as_json)
         return
