@@ -150,12 +150,6 @@ class Broker:
         # Opening the store takes its lock (a second broker on the same directory stops here,
         # before touching the config files) and recovers it; nothing else runs yet.
         self.store = MessageStore(cfg.store_config(self.port))
-        report = self.store.recovery_report
-        log.log(
-            logging.INFO if report.clean_shutdown and not report.truncated
-            and not report.quarantined else logging.WARNING,
-            "store %s: %s", cfg.data_path, report.summary(),
-        )
         os.makedirs(cfg.config_path, exist_ok=True)
         self.topics.load()
         self.offsets.load()
