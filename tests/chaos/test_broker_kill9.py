@@ -123,6 +123,7 @@ def test_acknowledged_messages_survive_repeated_kill_9(tmp_path) -> None:
 
     consumed = collections.Counter()
     give_up = threading.Event()
+    producers_done = threading.Event()
     positions: dict[int, int | None] = {}  # queue id -> the group consumer's position at the end
 
     def consume() -> None:
@@ -137,7 +138,8 @@ def test_acknowledged_messages_survive_repeated_kill_9(tmp_path) -> None:
                     _dump(c)
 
     def _consume(c) -> None:
-        while not give_up.is_set() and (not stop.is_set() or not _caught_up()):
+        # Caught up only counts once no producer can still be waiting for an acknowledgement.
+        while not give_up.is_set() and (not producers_done.is_set() or not _caught_up()):
             try:
                 msgs = c.poll(timeout=0.5)
                 with lock:
@@ -187,6 +189,7 @@ def test_acknowledged_messages_survive_repeated_kill_9(tmp_path) -> None:
         stop.set()
         for t in threads:
             t.join(30)
+        producers_done.set()
     consumer.join(60)
     give_up.set()
     consumer.join(10)
@@ -229,5 +232,6 @@ def test_acknowledged_messages_survive_repeated_kill_9(tmp_path) -> None:
         assert not moved, f"queue positions changed after a crash: {list(moved.items())[:5]}"
     finally:
         stop.set()
+        give_up.set()
         consumer.join(5)
         dev.stop()
