@@ -12,11 +12,11 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,spark]'
 	touch $(STAMP)
 
 run: setup
-	$(BIN)/tidemq demo store --data-dir $(DATA_DIR)
+	$(BIN)/python examples/run_pipeline.py --data-dir $(DATA_DIR)
 
 lint: setup
 	$(BIN)/ruff check src tests

@@ -30,7 +30,7 @@ def start_dev(data_dir: str, *options: str) -> DevCluster:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.stdout is not None
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 20
     line = ""
     while time.monotonic() < deadline:
         line = proc.stdout.readline()

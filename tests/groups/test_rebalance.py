@@ -20,6 +20,13 @@ def _owners(consumers: list[tidemq.PushConsumer]) -> list[tidemq.MessageQueue] |
     return sorted(owned) if len(owned) == len(set(owned)) == QUEUES else None
 
 
+def _broker_view(dev, consumers: list[tidemq.PushConsumer]) -> bool:
+    """The broker lists exactly these members of the group."""
+    with tidemq.Admin(dev.namesrv) as admin:
+        info = admin.group_info("rebal-g")
+    return info.members == sorted(c.client_id for c in consumers)
+
+
 def test_join_and_leave_settle_within_a_second_and_lose_nothing(dev) -> None:
     with tidemq.Admin(dev.namesrv) as admin:
         admin.create_topic(TOPIC, QUEUES)
@@ -38,17 +45,19 @@ def test_join_and_leave_settle_within_a_second_and_lose_nothing(dev) -> None:
         with tidemq.Producer(dev.namesrv) as p:
             i = 0
             while not stop.is_set():
-                body = b"m%06d" % i
-                p.send(tidemq.Message(TOPIC, body))
-                sent.append(body)
-                i += 1
+                bodies = [b"m%06d" % (i + k) for k in range(10)]
+                p.send_batch([tidemq.Message(TOPIC, b) for b in bodies])
+                sent.extend(bodies)
+                i += 10
                 time.sleep(0.002)
 
-    opts = dict(consume_from="first", rebalance_interval=20.0, persist_interval=1.0)
+    opts = dict(consume_from="first", rebalance_interval=20.0, persist_interval=1.0,
+                heartbeat_interval=1.0)
     consumers = [tidemq.PushConsumer(dev.namesrv, "rebal-g", handle, **opts)]
     consumers[0].start()
     consumers[0].subscribe(TOPIC)
     wait_until(lambda: _owners(consumers) is not None, 10)
+    assert _broker_view(dev, consumers)
     producer = threading.Thread(target=produce)
     producer.start()
     try:
@@ -62,14 +71,16 @@ def test_join_and_leave_settle_within_a_second_and_lose_nothing(dev) -> None:
             settle = wait_until(lambda: _owners(consumers) is not None
                                 and all(x.assignment() for x in consumers), 5, 0.005)
             print(f"join -> {len(consumers)} members: start() {started:.3f} s, "
-                  f"settled {settle:.3f} s after it")
-            assert settle <= 1.0
+                  f"settled {settle:.3f} s after it ({started + settle:.3f} s after the join)")
+            assert started + settle <= 1.0
+            assert _broker_view(dev, consumers)
             time.sleep(0.5)  # consume under load for a while
         leaving = consumers.pop(1)
         leaving.close()
         settle = wait_until(lambda: _owners(consumers) is not None, 5, 0.005)
         print(f"leave -> {len(consumers)} members: settled {settle:.3f} s after close()")
         assert settle <= 1.0
+        assert _broker_view(dev, consumers)  # close() unregistered at once
         time.sleep(0.5)
     finally:
         stop.set()

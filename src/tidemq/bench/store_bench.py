@@ -110,7 +110,10 @@ def _write_sync(
 
         await asyncio.gather(*(writer(w) for w in range(writers)))
 
-    asyncio.run(main())
+    # The broker's loop is uvloop; measure group commit on the same kind of loop.
+    from tidemq.bench.client_bench import run_loop
+
+    run_loop(main())
 
 
 def _resolve(fut: asyncio.Future, err: BaseException | None) -> None:

@@ -45,6 +45,7 @@ from tidemq.broker.consumer_offsets import ConsumerOffsetManager
 from tidemq.broker.dedup import MessageDeduplication
 from tidemq.broker.errors import RequestRejected
 from tidemq.broker.long_polling import PullRequestHoldService
+from tidemq.broker.metrics import MetricsServer
 from tidemq.broker.non_persistent import NonPersistentTopics
 from tidemq.broker.pull_processor import PullProcessor
 from tidemq.broker.queue_lock import QueueLockManager
@@ -119,6 +120,7 @@ class Broker:
             max_pending_bytes=config.non_persistent_max_pending_bytes,
         )
         self.registration: NamesrvRegistration | None = None
+        self.metrics: MetricsServer | None = None
         self.hold: PullRequestHoldService | None = None
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task] = []
@@ -211,6 +213,9 @@ class Broker:
             loop.create_task(self.dedup.run_snapshots(self.store), name="dedup-snapshot"),
             loop.create_task(self._scan_clients_forever(), name="client-scan"),
         ]
+        if cfg.metrics_port >= 0:
+            self.metrics = MetricsServer(self)
+            await self.metrics.start(cfg.listen_host, cfg.metrics_port)
         if cfg.namesrv_addrs:
             self.registration = NamesrvRegistration(
                 cfg.namesrv_addrs,
@@ -232,6 +237,8 @@ class Broker:
         self._stopped = True
         if self._server is not None:
             self._server.close()
+        if self.metrics is not None:
+            await self.metrics.close()
         if self.registration is not None:
             try:
                 await asyncio.wait_for(

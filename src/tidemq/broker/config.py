@@ -73,6 +73,9 @@ class BrokerConfig:
     # -- consumer offsets and stats (SPEC BR4, BR14) ------------------------------------------
     offset_persist_interval_ms: int = 5000  # RocketMQ flushConsumerOffsetInterval
     stats_sample_interval_ms: int = 5000
+    #: Prometheus metrics at http://listen_host:PORT/metrics (docs/operations.md);
+    #: -1 = off, 0 = any free port.
+    metrics_port: int = -1
 
     # -- consumer groups (SPEC BR5-BR7, BR11) -------------------------------------------------
     #: A client silent this long is dropped from its groups (RocketMQ channelExpiredTimeout).

@@ -26,6 +26,9 @@ suspend timeout, subscription). The processor
    before the requested offset and the last may run past max_msg_nums; the client skips and
    re-filters by tag string (the broker filters by tag hash only).
 
+A write-only topic cannot be pulled, with one exception: a dead-letter topic ``%DLQ%<group>``
+may be read by the admin tools' group ``TOOLS_CONSUMER`` (`tidemq dlq list|resend`).
+
 Subscriptions: ``"*"``, empty or absent = every message; ``"TagA || TagB"`` = messages whose tag
 is one of these (by ``record.tag_hash``). SQL92 is not supported yet (SUBSCRIPTION_PARSE_FAILED).
 Without a consumer registry (heartbeats), the broker takes the subscription from the request
@@ -42,7 +45,7 @@ from typing import TYPE_CHECKING
 from tidemq.broker.connection import decode_request
 from tidemq.broker.errors import RequestRejected
 from tidemq.broker.long_polling import HeldPull
-from tidemq.protocol.codes import ResponseCode
+from tidemq.protocol.codes import TOOLS_CONSUMER_GROUP, ResponseCode
 from tidemq.protocol.headers import (
     Perm,
     PullMessageRequestHeader,
@@ -56,6 +59,8 @@ if TYPE_CHECKING:
     from tidemq.broker.broker import Broker
     from tidemq.broker.connection import BrokerConnection
     from tidemq.protocol.frame import Frame
+
+_DLQ_PREFIX = "%DLQ%"
 
 __all__ = ["PullProcessor", "parse_tag_expression", "response_code_for", "GROUP_NAME"]
 
@@ -161,7 +166,9 @@ class PullProcessor:
                 f"topic {h.topic!r} does not exist on broker {broker_name}; create it or "
                 "refresh the route from the name server",
             )
-        if not tc.perm & Perm.READ:
+        if not tc.perm & Perm.READ and not (
+            group == TOOLS_CONSUMER_GROUP and h.topic.startswith(_DLQ_PREFIX)
+        ):
             raise RequestRejected(
                 ResponseCode.NO_PERMISSION,
                 f"topic {h.topic!r} is not readable on broker {broker_name} (perm {tc.perm:#x})",

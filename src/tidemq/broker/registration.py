@@ -154,8 +154,11 @@ class NamesrvRegistration:
     async def run(self) -> None:
         """Register every interval and on every change, until cancelled."""
         while True:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel that
+            # arrives as the event is set, and stop() would wait for this loop forever.
             try:
-                await asyncio.wait_for(self._changed.wait(), self.interval_s)
+                async with asyncio.timeout(self.interval_s):
+                    await self._changed.wait()
             except TimeoutError:
                 pass
             self._changed.clear()

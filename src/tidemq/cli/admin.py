@@ -1,4 +1,5 @@
-"""Client-side commands: `tidemq topic|send|consume|group` and `tidemq bench produce|consume|e2e`.
+"""Client-side commands: `tidemq topic|send|consume|group|dlq` (group and dlq commands other
+than `group lag` are in cli/groups.py) and `tidemq bench produce|consume|e2e`.
 
 Every command takes ``--namesrv`` (default: $TIDEMQ_NAMESRV, else 127.0.0.1:9876). Errors from
 the cluster become one-line ClickExceptions carrying the broker's message (exit code 1), never a
@@ -383,10 +384,48 @@ def bench_produce_cmd(namesrv: str, topic: str, size: int, count: int, batch: in
 @click.option("--topic", required=True)
 @click.option("--count", default=1_000_000, show_default=True)
 @click.option("--batch", default=1000, show_default=True, help="Messages per pull.")
+@click.option("--group", default=None,
+              help="Push consumers of this group (a new group if only --consumers is given) "
+                   "drain the backlog; see the options below.")
+@click.option("--consumers", type=click.IntRange(1), default=None,
+              help="Push consumer processes in the group (push mode).")
+@click.option("--listener-batch", type=click.IntRange(1), default=1, show_default=True,
+              help="Push mode: messages per listener call.")
+@click.option("--pull-batch", type=click.IntRange(1), default=32, show_default=True,
+              help="Push mode: messages per pull.")
+@click.option("--size", default=1024, show_default=True,
+              help="Push mode: body bytes of the COUNT messages produced first.")
+@click.option("--queues", default=8, show_default=True, help="Queues if the topic is created.")
+@click.option("--no-produce", is_flag=True, help="Push mode: consume the existing backlog.")
+@click.option("--produce-batch", type=click.IntRange(1), default=1000, show_default=True,
+              help="Push mode: messages per stored batch of the backlog produced first.")
+@click.option("--async-listener", is_flag=True,
+              help="Push mode: an async no-op listener (on the loop, not the thread pool).")
+@click.option("--no-settle", is_flag=True,
+              help="Push mode: skip the rebalance settle-time measure.")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
-def bench_consume_cmd(namesrv: str, topic: str, count: int, batch: int, as_json: bool) -> None:
-    """Read COUNT messages of TOPIC's backlog from the earliest offset; print the rate."""
+def bench_consume_cmd(namesrv: str, topic: str, count: int, batch: int, group: str | None,
+                      consumers: int | None, listener_batch: int, pull_batch: int, size: int,
+                      queues: int, no_produce: bool, produce_batch: int, async_listener: bool,
+                      no_settle: bool, as_json: bool) -> None:
+    """Read COUNT messages of TOPIC's backlog from the earliest offset; print the rate.
+
+    With --group or --consumers: produce COUNT messages, then N push consumer processes of
+    the group drain the backlog with a no-op listener (bench/push_bench.py); also the time
+    the group takes to settle after a member joins and leaves."""
+    if group is not None or consumers is not None:
+        from tidemq.bench.push_bench import bench_push_consume
+
+        with click.progressbar(length=count, label="push consuming", file=sys.stderr) as bar:
+            result = bench_push_consume(
+                namesrv=namesrv, topic=topic, group=group, consumers=consumers or 1,
+                count=count, size=size, listener_batch=listener_batch, pull_batch=pull_batch,
+                queues=queues, produce=not no_produce, produce_batch=produce_batch,
+                async_listener=async_listener,
+                settle=not no_settle, progress=bar.update)
+        _emit(result, as_json)
+        return
     from tidemq.bench.client_bench import bench_consume
 
     with click.progressbar(length=count, label="consuming", file=sys.stderr) as bar:
@@ -426,6 +465,9 @@ def register(cli: click.Group) -> None:
     cli.add_command(send_cmd)
     cli.add_command(consume_cmd)
     cli.add_command(group_group)
+    from tidemq.cli.groups import register as register_groups
+
+    register_groups(cli, group_group, namesrv_option, friendly)
     bench = cli.commands.get("bench")
     if isinstance(bench, click.Group):
         bench.add_command(bench_produce_cmd)

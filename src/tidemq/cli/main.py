@@ -11,6 +11,7 @@ from tidemq.cli.admin import register as register_admin
 from tidemq.cli.bench_types import register as register_bench_types
 from tidemq.cli.demo import demo
 from tidemq.cli.servers import register as register_servers
+from tidemq.cli.spark_bench import register as register_spark_bench
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -90,6 +91,7 @@ cli.add_command(demo)
 register_servers(cli)
 register_admin(cli)
 register_bench_types(cli)
+register_spark_bench(cli)
 
 
 def main() -> None:  # pragma: no cover - console entry

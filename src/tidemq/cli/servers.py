@@ -7,6 +7,8 @@ SIGTERM and stops cleanly (store closed, offsets and topics persisted)::
     tidemq broker ready 127.0.0.1:<port>
     tidemq dev ready namesrv=127.0.0.1:<port> broker=127.0.0.1:<port>
 
+With ``--metrics-port`` the broker's line ends with `` metrics=http://HOST:PORT/metrics``.
+
 Port 0 means "any free port"; the line shows the port actually bound. Logs go to stderr.
 ``tidemq dev`` runs a name server and a broker in one process on one event loop (uvloop when
 installed) -- the single command a user needs for a first minute with tidemq.
@@ -153,6 +155,19 @@ _options = click.option(
     help="Set any broker setting (see tidemq.broker.config), e.g. -o long_polling_check_ms=500 "
     "or -o store.segment_size=67108864. Repeatable.",
 )
+_metrics_port = click.option(
+    "--metrics-port",
+    type=int,
+    default=None,
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port) [off].",
+)
+
+
+def _metrics_suffix(broker) -> str:
+    return f" metrics=http://{broker.addr.rsplit(':', 1)[0]}:{broker.metrics.port}/metrics" \
+        if broker.metrics is not None else ""
+
+
 _flush = click.option(
     "--flush",
     type=click.Choice(["async", "sync"]),
@@ -214,11 +229,12 @@ def namesrv_cmd(host, port, scan_interval_ms, broker_expire_ms, log_level) -> No
     "--auto-create/--no-auto-create", default=None, help="Create unknown topics on send [on]."
 )
 @click.option("--long-polling/--no-long-polling", default=None, help="Hold empty pulls [on].")
+@_metrics_port
 @_options
 @_log_level
 def broker_cmd(
-    namesrv, host, port, data_dir, name, cluster, flush, auto_create, long_polling, options,
-    log_level,
+    namesrv, host, port, data_dir, name, cluster, flush, auto_create, long_polling, metrics_port,
+    options, log_level,
 ) -> None:
     """Run a broker: stores messages and serves producers and consumers."""
     _setup_logging(log_level)
@@ -227,12 +243,15 @@ def broker_cmd(
         namesrv=namesrv, host=host, port=port, data_dir=data_dir, name=name, cluster=cluster,
         flush=flush, auto_create=auto_create, long_polling=long_polling, options=options,
     )
+    if metrics_port is not None:
+        cfg.metrics_port = metrics_port
     from tidemq.broker.broker import Broker
 
     broker = Broker(cfg)
     _fail_on_start_errors(
         lambda: _run(
-            lambda: _serve(broker.start, broker.stop, lambda: f"tidemq broker ready {broker.addr}")
+            lambda: _serve(broker.start, broker.stop, lambda: f"tidemq broker ready {broker.addr}"
+                           + _metrics_suffix(broker))
         )
     )
 
@@ -249,9 +268,12 @@ def broker_cmd(
 @click.option("--broker-port", default=10911, show_default=True, help="0 = any free port.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @_flush
+@_metrics_port
 @_options
 @_log_level
-def dev_cmd(data_dir, namesrv_port, broker_port, host, flush, options, log_level) -> None:
+def dev_cmd(
+    data_dir, namesrv_port, broker_port, host, flush, metrics_port, options, log_level
+) -> None:
     """Run a name server and a broker in one process: a whole cluster for development."""
     _setup_logging(log_level)
     _raise_fd_limit()
@@ -263,6 +285,8 @@ def dev_cmd(data_dir, namesrv_port, broker_port, host, flush, options, log_level
         cluster="DefaultCluster", flush=flush, auto_create=None, long_polling=None,
         options=options,
     )
+    if metrics_port is not None:
+        cfg.metrics_port = metrics_port
     from tidemq.broker.broker import Broker
 
     broker = Broker(cfg)
@@ -280,6 +304,7 @@ def dev_cmd(data_dir, namesrv_port, broker_port, host, flush, options, log_level
         lambda: _run(
             lambda: _serve(
                 start, stop, lambda: f"tidemq dev ready namesrv={ns.addr} broker={broker.addr}"
+                + _metrics_suffix(broker)
             )
         )
     )

@@ -17,25 +17,37 @@ from typing import Any
 import msgspec
 
 from tidemq.client import offsets
-from tidemq.client.codec import decode_batches
-from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool
+from tidemq.client.codec import decode_batches, decode_pull_body
+from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
 from tidemq.client.errors import NoRouteError
-from tidemq.client.message import MessageExt, MessageQueue
+from tidemq.client.message import Message, MessageExt, MessageQueue
+from tidemq.client.producer import Producer
 from tidemq.client.route import RouteCache
-from tidemq.protocol.codes import RequestCode, ResponseCode
+from tidemq.protocol.codes import (
+    TOOLS_CONSUMER_GROUP,
+    PullStatus,
+    RequestCode,
+    ResponseCode,
+    pull_status,
+)
 from tidemq.protocol.errors import BrokerError
 from tidemq.protocol.frame import Frame
 from tidemq.protocol.headers import (
     MASTER_ID,
     ClusterInfo,
+    ConsumerGroupRequestHeader,
     ConsumeStats,
     DeleteTopicRequestHeader,
     FoundMessagesHeader,
     GetConsumeStatsRequestHeader,
     GetTopicStatsRequestHeader,
+    GroupInfoResponseHeader,
     Perm,
+    PullMessageRequestHeader,
     QueryMessageRequestHeader,
     QueueConsumeStats,
+    SubscriptionData,
+    SubscriptionGroupConfig,
     TopicConfig,
     TopicConfigTable,
     TopicList,
@@ -45,7 +57,14 @@ from tidemq.protocol.headers import (
 )
 from tidemq.protocol.record import BatchView, parse_unique_id
 
-__all__ = ["Admin", "QueueLag", "GroupLag", "QueueStatus"]
+__all__ = ["Admin", "QueueLag", "GroupLag", "QueueStatus", "GroupInfo", "DLQ_PREFIX"]
+
+DLQ_PREFIX = "%DLQ%"
+#: Properties a retry or dead-letter copy carries (broker/send_back.py).
+RETRY_TOPIC = "RETRY_TOPIC"
+ORIGIN_MESSAGE_ID = "ORIGIN_MESSAGE_ID"
+_PULL_CODES = (ResponseCode.SUCCESS, ResponseCode.PULL_NOT_FOUND,
+               ResponseCode.PULL_RETRY_IMMEDIATELY, ResponseCode.PULL_OFFSET_MOVED)
 
 
 class QueueLag(msgspec.Struct, frozen=True):
@@ -74,6 +93,18 @@ class QueueStatus(msgspec.Struct, frozen=True):
     min_offset: int
     max_offset: int
     last_update_timestamp: int = 0
+
+
+class GroupInfo(msgspec.Struct, frozen=True):
+    """A consumer group as its brokers see it (GET_CONSUMER_CONNECTION_LIST on each)."""
+
+    group: str
+    members: list[str]  # client ids, sorted (the union over the brokers)
+    message_model: str
+    consume_from: str
+    subscriptions: list[SubscriptionData]
+    config: SubscriptionGroupConfig | None
+    brokers: dict[str, list[str]]  # broker name -> the member ids that broker knows
 
 
 def _header(frame: Frame, kind: type) -> Any:
@@ -301,6 +332,130 @@ class Admin:
 
         await asyncio.gather(*(one(n, a) for n, a in brokers.items()))
         return GroupLag(group, sorted(out, key=lambda x: x.queue))
+
+    async def group_info(self, group: str) -> GroupInfo:
+        """Members, subscriptions and config of ``group`` from every master broker."""
+        brokers = await self.brokers()
+        seen: dict[str, list[str]] = {}
+        heads: list[GroupInfoResponseHeader] = []
+
+        async def one(name: str, addr: str) -> None:
+            f = await self._broker(addr, RequestCode.GET_CONSUMER_CONNECTION_LIST,
+                                   ConsumerGroupRequestHeader(consumer_group=group))
+            h: GroupInfoResponseHeader = _header(f, GroupInfoResponseHeader)
+            seen[name] = sorted(h.consumer_ids)
+            heads.append(h)
+
+        await asyncio.gather(*(one(n, a) for n, a in brokers.items()))
+        members = sorted({m for ids in seen.values() for m in ids})
+        live = [h for h in heads if h.consumer_ids] or heads
+        first = live[0] if live else GroupInfoResponseHeader()
+        config = next((h.config for h in heads if h.config is not None), None)
+        return GroupInfo(group, members, first.message_model, first.consume_from,
+                         list(first.subscriptions), config, dict(sorted(seen.items())))
+
+    async def update_group(self, group: str, **changes: Any) -> SubscriptionGroupConfig:
+        """Create or change ``group``'s config on every master broker (e.g.
+        ``retry_max_times=3``: messages go to the DLQ after 3 retries); the new config."""
+        current = (await self.group_info(group)).config
+        base = msgspec.structs.asdict(current) if current is not None else {}
+        base.update(changes, group_name=group)
+        try:
+            cfg = msgspec.convert(base, SubscriptionGroupConfig)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"bad group setting: {exc}") from None
+        brokers = await self.brokers()
+        await asyncio.gather(*(self._broker(a, RequestCode.UPDATE_AND_CREATE_SUBSCRIPTION_GROUP,
+                                            cfg) for a in brokers.values()))
+        return cfg
+
+    async def reset_group_offsets(
+        self, group: str, topic: str, *, offset: int | None = None,
+        timestamp_ms: int | None = None,
+    ) -> dict[MessageQueue, int]:
+        """Set ``group``'s offset of every queue of ``topic`` to ``offset`` (clamped to what the
+        queue holds) or to the first message stored at or after ``timestamp_ms``; the new
+        offsets. Running members keep their own in-memory offsets: stop the group first."""
+        if (offset is None) == (timestamp_ms is None):
+            raise ValueError("give exactly one of offset and timestamp_ms")
+        out: dict[MessageQueue, int] = {}
+
+        async def one(mq: MessageQueue) -> None:
+            if timestamp_ms is not None:
+                new = await self.search_offset(mq, timestamp_ms)
+            else:
+                lo, hi = await asyncio.gather(self.min_offset(mq), self.max_offset(mq))
+                new = min(max(int(offset or 0), lo), hi)
+            await self.reset_consumer_offset(group, mq, new)
+            out[mq] = new
+
+        await asyncio.gather(*(one(mq) for mq in await self.topic_queues(topic)))
+        return dict(sorted(out.items()))
+
+    async def dlq_messages(self, group: str, *, max_num: int = 100,
+                           from_offset: int = 0) -> list[MessageExt]:
+        """Up to ``max_num`` messages of ``%DLQ%<group>`` from ``from_offset`` on (read as the
+        tools group, the only one allowed to read a dead-letter topic). Each keeps its origin
+        in the properties ``RETRY_TOPIC`` (topic) and ``ORIGIN_MESSAGE_ID``."""
+        topic = DLQ_PREFIX + group
+        try:
+            route = await self.routes.get(topic, refresh=True)
+        except NoRouteError:
+            return []
+        out: list[MessageExt] = []
+        for name, addr in sorted(route.broker_addrs.items()):
+            mq = MessageQueue(topic, name, 0)
+            off = max(from_offset, await self.min_offset(mq))
+            end = await self.max_offset(mq)
+            while off < end and len(out) < max_num:
+                h = PullMessageRequestHeader(
+                    consumer_group=TOOLS_CONSUMER_GROUP, topic=topic, queue_id=0,
+                    queue_offset=off, max_msg_nums=min(32, max_num - len(out)), sys_flag=0,
+                    suspend_timeout_millis=0,
+                )
+                f = await self.pool.request(addr, RequestCode.PULL_MESSAGE, h,
+                                            timeout=self.timeout, ok_codes=_PULL_CODES)
+                status = pull_status(f.code)
+                if status is None:
+                    raise_for_error(f)
+                nxt = f.header.next_begin_offset
+                if status is PullStatus.FOUND:
+                    msgs = decode_pull_body(f.body, from_offset=off, broker_name=name)[0]
+                    out.extend(msgs[: max_num - len(out)])
+                if nxt <= off:
+                    break
+                off = nxt
+        return out
+
+    async def resend_dlq(self, group: str, msg_ids: Sequence[str] | None = None, *,
+                         max_num: int = 1000) -> list[tuple[str, str, str]]:
+        """Send dead-lettered messages of ``group`` (all, or those whose id or origin id is in
+        ``msg_ids``) again to their origin topic; (dlq id, origin topic, new id) for each.
+        The copies stay in the DLQ (it is an archive)."""
+        wanted = set(msg_ids) if msg_ids else None
+        todo = []
+        for m in await self.dlq_messages(group, max_num=max_num):
+            p = m.properties
+            if wanted is not None and not ({m.msg_id, p.get(ORIGIN_MESSAGE_ID)} & wanted):
+                continue
+            origin = p.get(RETRY_TOPIC)
+            if not origin:
+                raise ValueError(f"DLQ message {m.msg_id} has no RETRY_TOPIC property; its "
+                                 "origin topic is unknown")
+            props = {k: v for k, v in p.items() if k != RETRY_TOPIC}
+            todo.append((m, Message(origin, m.body, tags=m.tags, keys=m.keys or None,
+                                    properties=props or None)))
+        if wanted is not None:
+            found = {x for m, _ in todo for x in (m.msg_id, m.properties.get(ORIGIN_MESSAGE_ID))}
+            missing = wanted - found
+            if missing:
+                raise ValueError(f"not in %DLQ%{group}: {', '.join(sorted(missing))}")
+        out = []
+        async with Producer(self.routes.namesrv) as producer:
+            for m, new in todo:
+                r = await producer.send(new)
+                out.append((m.msg_id, new.topic, r.msg_id))
+        return out
 
     # -- messages --------------------------------------------------------------------------------
     async def query_by_key(self, topic: str, key: str, max_num: int = 32) -> list[MessageExt]:

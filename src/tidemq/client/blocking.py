@@ -22,7 +22,7 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 from tidemq.client.admin import Admin as AioAdmin
-from tidemq.client.admin import GroupLag, QueueStatus
+from tidemq.client.admin import GroupInfo, GroupLag, QueueStatus
 from tidemq.client.consumer import PullConsumer as AioPullConsumer
 from tidemq.client.message import Message, MessageExt, MessageQueue, SendResult
 from tidemq.client.producer import Producer as AioProducer
@@ -30,7 +30,12 @@ from tidemq.client.producer import SendCallback
 from tidemq.client.push_consumer import PushConsumer as AioPushConsumer
 from tidemq.client.transaction_producer import TransactionProducer as AioTransactionProducer
 from tidemq.client.transaction_producer import TransactionSendResult
-from tidemq.protocol.headers import ClusterInfo, TopicConfig, TopicRouteData
+from tidemq.protocol.headers import (
+    ClusterInfo,
+    SubscriptionGroupConfig,
+    TopicConfig,
+    TopicRouteData,
+)
 
 __all__ = ["Producer", "TransactionProducer", "PullConsumer", "PushConsumer", "Admin", "io_loop"]
 
@@ -325,7 +330,10 @@ class PushConsumer(_Facade):
         self._aio.paused = True
 
     def resume(self) -> None:
-        self._aio.paused = False
+        async def go() -> None:
+            self._aio.resume()
+
+        _run(go())
 
 
 class Admin(_Facade):
@@ -384,3 +392,22 @@ class Admin(_Facade):
 
     def view_message(self, msg_id: str, topic: str | None = None) -> MessageExt | None:
         return _run(self._aio.view_message(msg_id, topic))
+
+    def group_info(self, group: str) -> GroupInfo:
+        return _run(self._aio.group_info(group))
+
+    def update_group(self, group: str, **changes: Any) -> SubscriptionGroupConfig:
+        return _run(self._aio.update_group(group, **changes))
+
+    def reset_group_offsets(self, group: str, topic: str, *, offset: int | None = None,
+                            timestamp_ms: int | None = None) -> dict[MessageQueue, int]:
+        return _run(self._aio.reset_group_offsets(group, topic, offset=offset,
+                                                  timestamp_ms=timestamp_ms))
+
+    def dlq_messages(self, group: str, *, max_num: int = 100,
+                     from_offset: int = 0) -> list[MessageExt]:
+        return _run(self._aio.dlq_messages(group, max_num=max_num, from_offset=from_offset))
+
+    def resend_dlq(self, group: str, msg_ids: Sequence[str] | None = None, *,
+                   max_num: int = 1000) -> list[tuple[str, str, str]]:
+        return _run(self._aio.resend_dlq(group, msg_ids, max_num=max_num))

@@ -355,6 +355,9 @@ def decode_pull_body(
     out: list[MessageExt] = []
     pos, end = 0, len(mv)
     end_offset = from_offset
+    # Where the body sits in the bytes object it views: once per body, not per batch (a pull
+    # of single-message batches would otherwise spend ~40 % of its decode time here).
+    base = _base_bytes(mv) if end else None
     while pos < end:
         try:
             view = BatchView(mv, pos)
@@ -374,23 +377,25 @@ def decode_pull_body(
             try:
                 if check_crc:
                     view.verify()
-                out.extend(_decode_view(view, mv, pos, start, topic, broker_name, tags))
+                out.extend(_decode_view(view, mv, base, pos, start, topic, broker_name, tags))
             except CorruptBatchError as exc:
                 on_corrupt(view.queue_offset, view.count, str(exc))
             continue
         if check_crc:
             view.verify()
-        out.extend(_decode_view(view, mv, pos, start, topic, broker_name, tags))
+        out.extend(_decode_view(view, mv, base, pos, start, topic, broker_name, tags))
     return out, end_offset
 
 
 def _decode_view(
-    view: BatchView, mv: memoryview, pos: int, start: int, topic: str | None, broker_name: str,
-    tags: frozenset[str] | None,
+    view: BatchView, mv: memoryview, base: tuple[bytes, int] | None, pos: int, start: int,
+    topic: str | None, broker_name: str, tags: frozenset[str] | None,
 ) -> list[MessageExt]:
-    """Messages ``start..`` of the batch ``view`` that ends at ``pos`` in ``mv``."""
+    """Messages ``start..`` of the batch ``view`` that ends at ``pos`` in ``mv``; ``base`` is
+    :func:`_base_bytes` of ``mv``."""
     btopic = topic if topic is not None else view.topic
-    base = None if view.compression else _base_bytes(mv)
+    if view.compression:
+        base = None
     if base is not None:
         # Slice bodies straight out of the received bytes object: no copy of the batch.
         raw, off = base[0], base[1] + pos - view.total_size + view.records_start

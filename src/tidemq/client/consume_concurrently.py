@@ -62,7 +62,7 @@ async def send_back(c: PushConsumer, msg: MessageExt, delay_level: int = 0) -> N
     header = ConsumerSendMsgBackRequestHeader(
         consumer_group=c.group, commit_log_offset=msg.commit_log_offset, index=msg._i,
         delay_level=delay_level, origin_msg_id=msg.msg_id, origin_topic=msg.topic,
-        max_reconsume_times=c.max_reconsume_times,
+        max_reconsume_times=-1 if c.max_reconsume_times is None else c.max_reconsume_times,
     )
     await c.pool.request(addr, RequestCode.CONSUMER_SEND_MSG_BACK, header,
                          timeout=c.request_timeout)

@@ -43,6 +43,7 @@ __all__ = ["ConsumeOrderlyService", "MAX_TIME_CONSUME_CONTINUOUSLY"]
 log = logging.getLogger(__name__)
 
 MAX_TIME_CONSUME_CONTINUOUSLY = 60.0
+DEFAULT_MAX_RECONSUME_TIMES = 16
 LOCK_RETRY_DELAY = 0.1
 
 
@@ -58,6 +59,9 @@ class ConsumeOrderlyService:
         self.consumed = 0
         self.suspended = 0
         self.dead_lettered = 0
+        #: Local retries before the DLQ (the client decides for orderly queues).
+        self.max_times = (DEFAULT_MAX_RECONSUME_TIMES if consumer.max_reconsume_times is None
+                          else consumer.max_reconsume_times)
 
     def submit(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue,
                dispatch: bool) -> None:
@@ -122,7 +126,7 @@ class ConsumeOrderlyService:
                 continue
             # Suspend: local retry, unless a message is out of retries.
             out_of_retries = clustering and any(
-                self._times(pq, m) >= c.max_reconsume_times for m in msgs)
+                self._times(pq, m) >= self.max_times for m in msgs)
             if out_of_retries and await self._to_dlq(msgs):
                 self._commit(pq, mq, 0)
                 self.dead_lettered += len(msgs)

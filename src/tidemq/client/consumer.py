@@ -249,8 +249,9 @@ class PullConsumer:
             if left <= 0:
                 return []
             self._ready.clear()
-            try:
-                await asyncio.wait_for(self._ready.wait(), left)
+            try:  # asyncio.timeout: 3.11's wait_for can swallow a cancel (see push_consumer)
+                async with asyncio.timeout(left):
+                    await self._ready.wait()
             except TimeoutError:
                 return self._drain()
             out = self._drain()

@@ -14,7 +14,7 @@ Before a pull (flow control, each case retried after 50 ms and logged every 1000
   exceeds ``consume_concurrently_max_span`` (2000) -- one stuck message must not let the queue
   run away from its committed offset;
 - orderly consumption: the queue is not locked by this client on the broker (retry in 3 s);
-- the consumer is paused (retry in 1 s).
+- the consumer is paused (retry in 1 s, or at once when it is resumed).
 
 Pull statuses, as seed 004 §4.3.3:
 
@@ -90,6 +90,8 @@ class PullService:
         self._closed = False
         self.flow_controlled = 0
         self.pulls = 0
+        #: Requests waiting out PAUSED_DELAY, with their timers: resume() runs them at once.
+        self._paused: dict[PullRequest, asyncio.TimerHandle] = {}
 
     def start_queue(self, mq: MessageQueue, pq: ProcessQueue, offset: int) -> None:
         self.execute_now(PullRequest(mq, pq, offset))
@@ -105,8 +107,26 @@ class PullService:
         if not self._closed:
             self.loop.call_later(delay, self.execute_now, req)
 
+    def _pause(self, req: PullRequest) -> None:
+        if not self._closed:
+            self._paused[req] = self.loop.call_later(PAUSED_DELAY, self._unpause, req)
+
+    def _unpause(self, req: PullRequest) -> None:
+        self._paused.pop(req, None)
+        self.execute_now(req)
+
+    def resume(self) -> None:
+        """The consumer was resumed: pull the paused queues now rather than within 1 s."""
+        paused, self._paused = self._paused, {}
+        for req, timer in paused.items():
+            timer.cancel()
+            self.execute_now(req)
+
     async def close(self) -> None:
         self._closed = True
+        for timer in self._paused.values():
+            timer.cancel()
+        self._paused.clear()
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -119,7 +139,7 @@ class PullService:
             return
         pq.last_pull_ts = time.monotonic()
         if c.paused:
-            self.execute_later(req, PAUSED_DELAY)
+            self._pause(req)
             return
         if (pq.msg_count > c.pull_threshold_for_queue
                 or pq.msg_size > c.pull_threshold_size_for_queue

@@ -86,11 +86,12 @@ class PushConsumer:
     "broadcasting"), ``consume_from`` ("last", "first", "timestamp" with ``consume_timestamp``
     in ms), ``allocate_strategy`` (AllocateStrategy.AVG; ``allocate_config`` /
     ``consumer_rooms`` for CONFIG / MACHINE_ROOM), ``consume_thread_max`` (20),
-    ``consume_message_batch_max_size`` (1 message per listener call), ``pull_batch_size``
-    (32), ``pull_threshold_for_queue`` (1000 messages), ``pull_threshold_size_for_queue``
-    (100 MiB), ``consume_concurrently_max_span`` (2000), ``pull_interval`` (0 s),
-    ``max_reconsume_times`` (16), ``suspend_current_queue_time`` (1 s), ``consume_timeout``
-    (15 min), ``heartbeat_interval`` (30 s), ``rebalance_interval`` (20 s),
+    ``consume_message_batch_max_size`` (1 message per listener call), ``pull_batch_size`` (32),
+    ``pull_threshold_for_queue`` (1000 messages), ``pull_threshold_size_for_queue`` (100 MiB),
+    ``consume_concurrently_max_span`` (2000), ``pull_interval`` (0 s), ``max_reconsume_times``
+    (None: the group's ``retry_max_times`` on the broker, 16 unless changed with ``tidemq group
+    update``; orderly consumers count 16 locally), ``suspend_current_queue_time`` (1 s),
+    ``consume_timeout`` (15 min), ``heartbeat_interval`` (30 s), ``rebalance_interval`` (20 s),
     ``persist_interval`` (5 s), ``lock_interval`` (20 s), ``suspend_timeout`` (15 s: how long a
     broker holds a pull), ``instance_name`` (part of the client id; in broadcasting it names the
     local offset file, so keep it stable across restarts), ``offset_dir`` (~/.tidemq_offsets),
@@ -117,7 +118,7 @@ class PushConsumer:
         pull_threshold_size_for_queue: int = 100 * MiB,
         consume_concurrently_max_span: int = 2000,
         pull_interval: float = 0.0,
-        max_reconsume_times: int = 16,
+        max_reconsume_times: int | None = None,
         suspend_current_queue_time: float = 1.0,
         consume_timeout: float = 15 * 60.0,
         heartbeat_interval: float = 30.0,
@@ -157,6 +158,8 @@ class PushConsumer:
         self.pull_threshold_size_for_queue = pull_threshold_size_for_queue
         self.consume_concurrently_max_span = consume_concurrently_max_span
         self.pull_interval = pull_interval
+        if max_reconsume_times is not None and max_reconsume_times < 0:
+            raise ValueError("max_reconsume_times must be >= 0 (None: the group's setting)")
         self.max_reconsume_times = max_reconsume_times
         self.suspend_current_queue_time = suspend_current_queue_time
         self.consume_timeout = consume_timeout
@@ -204,6 +207,8 @@ class PushConsumer:
 
     def resume(self) -> None:
         self.paused = False
+        if self._started and not self._closed:
+            self.pull_service.resume()
 
     def stats(self) -> dict[str, Any]:
         cs = self.consume_service
@@ -268,8 +273,16 @@ class PushConsumer:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.pull_service.close()
-        for pq in self.rebalance.table.values():
+        ordered = self.orderly and not self.broadcasting
+        pqs = list(self.rebalance.table.values())
+        # Orderly: let listener calls in progress end and commit (up to 1 s) before the
+        # offsets are persisted and the locks released to the next owner.
+        held = await asyncio.gather(*(self.rebalance.quiesce(pq) for pq in pqs)) if ordered \
+            else [False] * len(pqs)
+        for pq, h in zip(pqs, held, strict=True):
             pq.dropped = True
+            if h:
+                pq.consume_lock.release()
         try:
             await self.offset_store.persist_all(set(self.rebalance.table))
         except TidemqError as exc:
@@ -357,8 +370,12 @@ class PushConsumer:
         assert self._wake is not None
         while True:
             timeout = 0.5 if self.rebalance.retry_soon else self.rebalance_interval
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that
+            # arrives as the event is set (a notification during close), and close() would
+            # then wait for the next 20 s round.
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
             self._wake.clear()

@@ -319,9 +319,10 @@ class RangeReader:
             sys_flag=PullSysFlag.SUBSCRIPTION if expression else 0,
             suspend_timeout_millis=0, subscription=expression,
         )
-        frame = await self._pool.request(addr, RequestCode.PULL_MESSAGE, header,
-                                         timeout=self.request_timeout)
-        status = pull_status(frame.code)
+        conn = await self._pool.get(addr)
+        frame = await conn.request(RequestCode.PULL_MESSAGE, header,
+                                   timeout=self.request_timeout)
+        status = pull_status(frame.code)  # not-found statuses are answers, not errors
         if status is None:
             raise_for_error(frame)
         h = frame.header

@@ -19,12 +19,14 @@ Strategies (:class:`AllocateStrategy`):
   ``consumer_rooms``, then averaged (AllocateMessageQueueByMachineRoom).
 
 Applying an assignment (:meth:`Rebalance.update_process_queues`): a queue no longer ours is
-*dropped* -- its ProcessQueue marked dropped (pulls and consumes of it stop committing), its
-offset persisted, and, for orderly consumers, its broker lock released once the consume in
-progress finished; a new queue is *added* -- locked first if orderly (skipped if another member
-still holds the lock: it will be retried at the next rebalance), its start offset computed (the
-group's committed offset, else by consume-from: LAST = the max offset, 0 for a retry topic;
-FIRST = 0; TIMESTAMP = the first offset stored at or after the timestamp) and a pull started.
+*dropped* -- for orderly consumers first up to 1 s is spent waiting for the listener call in
+progress to end and commit; then its ProcessQueue is marked dropped (pulls and consumes of it
+stop committing), its offset persisted, and, for orderly consumers, its broker lock released
+(once the consume in progress finished, if it outlasted the wait); a new queue is *added* --
+locked first if orderly (skipped if another member still holds the lock: it will be retried at
+the next rebalance), its start offset computed (the group's committed offset, else by
+consume-from: LAST = the max offset, 0 for a retry topic; FIRST = 0; TIMESTAMP = the first
+offset stored at or after the timestamp) and a pull started.
 
 Threads: the consumer's event loop only.
 """
@@ -62,6 +64,8 @@ __all__ = ["AllocateStrategy", "allocate", "Rebalance", "RETRY_PREFIX"]
 log = logging.getLogger(__name__)
 
 RETRY_PREFIX = "%RETRY%"
+#: Orderly: how long dropping a queue waits for the listener call in progress (RocketMQ 1 s).
+DROP_WAIT = 1.0
 
 
 class AllocateStrategy(enum.StrEnum):
@@ -248,15 +252,37 @@ class Rebalance:
         pq = self.table.pop(mq, None)
         if pq is None:
             return
-        pq.dropped = True
         c = self.c
+        ordered = c.orderly and not c.broadcasting
+        held = await self.quiesce(pq) if ordered else False
+        pq.dropped = True
+        if held:
+            pq.consume_lock.release()
         try:
             await c.offset_store.persist(mq)
         except TidemqError as exc:
             log.warning("persisting the offset of dropped queue %s failed: %s", mq, exc)
         c.offset_store.remove(mq)
-        if c.orderly and not c.broadcasting:
-            asyncio.get_running_loop().create_task(self._unlock_when_idle(mq, pq))
+        if ordered:
+            if held:
+                try:
+                    await self.unlock([mq])
+                except TidemqError as exc:
+                    log.info("unlock of %s failed (%s); the broker lock expires by itself",
+                             mq, exc)
+            else:
+                asyncio.get_running_loop().create_task(self._unlock_when_idle(mq, pq))
+
+    @staticmethod
+    async def quiesce(pq: ProcessQueue, timeout: float = DROP_WAIT) -> bool:
+        """Orderly: wait (up to 1 s, as RocketMQ's tryLock) for the listener call in progress
+        to end and commit, and hold the queue's consume lock; False if the call goes on."""
+        try:
+            async with asyncio.timeout(timeout):  # not wait_for: see _rebalance_loop
+                await pq.consume_lock.acquire()
+        except TimeoutError:
+            return False
+        return True
 
     async def _unlock_when_idle(self, mq: MessageQueue, pq: ProcessQueue) -> None:
         # The consume in progress must end before another member may take the queue.

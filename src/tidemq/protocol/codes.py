@@ -259,3 +259,8 @@ def is_retryable(code: int) -> bool:
     SLAVE_NOT_AVAILABLE) are not: resending would store the batch twice.
     """
     return code in _RETRYABLE
+
+
+#: The consumer group of admin tools (RocketMQ's MixAll.TOOLS_CONSUMER_GROUP). Its pulls may read
+#: a dead-letter topic ``%DLQ%<group>``, which is write-only for everyone else (`tidemq dlq`).
+TOOLS_CONSUMER_GROUP = "TOOLS_CONSUMER"

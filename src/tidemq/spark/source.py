@@ -10,8 +10,10 @@ Reading (SPEC SP1, SP2, SP4): the driver plans ``[start, end)`` offset ranges pe
 (planner.py); each task reads exactly its range with a :class:`RangeReader` built from its
 :class:`QueueRange` and yields Arrow RecordBatches (schema.py). In streaming, the checkpoint
 holds per-queue offsets; new queues and, with ``topicPattern``, new topics are picked up at
-every trigger; ``commit(end)`` (which Spark calls once batch N is done, at the start of batch
-N+1) stores the offsets as consumer group ``group`` when set.
+every trigger. With ``group`` set, the offsets of every finished batch are stored as that
+consumer group's, at the next trigger (``latestOffset(start)``: ``start`` is where the finished
+batches end) or at ``commit(end)`` (which Spark calls at the start of the next batch), whichever
+comes first; ``tidemq group lag`` then shows how far behind the query is.
 
 Writing (SPEC SP3): sink.py.
 
@@ -119,6 +121,7 @@ class TideMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._initial: Offsets | None = None
         self._latest: Offsets | None = None
         self._available_now: Offsets | None = None
+        self._group_committed: dict | None = None
 
     # -- offsets -----------------------------------------------------------------------------
     def initialOffset(self) -> dict:
@@ -143,6 +146,9 @@ class TideMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return latest, queues
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        # Spark asks for the next batch's end only once every batch up to ``start`` is done,
+        # and asks at every trigger, data or not: the right moment to show the group's lag.
+        self._commit_group(start)
         latest, queues = self._current()
         # A queue can only move forward: keep start where the broker reports less (a truncated
         # queue is reported as data loss when the range is planned, not silently rewound).
@@ -187,8 +193,14 @@ class TideMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return read_range(partition)
 
     def commit(self, end: dict) -> None:
+        self._commit_group(end)
+
+    def _commit_group(self, offsets: dict) -> None:
+        if not self.opts.group or offsets == self._group_committed:
+            return
         try:
-            self.planner.commit_group(end)
+            self.planner.commit_group(offsets)
+            self._group_committed = offsets
         except Exception as exc:  # the pipeline's progress must not depend on the lag display
             log.warning("committing offsets as group %s failed: %s", self.opts.group, exc)
 

@@ -30,7 +30,7 @@ from tidemq.protocol.record import (
     TOTAL_SIZE_MAGIC,
     BatchView,
 )
-from tidemq.store.segment import Segment, SegmentAllocator, segment_name
+from tidemq.store.segment import Segment, SegmentAllocator, WarmAhead, segment_name
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,12 @@ _PAGE = mmap.PAGESIZE
 
 class CommitLog:
     def __init__(
-        self, directory: str | os.PathLike, segment_size: int, *, preallocate: bool = True
+        self,
+        directory: str | os.PathLike,
+        segment_size: int,
+        *,
+        preallocate: bool = True,
+        warm_ahead_bytes: int = 64 << 20,
     ):
         if segment_size < 4096:
             raise ValueError("segment_size must be at least 4096 bytes")
@@ -57,7 +62,11 @@ class CommitLog:
         self.segments: list[Segment] = []
         self.write_pos = 0
         self.flushed_pos = 0
-        self._allocator = SegmentAllocator(enabled=preallocate)
+        self._preallocate = preallocate
+        self._warm_window = warm_ahead_bytes
+        # Prepared segments get their first window warmed; WarmAhead follows the writer.
+        self._allocator = SegmentAllocator(enabled=preallocate, warm_bytes=warm_ahead_bytes)
+        self._warmer: WarmAhead | None = None
         self._flush_lock = threading.Lock()
         self._zombies: list[Segment] = []  # deleted segments still pinned by readers' views
         self._trimmed_at = 0  # flushed position of the last trim (flush thread only)
@@ -107,10 +116,7 @@ class CommitLog:
 
     # -- writing ---------------------------------------------------------------------------
     def _roll(self, start: int) -> Segment:
-        first = not self.segments
         seg = self._allocator.take(self.dir / segment_name(start), start, self.segment_size)
-        if first:  # nobody prepared the very first segment: warm it while it is written
-            self._allocator.warm_async(seg)
         self.segments.append(seg)
         nxt = start + self.segment_size
         self._allocator.prepare(self.dir / segment_name(nxt), nxt, self.segment_size)
@@ -143,6 +149,9 @@ class CommitLog:
 
     def advance(self, size: int) -> None:
         self.write_pos += size
+        w = self._warmer
+        if w is not None and self.write_pos >= w.wake_at:
+            w.kick()
 
     # -- reading ---------------------------------------------------------------------------
     def view(self, phys: int, size: int) -> memoryview:
@@ -253,12 +262,19 @@ class CommitLog:
         return removed
 
     def warm_active(self) -> None:
-        """After start-up: warm the rest of the active segment and prepare the next one."""
+        """After start-up: keep the pages ahead of the writer warm, prepare the next segment."""
+        if self._preallocate and self._warmer is None:
+            self._warmer = WarmAhead(self._active_position, self._warm_window)
         if self.segments:
-            seg = self.segments[-1]
-            self._allocator.warm_async(seg, self.write_pos - seg.start)
-            nxt = seg.end
+            nxt = self.segments[-1].end
             self._allocator.prepare(self.dir / segment_name(nxt), nxt, self.segment_size)
+
+    def _active_position(self) -> tuple[Segment, int] | None:
+        segs = self.segments
+        if not segs:
+            return None
+        seg = segs[-1]
+        return seg, max(0, min(self.write_pos - seg.start, seg.size))
 
     def ensure_full_size(self) -> None:
         """Grow a short last segment (a truncated file) back to segment_size with zeros."""
@@ -285,6 +301,9 @@ class CommitLog:
         return gone
 
     def close(self) -> None:
+        if self._warmer is not None:
+            self._warmer.close()
+            self._warmer = None
         self._allocator.close()
         for seg in self.segments + self._zombies:
             if not seg.close():

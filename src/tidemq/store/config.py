@@ -43,8 +43,11 @@ class StoreConfig:
     retention_check_interval_ms: int = 10_000
     #: Verify both CRCs of every batch read (corrupt batches are reported and skipped).
     verify_reads: bool = True
-    #: Pre-allocate and warm the next segment in the background.
+    #: Pre-allocate the next segment in the background and keep the pages ahead of the writer
+    #: in the page cache (segment.WarmAhead).
     preallocate: bool = True
+    #: How far ahead of the write position pages are kept warm (with ``preallocate``).
+    warm_ahead_bytes: int = 64 * MiB
     #: Written into every stored batch's store_host / store_port.
     store_host: str = "127.0.0.1"
     store_port: int = 0

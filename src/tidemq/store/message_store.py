@@ -259,7 +259,8 @@ class MessageStore:
         if problem:
             report.problems.append(problem)
         self.commitlog = CommitLog(
-            self.dir / "commitlog", cfg.segment_size, preallocate=cfg.preallocate
+            self.dir / "commitlog", cfg.segment_size, preallocate=cfg.preallocate,
+            warm_ahead_bytes=cfg.warm_ahead_bytes
         )
         report.problems += self.commitlog.open_segments()
         self.cqs = ConsumeQueueTable(self.dir / "consumequeue", cfg.cq_units_per_file)
