@@ -95,6 +95,8 @@ class TimerMessageService:
                     self.recovered_done += 1
                 else:
                     self._deliver_one(d, phys, size)
+        if horizon:
+            idx.sync()  # before serving: the marks of what start-up delivered are durable
         if self.recovered_done:
             log.info("timer: %d entries were delivered before the crash", self.recovered_done)
         self._rearm()
