@@ -159,3 +159,41 @@ def test_torn_tail_is_cut_and_bad_crc_is_skipped_and_reported(tmp_path) -> None:
     assert any(f"entry at byte {2 * ENTRY_SIZE} fails its CRC" in p for p in log.problems)
     assert [g[1] for g in log.pop_due(1_000, 10)] == [1001, 1003]
     log.close()
+
+
+def test_the_owner_thread_never_writes_or_fsyncs(tmp_path, monkeypatch) -> None:
+    """add / done / pop_due / next_due, with buckets filling up, rolling over and the open-file
+    LRU evicting, never call write() or fsync() on the calling thread; sync() (the checkpoint
+    thread) does all of it."""
+    calls: list[tuple[str, int]] = []
+    real_write, real_fsync = os.write, os.fsync
+
+    def write(fd, data):  # noqa: ANN001, ANN202
+        calls.append(("write", threading.get_ident()))
+        return real_write(fd, data)
+
+    def fsync(fd):  # noqa: ANN001, ANN202
+        calls.append(("fsync", threading.get_ident()))
+        return real_fsync(fd)
+
+    log = TimerLog(tmp_path, BUCKET_MS)
+    monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(os, "fsync", fsync)
+    owner = threading.get_ident()
+    for i in range(2000):  # 200 buckets: more than the 32 open files
+        log.add(i // 10 * BUCKET_MS + i % 10, 10_000 + i, 1)
+        if i % 100 == 99:
+            for d, p, s in log.pop_due(i // 10 * BUCKET_MS, 1000):
+                log.done(d, p, s)
+            t = threading.Thread(target=log.sync)
+            t.start()
+            t.join()
+    assert not [c for c in calls if c[1] == owner], "the owner thread wrote or fsynced"
+    assert any(c[0] == "write" for c in calls) and any(c[0] == "fsync" for c in calls)
+    monkeypatch.undo()
+    expected = log.next_due()
+    assert expected is not None
+    log.close()
+    again = TimerLog(tmp_path, BUCKET_MS)
+    assert again.next_due() == expected  # what was pending is pending after a reopen
+    again.close()
