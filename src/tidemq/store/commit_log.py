@@ -204,6 +204,7 @@ class CommitLog:
             target = self.write_pos
             start = self.flushed_pos
             if target <= start:
+                self._maybe_trim(start)
                 return start
             for seg in list(self.segments):
                 if seg.end <= start or seg.start >= target:
@@ -216,10 +217,15 @@ class CommitLog:
                         f"{start} is not durable"
                     ) from exc
             self.flushed_pos = target
-            if target - self._trimmed_at >= RESIDENT_BEHIND // 4:
-                self._trimmed_at = target
-                self._drop_resident(target - RESIDENT_BEHIND)
+            self._maybe_trim(target)
             return target
+
+    def _maybe_trim(self, flushed: int) -> None:
+        """Drop resident pages far behind ``flushed`` once per RESIDENT_BEHIND / 4 of data
+        (flush lock held)."""
+        if flushed - self._trimmed_at >= RESIDENT_BEHIND // 4:
+            self._trimmed_at = flushed
+            self._drop_resident(flushed - RESIDENT_BEHIND)
 
     def _drop_resident(self, below: int) -> None:
         """Unmap from this process the pages of every segment below ``below`` (flushed
