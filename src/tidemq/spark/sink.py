@@ -5,26 +5,31 @@ option), ``keys`` (string or array<string>), ``tags``, ``properties`` (map<strin
 ``queue_id`` (pin a queue: an index into the topic's sorted writable queues) or ``hash_key``
 (CRC32C of the key modulo the writable queue count, as the producer's ``hash_key=``).
 
-How exactly-once works: producer deduplication (docs/producer-path.md). Each task writes with
-a *deterministic producer name* and *deterministic sequence ids*:
+How exactly-once works: producer deduplication (SPEC BR12, docs/producer-path.md). The rows
+of one task are split by target (topic, queue) into *substreams*; each substream is written
+under its own deterministic producer id and deterministic sequence ids:
 
-- name ``spark-<queryId>-<partitionId>`` in a streaming query (the query id survives restarts
-  from the same checkpoint), ``spark-<jobUuid>-<partitionId>`` in a batch write;
-- rows are cut into windows of ``batchRows`` rows by their index in the partition; window
-  ``w`` of micro-batch ``b`` uses sequences ``b * 2**32 + w * batchRows + i``, split into one
-  sent batch per target queue, all sent one after the other and each acknowledged before the
-  next (so the broker's "sequences of a name grow" rule holds even after a failed send).
+- id ``dedup_producer_id("spark-<queryId>-<partitionId>-<topic>-<queue>")`` in a streaming
+  query (the query id survives restarts from the same checkpoint), ``spark-<jobUuid>-...`` in a
+  batch write (the uuid is chosen on the driver, so a retried task of the job has it too);
+- row ``i`` of the substream (in the partition's order, or sorted with ``sortRows``, the
+  default) gets sequence ``batchId * 2**32 + i`` (``i`` for a batch write);
+- the substream is cut into sent batches of at most ``batchRows`` rows and ``batchBytes``
+  bytes, a cut that depends only on the substream's rows; one batch per substream is in
+  flight at a time (the broker's "sequences of an id only grow" rule needs them in order),
+  different queues are written concurrently.
 
 A retried task, or a micro-batch replayed after a restart (Spark re-plans it with the same
-offsets), re-sends the same rows with the same name and sequences; the broker acknowledges what
-it already stored with DUPLICATE and stores the rest. This needs what every exactly-once Spark
-sink needs: the rows of a (batch, partition) must be the same on a replay (true for a
-deterministic query over a replayable source such as this one).
+offsets), re-sends the same rows as the same batches with the same ids and sequences; the
+broker answers DUPLICATE for what it already stored and stores the rest. This needs what every
+exactly-once Spark sink needs: a (batch, partition) must produce the same rows on a replay
+(true for a deterministic query over a replayable source such as tidemq); ``sortRows`` removes
+the need for the same *order*.
 
 Why not transactions: half messages committed in the driver's ``commit(messages, batchId)``
-need the commit itself to be idempotent and recoverable after a driver crash between commit
-and checkpoint; dedup gives the same guarantee with one round trip per batch and no second
-phase.
+need that commit itself to be idempotent and recoverable after a driver crash between the
+commit and Spark's checkpoint, and cost a second round trip per batch; dedup gives the same
+guarantee with one round trip and no coordinator (docs/spark.md).
 
 Threading: ``write`` runs in a Spark task (executor Python worker); ``commit``/``abort`` on
 the driver.
