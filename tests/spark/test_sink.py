@@ -144,3 +144,17 @@ def test_sink_exactly_once_across_stop_and_restart(spark, dev, tmp_path):
     assert sum(got.values()) == 3000 and max(got.values()) == 1
     assert got == want
     assert all(r.keys == [bytes(r.body).decode()] for r in out)
+
+
+def test_batch_write_routes_by_topic_and_queue_columns(spark, dev):
+    create_topic(dev, "sk-a", 2)
+    create_topic(dev, "sk-b", 3)
+    rows = [(f"r{i}", "sk-a" if i % 3 else "sk-b", i % 4) for i in range(300)]
+    df = spark.createDataFrame(rows, "body string, topic string, queue_id int").coalesce(1)
+    df.write.format("tidemq").option("namesrv", dev.namesrv).mode("append").save()
+    for topic, n in (("sk-a", 2), ("sk-b", 3)):
+        out = _read_all(spark, dev, topic)
+        want = {f"r{i}".encode(): i % 4 % n for i, t in ((i, r[1]) for i, r in enumerate(rows))
+                if t == topic}
+        assert {bytes(r.body): r.queue_id for r in out} == want
+        assert len(out) == len(want)
