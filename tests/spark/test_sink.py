@@ -158,3 +158,12 @@ def test_batch_write_routes_by_topic_and_queue_columns(spark, dev):
                 if t == topic}
         assert {bytes(r.body): r.queue_id for r in out} == want
         assert len(out) == len(want)
+
+
+def test_empty_partitions_write_nothing(spark, dev):
+    create_topic(dev, "sk-empty", 2)
+    df = spark.createDataFrame([(b"only",)], "body binary").repartition(4)  # 3 empty partitions
+    for sort in ("true", "false"):
+        (df.write.format("tidemq").option("namesrv", dev.namesrv).option("topic", "sk-empty")
+         .option("sortRows", sort).mode("append").save())
+    assert [bytes(r.body) for r in _read_all(spark, dev, "sk-empty")] == [b"only", b"only"]

@@ -122,9 +122,10 @@ def _sorted(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """The partition's rows in a deterministic order (``sortRows``): a replay of a query whose
     rows come out of a shuffle or a state store in another order still maps each row to the
     same queue and sequence."""
-    table = pa.Table.from_batches(list(batches))
-    if not table.num_rows:
+    got = [b for b in batches if b.num_rows]
+    if not got:  # an empty partition (Spark may send no batch at all)
         return iter(())
+    table = pa.Table.from_batches(got)
     keys = [(c, "ascending") for c in ("topic", "queue_id", "hash_key", "tags", "body")
             if c in table.column_names
             and any(t(table.schema.field(c).type) for t in _SORT_TYPES)]
