@@ -19,7 +19,7 @@ run: setup
 	$(BIN)/python examples/run_pipeline.py --data-dir $(DATA_DIR)
 
 lint: setup
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests examples
 	$(BIN)/lint-imports
 
 test: lint

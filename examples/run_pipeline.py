@@ -90,7 +90,7 @@ def stop_spark(spark: object) -> None:
 
 
 def summary(produced: ProducedStats, received: ReceivedStats, lag_text: str,
-            progress: dict | None, seconds: float) -> bool:
+            progress: dict | None, recent: list[dict], seconds: float) -> bool:
     rev_in = sum(produced.revenue_cents.values())
     rev_out = sum(received.revenue_cents.values())
     ok = (rev_in == rev_out and received.duplicates == 0
@@ -115,6 +115,11 @@ def summary(produced: ProducedStats, received: ReceivedStats, lag_text: str,
     print(" lag (tidemq group lag --group orders-pipeline):")
     for line in lag_text.strip().splitlines():
         print("   " + line)
+    busy = [p for p in recent if p.get("numInputRows")]
+    if busy:
+        rates = [p.get("processedRowsPerSecond", 0) for p in busy]
+        print(f" micro-batches  {len(busy):>8}  with data, {sum(p['numInputRows'] for p in busy)} "
+              f"rows read, up to {max(rates):,.0f} rows/s processed")
     if progress:
         src = (progress.get("sources") or [{}])[0]
         print(" query progress (lastProgress):")
@@ -197,7 +202,7 @@ def main() -> int:
         stop_printer.set()
         printer.join(10)
         ok = summary(produced, received, lag.stdout or lag.stderr, query.lastProgress,
-                     time.monotonic() - t_start)
+                     query.recentProgress, time.monotonic() - t_start)
     finally:
         stop_printer.set()
         if query is not None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 import tidemq
 
 from .cluster import wait_until
@@ -27,6 +29,9 @@ def _broker_view(dev, consumers: list[tidemq.PushConsumer]) -> bool:
     return info.members == sorted(c.client_id for c in consumers)
 
 
+# A latency bound measured on a shared 2-core machine: one run can miss it when another process
+# takes the CPU; a real regression misses it on every run, so two reruns are allowed.
+@pytest.mark.flaky(reruns=2)
 def test_join_and_leave_settle_within_a_second_and_lose_nothing(dev) -> None:
     with tidemq.Admin(dev.namesrv) as admin:
         admin.create_topic(TOPIC, QUEUES)

@@ -4,12 +4,14 @@ a query is stopped mid-stream and restarted (output compared with input, counted
 from __future__ import annotations
 
 import os
+import signal
 from collections import Counter
 
 import pytest
 from pyspark.sql import functions as F
-from pyspark.sql.types import BinaryType
 from tests.spark.conftest import create_topic, send, wait_for
+
+import tidemq
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -69,38 +71,67 @@ def _stream(spark, dev, topic, **opts):
     return r.load()
 
 
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                out.append(int(d))
+    return out
+
+
+def _kill_task_workers() -> int:
+    """kill -9 the Python workers running this session's tasks (children of the pyspark
+    daemon that our own JVM started; other sessions on the machine are left alone)."""
+    from pyspark import SparkContext
+
+    jvm = SparkContext._gateway.proc.pid  # type: ignore[union-attr]
+    killed = 0
+    for daemon in _children(jvm):
+        try:
+            with open(f"/proc/{daemon}/cmdline", "rb") as f:
+                if b"pyspark.daemon" not in f.read():
+                    continue
+        except OSError:
+            continue
+        for worker in _children(daemon):
+            try:
+                os.kill(worker, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+    return killed
+
+
 def test_sink_exactly_once_when_a_task_fails_and_is_retried(spark, dev, tmp_path):
-    want = _source(dev, "sk-retry-in", 4000)
+    n = 60_000
+    want = _source(dev, "sk-retry-in", n)
     create_topic(dev, "sk-retry-out", 2)
-    marker = str(tmp_path / "failed-once")
-
-    @F.udf(BinaryType())
-    def fail_once(body):
-        # The first attempt of a task dies in the middle of its rows, after the sink has
-        # already sent the earlier ones; Spark retries the task (local[2,4]).
-        from pyspark import TaskContext
-
-        ctx = TaskContext.get()
-        if (body.endswith(b"-001500") and ctx.attemptNumber() == 0
-                and not os.path.exists(marker)):
-            open(marker, "w").close()
-            raise RuntimeError("injected task failure")
-        return body
-
-    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "100")
-    spark.conf.set("spark.sql.execution.pythonUDF.arrow.enabled", "false")
+    q = (_stream(spark, dev, "sk-retry-in").select("body")
+         .writeStream.format("tidemq").option("namesrv", dev.namesrv)
+         .option("topic", "sk-retry-out").option("batchRows", "20")
+         .option("sortRows", "false")  # send while reading (sorting waits for all rows)
+         .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(availableNow=True)
+         .start())
     try:
-        q = (_stream(spark, dev, "sk-retry-in").select(fail_once("body").alias("body"))
-             .writeStream.format("tidemq").option("namesrv", dev.namesrv)
-             .option("topic", "sk-retry-out").option("batchRows", "50")
-             .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(availableNow=True)
-             .start())
+        # Kill the tasks' Python workers once the sink has stored part of the rows: Spark
+        # retries the tasks (local[2,4]), which re-send everything from their first row.
+        with tidemq.Admin(dev.namesrv) as admin:
+            def stored() -> int:
+                return sum(st.max_offset for st in admin.topic_status("sk-retry-out"))
+            wait_for(lambda: stored() > 0, 120, "the sink's first rows")
+            at_kill = stored()
+            killed = _kill_task_workers()
         assert q.awaitTermination(180)
         assert q.exception() is None
     finally:
-        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
-        spark.conf.unset("spark.sql.execution.pythonUDF.arrow.enabled")
-    assert os.path.exists(marker), "the injected failure did not happen"
+        q.stop()
+    assert killed > 0 and 0 < at_kill < n
     got = _counts(_read_all(spark, dev, "sk-retry-out"))
     assert got == want  # every input row once: none lost, none twice
 
@@ -144,3 +175,26 @@ def test_sink_exactly_once_across_stop_and_restart(spark, dev, tmp_path):
     assert sum(got.values()) == 3000 and max(got.values()) == 1
     assert got == want
     assert all(r.keys == [bytes(r.body).decode()] for r in out)
+
+
+def test_batch_write_routes_by_topic_and_queue_columns(spark, dev):
+    create_topic(dev, "sk-a", 2)
+    create_topic(dev, "sk-b", 3)
+    rows = [(f"r{i}", "sk-a" if i % 3 else "sk-b", i % 4) for i in range(300)]
+    df = spark.createDataFrame(rows, "body string, topic string, queue_id int").coalesce(1)
+    df.write.format("tidemq").option("namesrv", dev.namesrv).mode("append").save()
+    for topic, n in (("sk-a", 2), ("sk-b", 3)):
+        out = _read_all(spark, dev, topic)
+        want = {f"r{i}".encode(): i % 4 % n for i, t in ((i, r[1]) for i, r in enumerate(rows))
+                if t == topic}
+        assert {bytes(r.body): r.queue_id for r in out} == want
+        assert len(out) == len(want)
+
+
+def test_empty_partitions_write_nothing(spark, dev):
+    create_topic(dev, "sk-empty", 2)
+    df = spark.createDataFrame([(b"only",)], "body binary").repartition(4)  # 3 empty partitions
+    for sort in ("true", "false"):
+        (df.write.format("tidemq").option("namesrv", dev.namesrv).option("topic", "sk-empty")
+         .option("sortRows", sort).mode("append").save())
+    assert [bytes(r.body) for r in _read_all(spark, dev, "sk-empty")] == [b"only", b"only"]

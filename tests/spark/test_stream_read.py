@@ -180,3 +180,22 @@ def test_available_now_reads_what_exists_in_limited_batches(spark, dev, tmp_path
     assert query.awaitTermination(120)
     sizes = [len(rows) for _b, rows in sorted(c.batches.items()) if rows]
     assert sum(sizes) == 150 and max(sizes) <= 40
+
+
+def test_topic_pattern_picks_up_a_new_topic(spark, dev, tmp_path):
+    create_topic(dev, "pat-a", 1)
+    send(dev, "pat-a", 0, [b"a%d" % i for i in range(10)])
+    c = Collector()
+    df = (spark.readStream.format("tidemq").option("namesrv", dev.namesrv)
+          .option("topicPattern", "pat-.*").option("startingOffsets", "earliest").load())
+    query = _start(df, c, tmp_path)
+    try:
+        query.processAllAvailable()
+        assert len(c.rows) == 10
+        create_topic(dev, "pat-b", 2)
+        send(dev, "pat-b", 1, [b"b%d" % i for i in range(7)])
+        wait_for(lambda: len(c.rows) >= 17, 60, "rows of the new topic")
+    finally:
+        query.stop()
+    assert sorted((r[0], r[1], r[2]) for r in c.rows) == sorted(
+        [("pat-a", 0, i) for i in range(10)] + [("pat-b", 1, i) for i in range(7)])

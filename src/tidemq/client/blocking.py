@@ -174,6 +174,12 @@ class Producer(_Facade):
     def send_oneway(self, msg: Message | Sequence[Message], **options: Any) -> None:
         _run(self._aio.send_oneway(msg, **options))
 
+    def send_columns_async(self, cols: Any, **options: Any
+                           ) -> concurrent.futures.Future[SendResult]:
+        """Start ``Producer.send_columns`` (client/columns.py); the future resolves to its
+        SendResult."""
+        return _submit(self._aio.send_columns(cols, **options))
+
     def cancel(self, result: SendResult, **options: Any) -> None:
         """Cancel a pending timed message by the SendResult of its send."""
         _run(self._aio.cancel(result, **options))

@@ -47,6 +47,7 @@ from typing import Any
 
 from tidemq.client import chunking
 from tidemq.client.codec import encode_messages, set_queue_id
+from tidemq.client.columns import Columns
 from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
 from tidemq.client.errors import (
     ClientClosedError,
@@ -292,6 +293,14 @@ class Producer:
                 )
         return await self._send(topic, msgs, queue_id, selector, arg, hash_key, timeout,
                                 RequestCode.SEND_BATCH, sequence_id)
+
+    async def send_columns(self, cols: Columns, *, queue_id: int | MessageQueue,
+                           sequence_id: int, timeout: float | None = None) -> SendResult:
+        """Send rows given as columns (``client/columns.py``: no Message per row) as one
+        batch to ``queue_id`` with base sequence ``sequence_id``; ``cols.producer_id`` (if set)
+        makes the broker deduplicate it under that id instead of this producer's."""
+        return await self._send(cols.topic, cols, queue_id, None, None, None,  # type: ignore[arg-type]
+                                timeout, RequestCode.SEND_BATCH, sequence_id)
 
     async def _send_chunked(
         self, msg: Message, queue_id: int | MessageQueue | None, selector: Selector | None,
@@ -561,12 +570,17 @@ class Producer:
             seq = sequence_id
             self._seq = max(self._seq, seq + len(msgs))
         try:
-            batch = encode_messages(
-                topic, msgs, queue_id=queue_id, producer_id=self.producer_id, base_seq=seq,
-                born_ts=int(time.time() * 1000), born_host=self._packed_host(host),
-                born_port=port,
-                compression=self.compression, compress_min=self.compress_min,
-            )
+            if isinstance(msgs, Columns):
+                pid = self.producer_id if msgs.producer_id is None else msgs.producer_id
+                batch = msgs.encode(queue_id, pid, seq, int(time.time() * 1000),
+                                    self._packed_host(host), port)
+            else:
+                batch = encode_messages(
+                    topic, msgs, queue_id=queue_id, producer_id=self.producer_id, base_seq=seq,
+                    born_ts=int(time.time() * 1000), born_host=self._packed_host(host),
+                    born_port=port,
+                    compression=self.compression, compress_min=self.compress_min,
+                )
         except ValueError as exc:
             raise MessageRejectedError(f"cannot encode the message: {exc}") from exc
         if len(batch) > self.max_message_size:
@@ -661,7 +675,7 @@ class Producer:
         last_broker: str | None = None
         last_exc: Exception | None = None
         attempts = 1 + self.retries
-        dedup = self.producer_name is not None
+        dedup = self.producer_name is not None or getattr(msgs, "producer_id", None) is not None
         mq: MessageQueue | None = None
         for attempt in range(attempts):
             left = deadline - loop.time()

@@ -171,8 +171,11 @@ class WriteOptions:
     namesrv: str
     topic: str | None = None
     request_timeout: float = 10.0
-    #: Rows per sent batch (a fixed function of the row index, so a retry sends the same).
+    #: Rows / bytes per sent batch (a fixed function of the rows, so a retry sends the same).
     batch_rows: int = 1024
+    batch_bytes: int = 1 << 20
+    #: Sort each partition's rows before numbering them (replays that reorder rows stay exact).
+    sort_rows: bool = True
 
     @classmethod
     def parse(cls, opts: Mapping[str, str]) -> WriteOptions:
@@ -182,4 +185,8 @@ class WriteOptions:
         w = cls(namesrv=namesrv, topic=opts.get("topic") or None)
         w.request_timeout = float(opts.get("requestTimeoutMs", "10000")) / 1000
         w.batch_rows = _int(opts, "batchRows", 1024) or 1024
+        w.batch_bytes = _int(opts, "batchBytes", 1 << 20) or 1 << 20
+        if w.batch_bytes > 3 << 20:
+            raise OptionError("batchBytes must be at most 3 MiB (a sent batch is at most 4 MiB)")
+        w.sort_rows = _bool(opts, "sortRows", True)
         return w

@@ -5,26 +5,31 @@ option), ``keys`` (string or array<string>), ``tags``, ``properties`` (map<strin
 ``queue_id`` (pin a queue: an index into the topic's sorted writable queues) or ``hash_key``
 (CRC32C of the key modulo the writable queue count, as the producer's ``hash_key=``).
 
-How exactly-once works: producer deduplication (docs/producer-path.md). Each task writes with
-a *deterministic producer name* and *deterministic sequence ids*:
+How exactly-once works: producer deduplication (SPEC BR12, docs/producer-path.md). The rows
+of one task are split by target (topic, queue) into *substreams*; each substream is written
+under its own deterministic producer id and deterministic sequence ids:
 
-- name ``spark-<queryId>-<partitionId>`` in a streaming query (the query id survives restarts
-  from the same checkpoint), ``spark-<jobUuid>-<partitionId>`` in a batch write;
-- rows are cut into windows of ``batchRows`` rows by their index in the partition; window
-  ``w`` of micro-batch ``b`` uses sequences ``b * 2**32 + w * batchRows + i``, split into one
-  sent batch per target queue, all sent one after the other and each acknowledged before the
-  next (so the broker's "sequences of a name grow" rule holds even after a failed send).
+- id ``dedup_producer_id("spark-<queryId>-<partitionId>-<topic>-<queue>")`` in a streaming
+  query (the query id survives restarts from the same checkpoint), ``spark-<jobUuid>-...`` in a
+  batch write (the uuid is chosen on the driver, so a retried task of the job has it too);
+- row ``i`` of the substream (in the partition's order, or sorted with ``sortRows``, the
+  default) gets sequence ``batchId * 2**32 + i`` (``i`` for a batch write);
+- the substream is cut into sent batches of at most ``batchRows`` rows and ``batchBytes``
+  bytes, a cut that depends only on the substream's rows; one batch per substream is in
+  flight at a time (the broker's "sequences of an id only grow" rule needs them in order),
+  different queues are written concurrently.
 
 A retried task, or a micro-batch replayed after a restart (Spark re-plans it with the same
-offsets), re-sends the same rows with the same name and sequences; the broker acknowledges what
-it already stored with DUPLICATE and stores the rest. This needs what every exactly-once Spark
-sink needs: the rows of a (batch, partition) must be the same on a replay (true for a
-deterministic query over a replayable source such as this one).
+offsets), re-sends the same rows as the same batches with the same ids and sequences; the
+broker answers DUPLICATE for what it already stored and stores the rest. This needs what every
+exactly-once Spark sink needs: a (batch, partition) must produce the same rows on a replay
+(true for a deterministic query over a replayable source such as tidemq); ``sortRows`` removes
+the need for the same *order*.
 
 Why not transactions: half messages committed in the driver's ``commit(messages, batchId)``
-need the commit itself to be idempotent and recoverable after a driver crash between commit
-and checkpoint; dedup gives the same guarantee with one round trip per batch and no second
-phase.
+need that commit itself to be idempotent and recoverable after a driver crash between the
+commit and Spark's checkpoint, and cost a second round trip per batch; dedup gives the same
+guarantee with one round trip and no coordinator (docs/spark.md).
 
 Threading: ``write`` runs in a Spark task (executor Python worker); ``commit``/``abort`` on
 the driver.
@@ -39,7 +44,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import crc32c
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark import TaskContext
 from pyspark.sql.datasource import (
     DataSourceArrowWriter,
@@ -49,6 +56,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 import tidemq
+from tidemq.client.columns import Columns, dedup_producer_id
 from tidemq.spark.options import OptionError, WriteOptions
 
 __all__ = ["TideMQBatchWriter", "TideMQStreamWriter", "WriteStats", "write_partition"]
@@ -106,82 +114,217 @@ class _QueueCounts:
             self._admin.close()
 
 
-def _column(rb: pa.RecordBatch, name: str) -> list[Any] | None:
-    i = rb.schema.get_field_index(name)
-    return None if i < 0 else rb.column(i).to_pylist()
+_SORT_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary,
+               pa.types.is_large_binary, pa.types.is_integer)
 
 
-def write_partition(batches: Iterator[pa.RecordBatch], opts: WriteOptions, producer_name: str,
+def _sorted(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """The partition's rows in a deterministic order (``sortRows``): a replay of a query whose
+    rows come out of a shuffle or a state store in another order still maps each row to the
+    same queue and sequence."""
+    got = [b for b in batches if b.num_rows]
+    if not got:  # an empty partition (Spark may send no batch at all)
+        return iter(())
+    table = pa.Table.from_batches(got)
+    keys = [(c, "ascending") for c in ("topic", "queue_id", "hash_key", "tags", "body")
+            if c in table.column_names
+            and any(t(table.schema.field(c).type) for t in _SORT_TYPES)]
+    return iter(table.take(pc.sort_indices(table, sort_keys=keys)).to_batches())
+
+
+class _Substream:
+    """The rows of one partition bound for one (topic, queue): its own deduplicated producer
+    id, sequences from ``base_seq`` up, one send in flight at a time (sequences must reach the
+    broker in order)."""
+
+    def __init__(self, topic: str, queue: int, producer_id: int, base_seq: int) -> None:
+        self.topic = topic
+        self.queue = queue
+        self.producer_id = producer_id
+        self.seq = base_seq
+        self.bodies: list[pa.Array] = []
+        self.extras: dict[str, list[Any]] = {}
+        self.rows = 0
+        self.nbytes = 0
+        self.inflight: Any = None
+        self.inflight_rows = 0
+
+
+class _PartitionWriter:
+    def __init__(self, opts: WriteOptions, name_prefix: str, base_seq: int, partition: int
+                 ) -> None:
+        self.opts = opts
+        self.name_prefix = name_prefix
+        self.base_seq = base_seq
+        self.partition = partition
+        self.counts = _QueueCounts(opts.namesrv, opts.request_timeout)
+        self.producer = tidemq.Producer(opts.namesrv, send_timeout=opts.request_timeout)
+        self.subs: dict[tuple[str, int], _Substream] = {}
+        self.row = 0
+        self.dups = 0
+        self.sent = 0
+        self.dup_status = tidemq.SendStatus.DUPLICATE
+
+    def close(self) -> None:
+        self.producer.close()
+        self.counts.close()
+
+    # -- routing -------------------------------------------------------------------------------
+    def _topics(self, rb: pa.RecordBatch) -> list[str] | str:
+        i = rb.schema.get_field_index("topic")
+        if i < 0 or rb.column(i).null_count == rb.num_rows:
+            if not self.opts.topic:
+                raise OptionError(f"row {self.row} has no topic and the option topic is unset")
+            return self.opts.topic
+        col = rb.column(i)
+        if col.null_count == 0 and pc.all(pc.equal(col, col[0])).as_py():
+            return col[0].as_py()
+        out = []
+        for k, t in enumerate(col.to_pylist()):
+            t = t or self.opts.topic
+            if not t:
+                raise OptionError(f"row {self.row + k} has no topic and the option topic is "
+                                  "unset")
+            out.append(t)
+        return out
+
+    def _queues(self, rb: pa.RecordBatch, topics: list[str] | str) -> np.ndarray:
+        n = rb.num_rows
+        if isinstance(topics, str):
+            counts = np.full(n, self.counts(topics), dtype=np.int64)
+        else:
+            counts = np.array([self.counts(t) for t in topics], dtype=np.int64)
+        # Default spread: windows of batchRows consecutive rows, one queue each, rotating.
+        q = (self.partition + (self.row + np.arange(n, dtype=np.int64))
+             // self.opts.batch_rows) % counts
+        i = rb.schema.get_field_index("queue_id")
+        if i >= 0:
+            col = rb.column(i)
+            vals = col.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+            q = np.where(vals >= 0, vals % counts, q)
+        i = rb.schema.get_field_index("hash_key")
+        if i >= 0:
+            for k, key in enumerate(rb.column(i).to_pylist()):
+                if key is not None:
+                    kb = key.encode() if isinstance(key, str) else bytes(key)
+                    q[k] = crc32c.crc32c(kb) % counts[k]
+        return q
+
+    # -- rows ----------------------------------------------------------------------------------
+    def add(self, rb: pa.RecordBatch) -> None:
+        n = rb.num_rows
+        if not n:
+            return
+        body = rb.column(rb.schema.get_field_index("body"))
+        if body.null_count:
+            raise OptionError(f"a row of the partition (from row {self.row}) has a null body")
+        if not pa.types.is_binary(body.type):
+            body = body.cast(pa.binary())
+        topics = self._topics(rb)
+        queues = self._queues(rb, topics)
+        extras = {name: rb.column(rb.schema.get_field_index(name))
+                  for name in ("tags", "keys", "properties")
+                  if rb.schema.get_field_index(name) >= 0}
+        if isinstance(topics, str):
+            groups: dict[tuple[str, int], np.ndarray | slice] = {}
+            if bool((queues == queues[0]).all()):
+                groups[(topics, int(queues[0]))] = slice(0, n)
+            else:
+                for q in dict.fromkeys(queues.tolist()):
+                    groups[(topics, q)] = np.flatnonzero(queues == q)
+        else:
+            keyed: dict[tuple[str, int], list[int]] = {}
+            for k, (t, q) in enumerate(zip(topics, queues.tolist(), strict=True)):
+                keyed.setdefault((t, q), []).append(k)
+            groups = {key: np.array(v, dtype=np.int64) for key, v in keyed.items()}
+        for (topic, q), sel in groups.items():
+            sub = self._sub(topic, q)
+            if isinstance(sel, slice):
+                part = body
+                ex = extras
+            else:
+                idx = pa.array(sel)
+                part = body.take(idx)
+                ex = {k: v.take(idx) for k, v in extras.items()}
+            sub.bodies.append(part)
+            for k, v in ex.items():
+                sub.extras.setdefault(k, []).append(v)
+            sub.rows += len(part)
+            sub.nbytes += int(pc.sum(pc.binary_length(part)).as_py() or 0)
+            while sub.rows >= self.opts.batch_rows or sub.nbytes >= self.opts.batch_bytes:
+                self._send(sub)
+        self.row += n
+
+    def _sub(self, topic: str, q: int) -> _Substream:
+        sub = self.subs.get((topic, q))
+        if sub is None:
+            name = f"{self.name_prefix}-{topic}-{q}"
+            sub = self.subs[(topic, q)] = _Substream(topic, q, dedup_producer_id(name),
+                                                     self.base_seq)
+        return sub
+
+    def _send(self, sub: _Substream) -> None:
+        """Send the next chunk of ``sub``: at most batchRows rows and batchBytes bytes (at
+        least one row). The cut depends only on the substream's rows, never on how Spark
+        happened to batch them, so a replay cuts (and numbers) the same."""
+        body = pa.concat_arrays(sub.bodies) if len(sub.bodies) > 1 else sub.bodies[0]
+        offsets = np.frombuffer(body.buffers()[1], dtype=np.int32)[
+            body.offset : body.offset + len(body) + 1].astype(np.int64)
+        limit = offsets[0] + self.opts.batch_bytes
+        k = min(len(body), self.opts.batch_rows,
+                max(1, int(np.searchsorted(offsets[1:], limit, side="right"))))
+        extras = {name: (pa.concat_arrays(v) if len(v) > 1 else v[0])
+                  for name, v in sub.extras.items()}
+        cols = Columns(sub.topic, body.buffers()[2] or b"", offsets[: k + 1],
+                       producer_id=sub.producer_id)
+        if extras:
+            tags = extras.get("tags")
+            keys = extras.get("keys")
+            props = extras.get("properties")
+            cols.tags = tags.slice(0, k).to_pylist() if tags is not None else None
+            cols.keys = keys.slice(0, k).to_pylist() if keys is not None else None
+            cols.properties = ([dict(p) if p else None for p in props.slice(0, k).to_pylist()]
+                               if props is not None else None)
+        self._wait(sub)
+        sub.inflight = self.producer.send_columns_async(cols, queue_id=sub.queue,
+                                                        sequence_id=sub.seq)
+        sub.inflight_rows = k
+        sub.seq += k
+        self.sent += 1
+        rest = body.slice(k)
+        sub.bodies = [rest] if len(rest) else []
+        sub.extras = {name: [v.slice(k)] for name, v in extras.items()} if len(rest) else {}
+        sub.rows = len(rest)
+        sub.nbytes = int(offsets[-1] - offsets[k]) if len(rest) else 0
+
+    def _wait(self, sub: _Substream) -> None:
+        if sub.inflight is not None:
+            r = sub.inflight.result()
+            if r.status == self.dup_status:
+                self.dups += sub.inflight_rows
+            sub.inflight = None
+
+    def finish(self) -> WriteStats:
+        for sub in self.subs.values():
+            while sub.rows:
+                self._send(sub)
+        for sub in self.subs.values():
+            self._wait(sub)
+        return WriteStats(self.partition, self.row, self.dups, self.sent)
+
+
+def write_partition(batches: Iterator[pa.RecordBatch], opts: WriteOptions, name_prefix: str,
                     base_seq: int, partition: int) -> WriteStats:
     """Send every row of ``batches`` exactly once (see the module docstring)."""
-    counts = _QueueCounts(opts.namesrv, opts.request_timeout)
-    rows = dups = sent = 0
-    window = opts.batch_rows
-    Message = tidemq.Message
-    dup_status = getattr(tidemq.SendStatus, "DUPLICATE", None)
-    producer = tidemq.Producer(opts.namesrv, producer_name=producer_name)
+    if opts.sort_rows:
+        batches = _sorted(batches)
+    w = _PartitionWriter(opts, name_prefix, base_seq, partition)
     try:
-        pending: list[tuple[str, int, Any]] = []  # (topic, queue index, Message) of a window
-        row = 0
-
-        def flush() -> None:
-            nonlocal dups, sent
-            if not pending:
-                return
-            first = row - len(pending)
-            groups: dict[tuple[str, int], list[Any]] = {}
-            for topic, q, msg in pending:
-                groups.setdefault((topic, q), []).append(msg)
-            seq = base_seq + first
-            for (_topic, q), msgs in groups.items():  # insertion order: deterministic
-                r = producer.send_batch(msgs, queue_id=q, sequence_id=seq)
-                seq += len(msgs)
-                sent += 1
-                if r.status == dup_status:
-                    dups += len(msgs)
-            pending.clear()
-
         for rb in batches:
-            n = rb.num_rows
-            if not n:
-                continue
-            bodies = _column(rb, "body")
-            assert bodies is not None
-            topics = _column(rb, "topic")
-            keys = _column(rb, "keys")
-            tags = _column(rb, "tags")
-            props = _column(rb, "properties")
-            qids = _column(rb, "queue_id")
-            hkeys = _column(rb, "hash_key")
-            for i in range(n):
-                topic = (topics[i] if topics is not None else None) or opts.topic
-                if topic is None:
-                    raise OptionError(f"row {row} has no topic and the option topic is unset")
-                body = bodies[i]
-                if body is None:
-                    raise OptionError(f"row {row} has a null body")
-                if qids is not None and qids[i] is not None:
-                    q = int(qids[i]) % counts(topic)
-                elif hkeys is not None and hkeys[i] is not None:
-                    k = hkeys[i]
-                    q = crc32c.crc32c(k.encode() if isinstance(k, str) else bytes(k)) % counts(
-                        topic)
-                else:
-                    q = (partition + row // window) % counts(topic)
-                p = props[i] if props is not None else None
-                msg = Message(topic, body, tags=tags[i] if tags is not None else None,
-                              keys=keys[i] if keys is not None else None,
-                              properties=dict(p) if p else None)
-                pending.append((topic, q, msg))
-                row += 1
-                if len(pending) >= window:
-                    flush()
-            rows += n
-        flush()
+            w.add(rb)
+        return w.finish()
     finally:
-        producer.close()
-        counts.close()
-    return WriteStats(partition, rows, dups, sent)
+        w.close()
 
 
 class TideMQBatchWriter(DataSourceArrowWriter):
