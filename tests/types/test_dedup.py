@@ -15,6 +15,10 @@ from tidemq import aio
 from tidemq.broker.dedup import DupStatus, MessageDeduplication
 from tidemq.protocol.headers import dedup_producer_id, is_dedup_producer
 
+# A small store for the table-level tests (the default index file alone is 420 MB).
+_SMALL_STORE = dict(segment_size=1 << 20, cq_units_per_file=1024, index_slots=1024,
+                    index_max_entries=4096)
+
 
 @pytest.fixture(scope="module")
 def cluster():
@@ -182,7 +186,7 @@ def test_snapshot_golden_bytes_and_replay_after_it(tmp_path):
     raw = _encoder.encode(_Snapshot(1048576, {str(pid): 399}, 1700000000000))
     assert raw == (b'{"commitlog_offset":1048576,"producers":{"14795321561836169213":399},'
                    b'"written_at":1700000000000}')
-    store = MessageStore(StoreConfig(data_dir=str(tmp_path / "store"), segment_size=1 << 20))
+    store = MessageStore(StoreConfig(data_dir=str(tmp_path / "store"), **_SMALL_STORE))
     try:
         path = str(tmp_path / "dedup.json")
         d = MessageDeduplication(path)
@@ -215,7 +219,7 @@ def test_snapshot_beyond_the_commitlog_end_is_not_trusted(tmp_path):
     pid = dedup_producer_id("lost")
     path = tmp_path / "dedup.json"
     path.write_bytes(_encoder.encode(_Snapshot(10 << 20, {str(pid): 99}, 0)))
-    store = MessageStore(StoreConfig(data_dir=str(tmp_path / "store"), segment_size=1 << 20))
+    store = MessageStore(StoreConfig(data_dir=str(tmp_path / "store"), **_SMALL_STORE))
     try:
         store.put(encode_batch("t", [MessageData(b"x")] * 10, producer_id=pid, base_seq=0))
         d = MessageDeduplication(str(path))
@@ -233,7 +237,7 @@ def test_snapshot_is_written_without_named_producers_so_restart_replays_little(t
     from tidemq.store.config import StoreConfig
     from tidemq.store.message_store import MessageStore
 
-    store = MessageStore(StoreConfig(data_dir=str(tmp_path / "store"), segment_size=1 << 20))
+    store = MessageStore(StoreConfig(data_dir=str(tmp_path / "store"), **_SMALL_STORE))
     try:
         for i in range(100):
             store.put(encode_batch("t", [MessageData(b"x")], producer_id=7, base_seq=i))
