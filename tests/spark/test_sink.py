@@ -86,8 +86,10 @@ def _children(pid: int) -> list[int]:
 
 
 def _kill_task_workers() -> int:
-    """kill -9 the Python workers running this session's tasks (children of the pyspark
-    daemon that our own JVM started; other sessions on the machine are left alone)."""
+    """kill -9 the Python workers of this session's tasks: the children of the ``pyspark.daemon
+    pyspark.worker`` process that our own JVM started (other sessions on the machine are left
+    alone, and so are the daemons of driver-side planner workers, ``pyspark.sql.worker.*``:
+    Spark would hand a dead one to its next driver-side call and fail the query, not a task)."""
     from pyspark import SparkContext
 
     jvm = SparkContext._gateway.proc.pid  # type: ignore[union-attr]
@@ -95,9 +97,10 @@ def _kill_task_workers() -> int:
     for daemon in _children(jvm):
         try:
             with open(f"/proc/{daemon}/cmdline", "rb") as f:
-                if b"pyspark.daemon" not in f.read():
-                    continue
+                args = f.read().rstrip(b"\0").split(b"\0")
         except OSError:
+            continue
+        if args[-2:] != [b"pyspark.daemon", b"pyspark.worker"]:
             continue
         for worker in _children(daemon):
             try:
