@@ -183,9 +183,10 @@ def test_snapshot_golden_bytes_and_replay_after_it(tmp_path):
     from tidemq.store.message_store import MessageStore
 
     pid = dedup_producer_id("orders-1")
-    raw = _encoder.encode(_Snapshot(1048576, {str(pid): 399}, 1700000000000))
+    raw = _encoder.encode(_Snapshot(1048576, {str(pid): 399}, 1700000000000,
+                                    {str(pid): 1699999990000}))
     assert raw == (b'{"commitlog_offset":1048576,"producers":{"14795321561836169213":399},'
-                   b'"written_at":1700000000000}')
+                   b'"written_at":1700000000000,"last_seen":{"14795321561836169213":1699999990000}}')
     store = MessageStore(StoreConfig(data_dir=str(tmp_path / "store"), **_SMALL_STORE))
     try:
         path = str(tmp_path / "dedup.json")
@@ -248,5 +249,56 @@ def test_snapshot_is_written_without_named_producers_so_restart_replays_little(t
         again = MessageDeduplication(str(tmp_path / "dedup.json"))
         again.recover(store)
         assert again.replayed_batches == 0
+    finally:
+        store.close()
+
+
+def test_inactive_producers_leave_the_table_and_the_snapshot(tmp_path):
+    """Pulsar's producer inactivity timeout: a name silent for inactivity_s is dropped at the
+    next snapshot (unless a batch of it is still unconfirmed); last-seen times survive a
+    restart; a file without them counts its producers as seen when it was written."""
+    import json
+
+    from tidemq.broker.dedup import _encoder, _Snapshot
+    from tidemq.protocol.record import MessageData, encode_batch
+    from tidemq.store.config import StoreConfig
+    from tidemq.store.message_store import MessageStore
+
+    now = [1_000_000.0]
+    old, busy, fresh = (dedup_producer_id(n) for n in ("spark-q-0", "spark-q-1", "orders"))
+    store = MessageStore(StoreConfig(data_dir=str(tmp_path / "store"), **_SMALL_STORE))
+    try:
+        path = str(tmp_path / "dedup.json")
+        d = MessageDeduplication(path, inactivity_s=3600, clock=lambda: now[0])
+        d.recover(store)
+        for pid in (old, busy):
+            assert d.check(pid, 0, 10) is DupStatus.NEW
+            store.put(encode_batch("t", [MessageData(b"x")] * 10, producer_id=pid))
+        d.persisted_up_to(old, 9)  # busy's batch is never confirmed: it must stay
+        now[0] += 3000
+        assert d.check(fresh, 0, 1) is DupStatus.NEW
+        d.persisted_up_to(fresh, 0)
+        now[0] += 700  # old and busy silent for 3700 s, fresh for 700 s
+        d.save_now(store)
+        with open(path) as f:
+            snap = json.load(f)
+        assert set(snap["producers"]) == {str(busy), str(fresh)}
+        assert snap["last_seen"][str(fresh)] == int((now[0] - 700) * 1000)
+        assert d.expired == 1 and d.stats()["dedup_expired_producers"] == 1
+        # Gone: a resend of its old sequence is new again (Pulsar behaves the same).
+        assert d.check(old, 0, 10) is DupStatus.NEW
+
+        # A restart keeps the last-seen times of the snapshot.
+        d2 = MessageDeduplication(path, inactivity_s=3600, clock=lambda: now[0])
+        d2.recover(store)
+        assert d2.last_seen[fresh] == pytest.approx(now[0] - 700)
+        # A file of an older version (no last_seen): its producers were seen at written_at.
+        with open(path, "wb") as f:
+            f.write(_encoder.encode(_Snapshot(store.max_phys_offset, {str(fresh): 0}, 5_000)))
+        d3 = MessageDeduplication(path, inactivity_s=3600, clock=lambda: now[0])
+        d3.recover(store)
+        assert d3.last_seen[fresh] == 5.0
+        d3.expire_inactive()
+        assert fresh not in d3.persisted
     finally:
         store.close()

@@ -114,6 +114,7 @@ class Broker:
             os.path.join(config.config_path, "dedup.json"),
             enabled=config.dedup_enabled,
             snapshot_interval_s=config.dedup_snapshot_interval_ms / 1000,
+            inactivity_s=config.dedup_producer_inactivity_ms / 1000,
         )
         self.non_persistent = NonPersistentTopics(
             max_pending_messages=config.non_persistent_max_pending_messages,

@@ -92,6 +92,8 @@ class BrokerConfig:
     dedup_enabled: bool = True
     #: How often the dedup table is snapshotted (restart replays the CommitLog after it).
     dedup_snapshot_interval_ms: int = 10_000
+    #: A producer name silent this long leaves the dedup table (Pulsar: 6 h).
+    dedup_producer_inactivity_ms: int = 6 * 3_600_000
     #: Pending limit of one queue of a non-persistent (``%NP%``) topic, in messages and bytes.
     non_persistent_max_pending_messages: int = 10_000
     non_persistent_max_pending_bytes: int = 64 * MiB
@@ -166,6 +168,7 @@ class BrokerConfig:
             "client_channel_expired_ms", "client_scan_interval_ms", "queue_lock_max_live_ms",
             "timer_bucket_ms", "timer_checkpoint_ms", "timer_max_delay_ms",
             "transaction_check_interval_ms", "transaction_timeout_ms", "transaction_check_max",
+            "dedup_producer_inactivity_ms",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"broker setting {name} must be > 0, got {getattr(self, name)}")

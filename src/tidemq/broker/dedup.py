@@ -26,6 +26,13 @@ the CommitLog from its offset to the end is replayed batch by batch from the bat
 (producer_id, base_seq, count): no message is decoded. Replay takes the maximum, so batches the
 broker re-puts itself (retries, schedules) with an old sequence do no harm.
 
+Inactive producers (Pulsar's brokerDeduplicationProducerInactivityTimeoutMinutes, 6 h): a
+producer name not seen for ``inactivity_s`` is dropped from the table when the next snapshot is
+taken, so names that are used once -- every Spark task attempt, say -- do not accumulate
+forever. The last-seen time of each producer is kept in the snapshot (replayed batches count as
+seen at their store time). A resend of a dropped producer's old sequence after that would be
+stored again, exactly as in Pulsar; producers that come back later continue from sequence -1.
+
 Threads: the broker's event loop only; the snapshot file is written in a worker thread.
 """
 
@@ -60,6 +67,7 @@ __all__ = ["MessageDeduplication", "DupStatus"]
 log = logging.getLogger(__name__)
 
 _TOPIC_LEN_OFFSET = 52
+_STORE_TS_OFFSET = 28  # record.STORE_HEADER: store_ts i64
 # Offsets inside the producer section (record.PRODUCER_HEADER).
 _COUNT_OFFSET = 8
 _PRODUCER_FIELDS_OFFSET = 24  # producer_id u64
@@ -78,6 +86,8 @@ class _Snapshot(msgspec.Struct):
     #: producer id (decimal string: JSON keys) -> highest persisted sequence
     producers: dict[str, int] = {}
     written_at: int = 0
+    #: producer id -> ms since the epoch it last sent (absent in files of older versions)
+    last_seen: dict[str, int] = {}
 
 
 _encoder = msgspec.json.Encoder()
@@ -87,13 +97,18 @@ _decoder = msgspec.json.Decoder(_Snapshot)
 class MessageDeduplication:
     """Highest pushed / persisted sequence per named producer (event loop only)."""
 
-    def __init__(self, path: str, *, enabled: bool = True, snapshot_interval_s: float = 10.0
-                 ) -> None:
+    def __init__(self, path: str, *, enabled: bool = True, snapshot_interval_s: float = 10.0,
+                 inactivity_s: float = 6 * 3600.0, clock=time.time) -> None:
         self.path = path
         self.enabled = enabled
         self.snapshot_interval_s = snapshot_interval_s
+        self.inactivity_s = inactivity_s
+        self._clock = clock
         self.pushed: dict[int, int] = {}
         self.persisted: dict[int, int] = {}
+        #: producer id -> clock() when it last sent a batch (refreshed once per batch)
+        self.last_seen: dict[int, float] = {}
+        self.expired = 0  # producers dropped for inactivity
         self.duplicates = 0  # batches acknowledged without storing
         self.uncertain = 0  # batches answered RETRY_LATER
         self.replayed_batches = 0
@@ -105,6 +120,7 @@ class MessageDeduplication:
     def check(self, producer_id: int, base_seq: int, count: int) -> DupStatus:
         """Classify a batch and, when NEW, record it as pushed. Call only for batches that will
         be put right after (see :meth:`failed`)."""
+        self.last_seen[producer_id] = self._clock()
         last = self.pushed.get(producer_id)
         if last is not None and base_seq <= last:
             if base_seq <= self.persisted.get(producer_id, -1):
@@ -158,11 +174,16 @@ class MessageDeduplication:
                         f"CommitLog ends at {store.max_phys_offset}"
                     )
                 self.persisted = {int(k): v for k, v in snap.producers.items()}
+                # Files without last_seen: the producers count as seen when the file was written.
+                seen_ms = {int(k): v for k, v in snap.last_seen.items()}
+                self.last_seen = {pid: seen_ms.get(pid, snap.written_at) / 1000
+                                  for pid in self.persisted}
                 start = max(start, snap.commitlog_offset)
             except (msgspec.DecodeError, ValueError) as exc:
                 log.error("dedup snapshot %s is unreadable (%s); rebuilding it from the whole "
                           "CommitLog", self.path, exc)
                 self.persisted = {}
+                self.last_seen = {}
         self.replayed_batches = self._replay(store, start)
         self.pushed = dict(self.persisted)
         self.replay_seconds = time.perf_counter() - t0
@@ -175,6 +196,7 @@ class MessageDeduplication:
         cl = store.commitlog
         end = cl.write_pos
         persisted = self.persisted
+        last_seen = self.last_seen
         n = 0
         for seg, rel, _total, magic in cl.iter_positions(start):
             if seg.start + rel >= end:
@@ -199,15 +221,36 @@ class MessageDeduplication:
             hi = base + count - 1
             if hi > persisted.get(pid, -1):
                 persisted[pid] = hi
+            stored_ms = int.from_bytes(mm[rel + _STORE_TS_OFFSET : rel + _STORE_TS_OFFSET + 8],
+                                       "little")
+            last_seen[pid] = max(last_seen.get(pid, 0.0), stored_ms / 1000)
         return n
 
     # -- snapshots -----------------------------------------------------------------------------
+    def expire_inactive(self) -> int:
+        """Drop producers silent for ``inactivity_s`` whose every pushed batch is persisted."""
+        horizon = self._clock() - self.inactivity_s
+        gone = [pid for pid, seen in self.last_seen.items()
+                if seen < horizon and self.pushed.get(pid, -1) <= self.persisted.get(pid, -1)]
+        for pid in gone:
+            self.last_seen.pop(pid, None)
+            self.pushed.pop(pid, None)
+            self.persisted.pop(pid, None)
+        if gone:
+            self.expired += len(gone)
+            log.info("deduplication: dropped %d producers inactive for %.0f s", len(gone),
+                     self.inactivity_s)
+        return len(gone)
+
     def _take(self, store: MessageStore) -> tuple[int, bytes]:
         """The table and the CommitLog offset it covers (every put so far is in the table:
         both change only on the event loop)."""
+        self.expire_inactive()
         offset = store.max_phys_offset
+        seen = self.last_seen
         snap = _Snapshot(offset, {str(k): v for k, v in self.pushed.items()},
-                         time.time_ns() // 1_000_000)
+                         time.time_ns() // 1_000_000,
+                         {str(k): int(seen.get(k, 0) * 1000) for k in self.pushed})
         return offset, _encoder.encode(snap)
 
     async def run_snapshots(self, store: MessageStore) -> None:
@@ -238,6 +281,7 @@ class MessageDeduplication:
     def stats(self) -> dict[str, int | float]:
         return {
             "dedup_producers": len(self.pushed),
+            "dedup_expired_producers": self.expired,
             "dedup_duplicates": self.duplicates,
             "dedup_uncertain": self.uncertain,
             "dedup_replayed_batches": self.replayed_batches,
