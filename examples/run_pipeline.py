@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -36,6 +35,7 @@ from order_events import ProducedStats, produce, send_watermark_flush  # noqa: E
 from print_stats import ReceivedStats, consume  # noqa: E402
 
 import tidemq  # noqa: E402
+from tidemq.bench.dev_process import DevProcess  # noqa: E402
 
 TIDEMQ = [sys.executable, "-m", "tidemq.cli.main"]
 
@@ -44,28 +44,12 @@ def say(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
-def start_dev(data_dir: Path) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [*TIDEMQ, "dev", "--data-dir", str(data_dir), "--namesrv-port", "0",
-         "--broker-port", "0", "--log-level", "warning"],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("tidemq dev ready"):
-        proc.kill()
-        raise SystemExit(f"tidemq dev did not start: {line!r}")
-    fields = dict(part.split("=", 1) for part in line.split()[3:])
-    return proc, fields["namesrv"]
-
-
-def stop_dev(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def start_dev(data_dir: Path) -> DevProcess:
+    """`tidemq dev` on free ports; its log goes to DATA_DIR/../dev.log."""
+    try:
+        return DevProcess(str(data_dir), log_path=str(data_dir.parent / "dev.log")).start(60)
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def stop_spark(spark: object) -> None:
@@ -149,7 +133,8 @@ def main() -> int:
     data_dir.mkdir(parents=True)
 
     say(f"starting tidemq dev on {data_dir}")
-    dev, namesrv = start_dev(data_dir / "broker")
+    dev = start_dev(data_dir / "broker")
+    namesrv = dev.namesrv
     spark = query = None
     stop_printer = threading.Event()
     printer: threading.Thread | None = None
@@ -213,7 +198,7 @@ def main() -> int:
         if printer is not None:
             printer.join(10)
         say("stopping tidemq dev")
-        stop_dev(dev)
+        dev.stop(15)
         say(f"done in {time.monotonic() - t_start:.0f} s")
     return 0 if ok else 1
 

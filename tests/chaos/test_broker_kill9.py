@@ -15,16 +15,14 @@ from __future__ import annotations
 import collections
 import os
 import random
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
 import tidemq
+from tidemq.bench.dev_process import DevProcess
 
 TOPIC = "chaos"
 QUEUES = 4
@@ -37,59 +35,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class Dev:
-    """One `tidemq dev` on fixed ports, restartable on the same data directory."""
+class Dev(DevProcess):
+    """One SYNC_FLUSH `tidemq dev` on fixed ports, restartable on the same data directory."""
 
     def __init__(self, data_dir: str) -> None:
-        self.data_dir = data_dir
-        self.ns_port = _free_port()
-        self.broker_port = _free_port()
-        self.proc: subprocess.Popen[str] | None = None
-        self.namesrv = f"127.0.0.1:{self.ns_port}"
-        self.log_path = os.path.join(os.path.dirname(data_dir), "dev.log")
+        super().__init__(
+            data_dir, "flush_mode=sync",
+            "store.segment_size=4194304",  # many segment rolls in a short run
+            "store.cq_units_per_file=2048", "store.index_slots=4096",
+            "store.index_max_entries=16384",
+            namesrv_port=_free_port(), broker_port=_free_port(),
+            log_path=os.path.join(os.path.dirname(data_dir), "dev.log"),
+        )
 
     def log(self) -> str:
         with open(self.log_path) as f:
             return f.read()
 
-    def start(self) -> None:
-        cmd = [sys.executable, "-m", "tidemq.cli.main", "dev", "--data-dir", self.data_dir,
-               "--namesrv-port", str(self.ns_port), "--broker-port", str(self.broker_port),
-               "--flush", "sync", "--log-level", "warning",
-               "-o", "store.segment_size=4194304",  # many segment rolls in a short run
-               "-o", "store.cq_units_per_file=2048", "-o", "store.index_slots=4096",
-               "-o", "store.index_max_entries=16384"]
-        deadline = time.monotonic() + 20
+    def start(self, timeout: float = 20.0) -> Dev:
+        deadline = time.monotonic() + timeout
         while True:
-            # stderr to a file: an unread pipe would block the broker once it filled up.
-            with open(self.log_path, "a") as log:
-                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            if line.startswith("tidemq dev ready"):
-                self.proc = proc
-                return
-            proc.wait(10)
-            err = self.log()
-            # The old process's sockets may linger for a moment after SIGKILL.
-            if "address already in use" not in err.lower() or time.monotonic() > deadline:
-                raise AssertionError(f"tidemq dev did not start: {line!r}\n{err}")
-            time.sleep(0.2)
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                return super().start(timeout)
+            except RuntimeError as exc:
+                # The killed process's sockets may linger for a moment after SIGKILL.
+                if "address already in use" not in self.log().lower() \
+                        or time.monotonic() > deadline:
+                    raise AssertionError(f"{exc}\n{self.log()}") from None
+                time.sleep(0.2)
 
 
 @pytest.mark.slow

@@ -18,15 +18,12 @@ Each returns a dict the CLI prints as one JSON object.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
 
 from tidemq.bench.client_bench import bench_produce, ensure_topic, run_loop
+from tidemq.bench.dev_process import DevProcess
 from tidemq.client.connection import ConnectionPool
 from tidemq.client.message import Message
 from tidemq.client.producer import Producer
@@ -34,90 +31,7 @@ from tidemq.client.transaction_producer import LocalTransactionState, Transactio
 from tidemq.protocol.codes import RequestCode
 from tidemq.protocol.headers import BrokerRuntimeInfo, EmptyHeader
 
-__all__ = ["bench_delay_index", "bench_txn", "bench_dedup", "DevProcess"]
-
-
-class DevProcess:
-    """A `tidemq dev` child process on ports chosen by the OS, data in ``data_dir``."""
-
-    def __init__(self, data_dir: str, *options: str) -> None:
-        self.data_dir = data_dir
-        self.options = options
-        self.proc: subprocess.Popen[str] | None = None
-        self.namesrv = self.broker = ""
-        self.start_seconds = 0.0
-
-    def start(self, timeout: float = 120.0) -> DevProcess:
-        cmd = [sys.executable, "-m", "tidemq.cli.main", "dev", "--data-dir", self.data_dir,
-               "--namesrv-port", "0", "--broker-port", "0", "--log-level", "warning"]
-        for o in self.options:
-            cmd += ["-o", o]
-        t0 = time.monotonic()
-        self.proc = proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        assert proc.stdout is not None
-        deadline = t0 + timeout
-        line = ""
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if line.startswith("tidemq dev ready") or not line:
-                break
-        if not line.startswith("tidemq dev ready"):
-            proc.kill()
-            raise RuntimeError(f"tidemq dev did not start: {line!r}")
-        self.start_seconds = time.monotonic() - t0
-        fields = dict(part.split("=", 1) for part in line.split()[3:])
-        self.namesrv, self.broker = fields["namesrv"], fields["broker"]
-        return self
-
-    def memory(self) -> dict[str, int]:
-        """VmRSS, RssAnon and RssFile of the process, in bytes (Linux)."""
-        assert self.proc is not None
-        out = {}
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("VmRSS", "RssAnon", "RssFile"):
-                    out[key] = int(rest.split()[0]) * 1024
-        return out
-
-    def rss_by_mapping(self) -> dict[str, int]:
-        """Resident bytes per kind of mapping (/proc/<pid>/smaps): the store's files by
-        directory (commitlog, consumequeue, index, ...), anonymous memory, other files."""
-        assert self.proc is not None
-        out: dict[str, int] = {}
-        kind = "anon"
-        root = os.path.realpath(self.data_dir) + os.sep
-        with open(f"/proc/{self.proc.pid}/smaps") as f:
-            for line in f:
-                head = line.split()
-                if head and "-" in head[0] and not head[0].endswith(":"):
-                    path = head[5] if len(head) >= 6 else ""
-                    if path.startswith(root):
-                        kind = path[len(root):].split(os.sep)[0]
-                    elif path.startswith("/"):
-                        kind = "other files"
-                    else:
-                        kind = "anon"
-                elif head and head[0] == "Rss:":
-                    out[kind] = out.get(kind, 0) + int(head[1]) * 1024
-        return out
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def kill9(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+__all__ = ["bench_delay_index", "bench_txn", "bench_dedup"]
 
 
 async def runtime_info(broker: str) -> dict[str, Any]:

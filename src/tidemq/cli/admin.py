@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import click
 
+from tidemq.cli.output import emit_result
 from tidemq.client.blocking import Admin, Producer, PullConsumer
 from tidemq.client.errors import TidemqError
 from tidemq.client.message import Message, MessageExt
@@ -339,13 +340,6 @@ def group_lag(namesrv: str, group: str, topic: str | None, as_json: bool) -> Non
 # -- bench -------------------------------------------------------------------------------------
 
 
-def _emit(result: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        click.echo(json.dumps(result))
-    else:
-        width = max(len(k) for k in result)
-        for k, v in result.items():
-            click.echo(f"{k:<{width}}  {v}")
 
 
 @click.command("produce")
@@ -376,7 +370,7 @@ def bench_produce_cmd(namesrv: str, topic: str, size: int, count: int, batch: in
                                producers=producers, inflight=inflight, queues=queues,
                                progress=bar.update, auto_batch=auto_batch,
                                producer_name=producer_name)
-    _emit(result, as_json)
+    emit_result(result, as_json)
 
 
 @click.command("consume")
@@ -424,14 +418,14 @@ def bench_consume_cmd(namesrv: str, topic: str, count: int, batch: int, group: s
                 queues=queues, produce=not no_produce, produce_batch=produce_batch,
                 async_listener=async_listener,
                 settle=not no_settle, progress=bar.update)
-        _emit(result, as_json)
+        emit_result(result, as_json)
         return
     from tidemq.bench.client_bench import bench_consume
 
     with click.progressbar(length=count, label="consuming", file=sys.stderr) as bar:
         result = bench_consume(namesrv=namesrv, topic=topic, count=count, batch=batch,
                                progress=bar.update)
-    _emit(result, as_json)
+    emit_result(result, as_json)
 
 
 @click.command("e2e")
@@ -456,7 +450,7 @@ def bench_e2e_cmd(namesrv: str, topic: str, size: int, rate: int, seconds: float
         result = bench_e2e(namesrv=namesrv, topic=topic, size=size, rate=rate, seconds=seconds,
                            queues=queues, batch_delay=batch_delay_ms / 1000,
                            progress=bar.update)
-    _emit(result, as_json)
+    emit_result(result, as_json)
 
 
 def register(cli: click.Group) -> None:

@@ -3,20 +3,13 @@ fresh `tidemq dev` in a temporary directory."""
 
 from __future__ import annotations
 
-import json
-
 import click
+
+from tidemq.cli.output import emit_result
 
 __all__ = ["register"]
 
 
-def _emit(result: dict, as_json: bool) -> None:
-    if as_json:
-        click.echo(json.dumps(result))
-    else:
-        width = max(len(k) for k in result)
-        for k, v in result.items():
-            click.echo(f"{k:<{width}}  {v}")
 
 
 _data_dir = click.option("--data-dir", type=click.Path(file_okay=False), default=None,
@@ -36,7 +29,7 @@ def bench_delay_index_cmd(count: int, window: int, data_dir: str | None, as_json
 
     if count < 1 or window < 1:
         raise click.BadParameter("count and window must be >= 1")
-    _emit(bench_delay_index(count=count, window=window, data_dir=data_dir), as_json)
+    emit_result(bench_delay_index(count=count, window=window, data_dir=data_dir), as_json)
 
 
 @click.command("txn")
@@ -51,7 +44,7 @@ def bench_txn_cmd(count: int, window: int, data_dir: str | None, as_json: bool) 
 
     if count < 1 or window < 1:
         raise click.BadParameter("count and window must be >= 1")
-    _emit(bench_txn(count=count, window=window, data_dir=data_dir), as_json)
+    emit_result(bench_txn(count=count, window=window, data_dir=data_dir), as_json)
 
 
 @click.command("dedup")
@@ -69,7 +62,7 @@ def bench_dedup_cmd(count: int, size: int, rounds: int, auto_batch: bool,
 
     if count < 1 or size < 0 or rounds < 1:
         raise click.BadParameter("count, rounds >= 1; size >= 0")
-    _emit(bench_dedup(count=count, size=size, rounds=rounds, auto_batch=auto_batch,
+    emit_result(bench_dedup(count=count, size=size, rounds=rounds, auto_batch=auto_batch,
                       data_dir=data_dir), as_json)
 
 

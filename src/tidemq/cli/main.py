@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 import click
@@ -10,6 +9,7 @@ import click
 from tidemq.cli.admin import register as register_admin
 from tidemq.cli.bench_types import register as register_bench_types
 from tidemq.cli.demo import demo
+from tidemq.cli.output import emit_result
 from tidemq.cli.servers import register as register_servers
 from tidemq.cli.spark_bench import register as register_spark_bench
 
@@ -25,13 +25,6 @@ def bench() -> None:
     """Benchmarks; each prints one JSON object with --json."""
 
 
-def _emit(result: dict, as_json: bool) -> None:
-    if as_json:
-        click.echo(json.dumps(result))
-    else:
-        width = max(len(k) for k in result)
-        for k, v in result.items():
-            click.echo(f"{k:<{width}}  {v}")
 
 
 def _bar(total: int, label: str, enabled: bool):
@@ -72,7 +65,7 @@ def bench_store_cmd(size, count, batch, flush, writers, segment_size, data_dir, 
             segment_size=segment_size,
             progress=bar.update,
         )
-    _emit(result, as_json)
+    emit_result(result, as_json)
 
 
 @bench.command("recovery")
@@ -84,7 +77,7 @@ def bench_recovery_cmd(gib, segment_size, data_dir, as_json) -> None:
     """Write GIB of batches, kill -9 the writer, time the recovery."""
     from tidemq.bench.store_bench import bench_recovery
 
-    _emit(bench_recovery(data_dir=data_dir, gib=gib, segment_size=segment_size), as_json)
+    emit_result(bench_recovery(data_dir=data_dir, gib=gib, segment_size=segment_size), as_json)
 
 
 cli.add_command(demo)

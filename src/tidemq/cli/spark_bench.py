@@ -17,8 +17,6 @@ which is the same for every source, is reported apart as ``*_wall_s``).
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +24,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import click
+
+from tidemq.bench.dev_process import DevProcess
+from tidemq.cli.output import emit_result
 
 __all__ = ["register", "bench_spark_source", "bench_spark_sink"]
 
@@ -104,28 +105,11 @@ def _synthetic_source() -> type:
 
 # -- helpers -------------------------------------------------------------------------------------
 
-def _start_dev(data_dir: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tidemq.cli.main", "dev", "--data-dir", data_dir,
-         "--namesrv-port", "0", "--broker-port", "0", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("tidemq dev ready"):
-        proc.kill()
-        raise click.ClickException(f"tidemq dev did not start: {line!r}")
-    return proc, dict(p.split("=", 1) for p in line.split()[3:])["namesrv"]
-
-
-def _stop_dev(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def _start_dev(data_dir: str) -> DevProcess:
+    try:
+        return DevProcess(data_dir).start(60)
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _session(master: str) -> Any:
@@ -193,7 +177,8 @@ def _stop_spark(spark: Any) -> None:
 def bench_spark_source(messages: int, size: int, queues: int, master: str,
                        rounds: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tidemq-bench-spark-") as d:
-        proc, namesrv = _start_dev(os.path.join(d, "broker"))
+        dev = _start_dev(os.path.join(d, "broker"))
+        namesrv = dev.namesrv
         spark = None
         try:
             produce_s = _produce(namesrv, "bench-spark", messages, size, queues)
@@ -234,7 +219,7 @@ def bench_spark_source(messages: int, size: int, queues: int, master: str,
         finally:
             if spark is not None:
                 _stop_spark(spark)
-            _stop_dev(proc)
+            dev.stop(15)
 
 
 def bench_spark_sink(rows: int, size: int, queues: int, master: str, rounds: int,
@@ -242,7 +227,8 @@ def bench_spark_sink(rows: int, size: int, queues: int, master: str, rounds: int
     import tidemq
 
     with tempfile.TemporaryDirectory(prefix="tidemq-bench-spark-") as d:
-        proc, namesrv = _start_dev(os.path.join(d, "broker"))
+        dev = _start_dev(os.path.join(d, "broker"))
+        namesrv = dev.namesrv
         spark = None
         try:
             spark = _session(master)
@@ -278,20 +264,11 @@ def bench_spark_sink(rows: int, size: int, queues: int, master: str, rounds: int
         finally:
             if spark is not None:
                 _stop_spark(spark)
-            _stop_dev(proc)
+            dev.stop(15)
 
 
 # -- the commands --------------------------------------------------------------------------------
 
-def _emit(result: dict[str, Any], as_json: bool) -> None:
-    import json
-
-    if as_json:
-        click.echo(json.dumps(result))
-        return
-    width = max(len(k) for k in result)
-    for k, v in result.items():
-        click.echo(f"{k:<{width}}  {v}")
 
 
 @click.command("spark-source")
@@ -303,7 +280,7 @@ def _emit(result: dict[str, Any], as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_spark_source_cmd(messages, size, queues, master, rounds, as_json) -> None:
     """Streaming read of tidemq into a no-op sink vs a synthetic in-memory Python source."""
-    _emit(bench_spark_source(messages, size, queues, master, rounds), as_json)
+    emit_result(bench_spark_source(messages, size, queues, master, rounds), as_json)
 
 
 @click.command("spark-sink")
@@ -317,7 +294,7 @@ def bench_spark_source_cmd(messages, size, queues, master, rounds, as_json) -> N
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_spark_sink_cmd(rows, size, queues, master, rounds, sort_rows, as_json) -> None:
     """Exactly-once streaming writes of SIZE-byte rows into tidemq."""
-    _emit(bench_spark_sink(rows, size, queues, master, rounds, sort_rows), as_json)
+    emit_result(bench_spark_sink(rows, size, queues, master, rounds, sort_rows), as_json)
 
 
 def register(cli: click.Group) -> None:
