@@ -52,7 +52,7 @@ from tidemq.broker.queue_lock import QueueLockManager
 from tidemq.broker.registration import NamesrvRegistration
 from tidemq.broker.schedule_service import ScheduleMessageService, parse_delay_levels
 from tidemq.broker.send_back import SendBackProcessor
-from tidemq.broker.send_processor import SendProcessor
+from tidemq.broker.send_processor import SYSTEM_TOPIC_PREFIXES, SendProcessor
 from tidemq.broker.stats import BrokerStats
 from tidemq.broker.subscription_group import SubscriptionGroupManager
 from tidemq.broker.timer_service import TimerMessageService
@@ -417,7 +417,8 @@ class Broker:
         ``MessageStore.put`` raises (a StoreError subclass / CorruptBatchError).
         """
         v = BatchView(batch) if view is None else view
-        if v.delay_level and not v.topic.startswith(_SYSTEM_TOPIC_PREFIXES):
+        # A batch already on a system topic is never held again.
+        if v.delay_level and not v.topic.startswith(SYSTEM_TOPIC_PREFIXES):
             return self.schedule.hold(batch, v, queue_id, on_durable)
         at = v.deliver_at
         if at:
@@ -594,8 +595,6 @@ class Broker:
         return info
 
 
-# Batches already on a system topic are never held again.
-_SYSTEM_TOPIC_PREFIXES = ("SCHEDULE_TOPIC_XXXX", "rmq_sys_", "RMQ_SYS_")
 
 
 def _ignore_durable(err: object) -> None:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from tidemq.broker.connection import decode_request
 from tidemq.broker.errors import RequestRejected
 from tidemq.broker.pull_processor import GROUP_NAME
-from tidemq.protocol.codes import RequestCode, ResponseCode
+from tidemq.protocol.codes import DLQ_PREFIX, RETRY_PREFIX, RequestCode, ResponseCode
 from tidemq.protocol.headers import (
     ConsumerData,
     ConsumerGroupRequestHeader,
@@ -51,8 +51,6 @@ __all__ = ["ConsumerManager", "ConsumerGroupInfo", "RETRY_PREFIX", "DLQ_PREFIX",
 
 log = logging.getLogger(__name__)
 
-RETRY_PREFIX = "%RETRY%"
-DLQ_PREFIX = "%DLQ%"
 _EMPTY = EmptyHeader()
 
 

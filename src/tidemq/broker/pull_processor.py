@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 from tidemq.broker.connection import decode_request
 from tidemq.broker.errors import RequestRejected
 from tidemq.broker.long_polling import HeldPull
-from tidemq.protocol.codes import TOOLS_CONSUMER_GROUP, ResponseCode
+from tidemq.protocol.codes import DLQ_PREFIX, TOOLS_CONSUMER_GROUP, ResponseCode
 from tidemq.protocol.headers import (
     Perm,
     PullMessageRequestHeader,
@@ -59,8 +59,6 @@ if TYPE_CHECKING:
     from tidemq.broker.broker import Broker
     from tidemq.broker.connection import BrokerConnection
     from tidemq.protocol.frame import Frame
-
-_DLQ_PREFIX = "%DLQ%"
 
 __all__ = ["PullProcessor", "parse_tag_expression", "response_code_for", "GROUP_NAME"]
 
@@ -167,7 +165,7 @@ class PullProcessor:
                 "refresh the route from the name server",
             )
         if not tc.perm & Perm.READ and not (
-            group == TOOLS_CONSUMER_GROUP and h.topic.startswith(_DLQ_PREFIX)
+            group == TOOLS_CONSUMER_GROUP and h.topic.startswith(DLQ_PREFIX)
         ):
             raise RequestRejected(
                 ResponseCode.NO_PERMISSION,

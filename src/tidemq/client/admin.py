@@ -24,6 +24,7 @@ from tidemq.client.message import Message, MessageExt, MessageQueue
 from tidemq.client.producer import Producer
 from tidemq.client.route import RouteCache
 from tidemq.protocol.codes import (
+    DLQ_PREFIX,
     TOOLS_CONSUMER_GROUP,
     PullStatus,
     RequestCode,
@@ -59,7 +60,6 @@ from tidemq.protocol.record import BatchView, parse_unique_id
 
 __all__ = ["Admin", "QueueLag", "GroupLag", "QueueStatus", "GroupInfo", "DLQ_PREFIX"]
 
-DLQ_PREFIX = "%DLQ%"
 #: Properties a retry or dead-letter copy carries (broker/send_back.py).
 RETRY_TOPIC = "RETRY_TOPIC"
 ORIGIN_MESSAGE_ID = "ORIGIN_MESSAGE_ID"

@@ -46,7 +46,7 @@ from tidemq.client import offsets
 from tidemq.client.errors import NoRouteError
 from tidemq.client.message import ConsumeFrom, MessageQueue
 from tidemq.client.process_queue import ProcessQueue
-from tidemq.protocol.codes import RequestCode
+from tidemq.protocol.codes import RETRY_PREFIX, RequestCode
 from tidemq.protocol.errors import TidemqError
 from tidemq.protocol.headers import (
     ConsumerGroupRequestHeader,
@@ -63,7 +63,6 @@ __all__ = ["AllocateStrategy", "allocate", "Rebalance", "RETRY_PREFIX"]
 
 log = logging.getLogger(__name__)
 
-RETRY_PREFIX = "%RETRY%"
 #: Orderly: how long dropping a queue waits for the listener call in progress (RocketMQ 1 s).
 DROP_WAIT = 1.0
 

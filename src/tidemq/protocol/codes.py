@@ -264,3 +264,8 @@ def is_retryable(code: int) -> bool:
 #: The consumer group of admin tools (RocketMQ's MixAll.TOOLS_CONSUMER_GROUP). Its pulls may read
 #: a dead-letter topic ``%DLQ%<group>``, which is write-only for everyone else (`tidemq dlq`).
 TOOLS_CONSUMER_GROUP = "TOOLS_CONSUMER"
+
+#: Topic of a consumer group's retries (RocketMQ MixAll.RETRY_GROUP_TOPIC_PREFIX + group) ...
+RETRY_PREFIX = "%RETRY%"
+#: ... and of its dead letters (MixAll.DLQ_GROUP_TOPIC_PREFIX + group).
+DLQ_PREFIX = "%DLQ%"
