@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tidemq.protocol.record import MessageData, encode_batch
 from tidemq.store.config import StoreConfig
-from tidemq.store.flush import CallbackBatcher, FlushMode
+from tidemq.store.flush import FlushMode, handoff_to
 from tidemq.store.message_store import MessageStore
 
 Progress = Callable[[int], None]
@@ -95,15 +95,17 @@ def _write_sync(
 ) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        batcher = CallbackBatcher(loop.call_soon_threadsafe)
+        # as the broker does: each group commit's callbacks reach the loop in one wake-up
+        store.flush_service.complete_on(handoff_to(loop.call_soon_threadsafe))
         counter = iter(range(n_puts))
         step = max(1, n_puts // 100)
 
         async def writer(w: int) -> None:
             nb = len(batches)
+            put = store.put
             for i in counter:
                 fut = loop.create_future()
-                store.put(batches[(i + w) % nb], on_durable=batcher.wrap(partial(_resolve, fut)))
+                put(batches[(i + w) % nb], on_durable=partial(_resolve, fut))
                 await fut
                 if i % step == 0:
                     tick(step)

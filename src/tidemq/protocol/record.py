@@ -137,6 +137,12 @@ assert STORE_HEADER.size == STORE_HEADER_SIZE
 # The fields the broker sets at append time, packed at offset 12 in one call.
 STORE_FIELDS = struct.Struct("<QQq")  # phys_offset, queue_offset, store_ts
 STORE_FIELDS_OFFSET = 12
+# Every store-header field after store_crc (bytes [12, 72)), for a writer that stamps them all
+# in one call: the store's put, which then seals the header CRC over [12, 72 + topic_len).
+STORE_TAIL = struct.Struct(
+    "<QQqqIIHH16s"  # phys_offset .. store_host, as in STORE_HEADER
+)
+assert STORE_TAIL.size == 60
 TOTAL_SIZE_MAGIC = struct.Struct("<IH")
 CRC_FIELD = struct.Struct("<I")
 STORE_CRC_OFFSET = 8

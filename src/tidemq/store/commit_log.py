@@ -127,6 +127,12 @@ class CommitLog:
 
         Writes a filler and rolls when the active segment cannot hold it.
         """
+        segs = self.segments
+        if segs:  # the common case, once per put: the batch fits in the active segment
+            seg = segs[-1]
+            rel = self.write_pos - seg.start
+            if rel >= 0 and rel + size + FILLER_MIN <= seg.size:
+                return seg, rel
         if size + FILLER_MIN > self.segment_size:
             raise StoreWriteError(
                 f"a batch of {size} bytes cannot fit in a segment of {self.segment_size} bytes"

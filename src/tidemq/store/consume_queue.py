@@ -104,6 +104,9 @@ class ConsumeQueue:
         self._load_problem: str | None = None
         self._dir_dirty = False
         self._closed = False
+        # append_one's cache: (the _files list it was taken from, file, first unit, end of the
+        # allocated units). Any change of _files replaces the list, which invalidates it.
+        self._tail: tuple[list[MappedFile], MappedFile, int, int] | None = None
         self._load()
 
     # -- loading ---------------------------------------------------------------------------
@@ -287,6 +290,64 @@ class ConsumeQueue:
         if end >= mx:
             self._max_phys = phys_offset + size
             self._max_offset = end  # publish last: readers trust every unit below it
+
+    def append_one(self, queue_offset: int, phys_offset: int, size: int, tag: int) -> None:
+        """:meth:`append_batch` of a one-message batch (the store's put path, once per stored
+        single message): a plain append writes its unit into the cached tail file with one
+        struct call; anything else -- a re-dispatch, a gap, a closed queue, a file or
+        allocation boundary -- takes the general path with all its checks."""
+        t = self._tail
+        if (
+            t is None
+            or t[0] is not self._files
+            or not t[2] <= queue_offset < t[3]
+            or queue_offset != self._max_offset
+            or phys_offset < self._max_phys
+            or self._closed
+        ):
+            self.append_batch(queue_offset, phys_offset, size, INDEX_ENTRY.pack(tag, 0))
+            self._cache_tail()
+            return
+        mf = t[1]
+        UNIT.pack_into(mf.mm, (queue_offset - t[2]) * UNIT_SIZE, phys_offset, size, tag)
+        mf.dirty = True
+        self._max_phys = phys_offset + size
+        self._max_offset = queue_offset + 1  # publish last, as append_batch does
+
+    def make_room(self, queue_offset: int, count: int) -> None:
+        """Create the files and reserve the disk blocks that units [queue_offset, queue_offset
+        + count) will need, so that appending them cannot fail for want of space. The store
+        calls this before it writes a batch: on a full disk the put fails (DiskFullError)
+        with nothing written. Cheap when the cached tail already has room."""
+        t = self._tail
+        if (
+            t is not None
+            and t[0] is self._files
+            and t[2] <= queue_offset
+            and queue_offset + count <= t[3]
+        ):
+            return
+        if self._closed:
+            raise StoreClosedError(f"consume queue {self.topic}/{self.queue_id} is closed")
+        o, end = queue_offset, queue_offset + count
+        while o < end:
+            mf = self._file_for_write(o)
+            if mf is None:  # below the first file (deleted by retention): nothing to write
+                o = self._files[0].base
+                continue
+            upto = min(end, mf.base + self.units_per_file)
+            mf.ensure_allocated((upto - mf.base) * UNIT_SIZE)
+            o = upto
+        self._cache_tail()
+
+    def _cache_tail(self) -> None:
+        files = self._files
+        if self._closed or not files:
+            self._tail = None
+            return
+        mf = files[-1]
+        end = mf.base + min(self.units_per_file, mf.allocated // UNIT_SIZE)
+        self._tail = (files, mf, mf.base, end)
 
     def _write_one(self, offset: int, phys: int, size: int, tag: int) -> None:
         mf = self._file_for_write(offset)

@@ -7,9 +7,15 @@ rate is bounded by puts-per-fsync-interval rather than fsyncs per second.
 
 ASYNC_FLUSH (FlushRealTimeService): fdatasync every ``interval_ms`` (500 ms) if anything is new.
 
-Thread contract: ``request`` may be called from any thread (the store calls it under its put
-lock); callbacks run on the flush thread and must be quick and never block (the broker hands them
-to its event loop with call_soon_threadsafe).
+Completing a round is per-round work, not per-put work: the flush thread hands the whole list
+of completed requests to one executor call. By default that calls each callback on the flush
+thread; the broker installs :func:`handoff_to` its event loop, so a round of 64 puts costs one
+``call_soon_threadsafe`` and its callbacks run on the loop, where they resolve sends.
+
+Thread contract: ``request`` and ``wait`` may be called from any thread (the store calls
+``request`` right after its put); callbacks run where the executor runs them (by default the
+flush thread) and must be quick and never block. ``wait``'s own callback always runs on the
+flush thread, so a thread blocked in ``wait`` never depends on the executor.
 """
 
 from __future__ import annotations
@@ -32,21 +38,65 @@ class FlushMode(enum.StrEnum):
     ASYNC = "async"
 
 
+#: Runs the callbacks of one group commit: ``executor(requests, err)`` with the (offset,
+#: callback) requests the round completed; see FlushService.complete_on.
+RoundExecutor = Callable[[list[tuple[int, FlushCallback]], StoreError | None], None]
+
+
+def run_callbacks(requests: list[tuple[int, FlushCallback]], err: StoreError | None) -> None:
+    """Call every callback of a completed round with ``err`` (None: durable)."""
+    for _off, cb in requests:
+        try:
+            cb(err)
+        except Exception:  # one failing callback must not starve the others
+            log.exception("durability callback failed")
+
+
+def handoff_to(schedule: Callable[..., object]) -> RoundExecutor:
+    """A RoundExecutor that runs each round's callbacks where ``schedule`` runs things, e.g.
+    ``loop.call_soon_threadsafe``: one self-pipe write and one loop wake-up per group commit,
+    not one per put (this module stays free of asyncio). A closed loop means nobody is left
+    to tell: the round is dropped, quietly."""
+
+    def executor(requests: list[tuple[int, FlushCallback]], err: StoreError | None) -> None:
+        try:
+            schedule(run_callbacks, requests, err)
+        except RuntimeError:  # the loop is closed
+            log.debug("durability callbacks of %d puts dropped: loop closed", len(requests))
+
+    return executor
+
+
 class FlushService:
     def __init__(self, commitlog: CommitLog, mode: FlushMode, interval_ms: int = 500) -> None:
         self.commitlog = commitlog
         self.mode = FlushMode(mode)
         self.interval = interval_ms / 1000
         self._cond = threading.Condition()
-        self._requests: list[tuple[int, FlushCallback]] = []
+        self._requests: list[tuple[int, FlushCallback]] = []  # completed by the executor
+        self._direct: list[tuple[int, FlushCallback]] = []  # completed on the flush thread
+        self._executor: RoundExecutor = run_callbacks
+        self._idle = False  # the flush thread is waiting for work (only then is notify needed)
         self._running = True
         self.flush_count = 0
         self.last_error: StoreError | None = None
         self._thread = threading.Thread(target=self._run, name="commitlog-flush", daemon=True)
         self._thread.start()
 
+    def complete_on(self, executor: RoundExecutor) -> None:
+        """Hand every group commit's completed :meth:`request` callbacks to ``executor`` in
+        one call (e.g. :func:`handoff_to` an event loop) instead of calling them one by one on
+        the flush thread. :meth:`wait` is unaffected: it never depends on the executor."""
+        self._executor = executor
+
     def request(self, offset: int, callback: FlushCallback) -> None:
-        """Call ``callback(None)`` once everything below ``offset`` is durable (or the error)."""
+        """Call ``callback(None)`` once everything below ``offset`` is durable (or the error):
+        at once on this thread if it already is, else through the round executor."""
+        self._enqueue(offset, callback, self._requests)
+
+    def _enqueue(
+        self, offset: int, callback: FlushCallback, queue: list[tuple[int, FlushCallback]]
+    ) -> None:
         if offset <= self.commitlog.flushed_pos:
             callback(None)
             return
@@ -54,8 +104,9 @@ class FlushService:
             if not self._running:
                 callback(StoreError("store is closing; the put's durability is unknown"))
                 return
-            self._requests.append((offset, callback))
-            self._cond.notify()
+            queue.append((offset, callback))
+            if self._idle:  # a busy flush thread looks at the queues again before it waits
+                self._cond.notify()
 
     def wait(self, offset: int, timeout: float | None = None) -> None:
         """Blocking form of :meth:`request`; raises the flush error or TimeoutError."""
@@ -66,7 +117,7 @@ class FlushService:
             box.append(err)
             done.set()
 
-        self.request(offset, cb)
+        self._enqueue(offset, cb, self._direct)
         if not done.wait(timeout):
             raise TimeoutError(f"flush to offset {offset} did not complete in {timeout} s")
         if box[0] is not None:
@@ -75,32 +126,51 @@ class FlushService:
     def _run(self) -> None:
         while True:
             with self._cond:
-                if self._running and not self._requests:
+                if self._running and not self._requests and not self._direct:
+                    self._idle = True
                     self._cond.wait(self.interval)
+                    self._idle = False
                 batch, self._requests = self._requests, []
+                direct, self._direct = self._direct, []
                 running = self._running
             err: StoreError | None = None
-            if batch or self.mode is FlushMode.ASYNC or not running:
+            if batch or direct or self.mode is FlushMode.ASYNC or not running:
                 try:
                     self.commitlog.flush()
                     self.flush_count += 1
                 except StoreWriteError as exc:
                     err = self.last_error = exc
                     log.error("%s", exc)
-            flushed = self.commitlog.flushed_pos
-            late = []
-            for off, cb in batch:
-                if err is not None:
-                    cb(err)
-                elif off <= flushed:
-                    cb(None)
-                else:  # written after this flush began: next round
-                    late.append((off, cb))
-            if late:
-                with self._cond:
-                    self._requests[:0] = late
+            if batch:
+                self._complete(batch, err, self._executor, self._requests)
+            if direct:
+                self._complete(direct, err, run_callbacks, self._direct)
             if not running:
                 return
+
+    def _complete(
+        self,
+        batch: list[tuple[int, FlushCallback]],
+        err: StoreError | None,
+        executor: RoundExecutor,
+        queue: list[tuple[int, FlushCallback]],
+    ) -> None:
+        """Complete the requests the round covered; requeue any written after it began (a
+        request is made after its put advanced the write position, and a flush covers the
+        write position it reads after taking the queue, so normally there are none)."""
+        if err is None:
+            flushed = self.commitlog.flushed_pos
+            late = [r for r in batch if r[0] > flushed]
+            if late:
+                batch = [r for r in batch if r[0] <= flushed]
+                with self._cond:
+                    queue[:0] = late
+            if not batch:
+                return
+        try:
+            executor(batch, err)
+        except Exception:  # the flush thread must survive a broken executor
+            log.exception("durability executor failed")
 
     def close(self) -> None:
         """Flush what is pending, complete every waiter, stop the thread."""
@@ -109,42 +179,6 @@ class FlushService:
             self._cond.notify()
         self._thread.join()
         with self._cond:
-            rest, self._requests = self._requests, []
-        for _off, cb in rest:
-            cb(StoreError("store closed before the put was flushed"))
-
-
-class CallbackBatcher:
-    """Hands durability callbacks from the flush thread to an event loop, one wake per round.
-
-    ``call_soon_threadsafe`` costs a self-pipe write and a loop wake-up; a group commit that
-    completes 64 puts would pay that 64 times. ``wrap(fn)`` returns a FlushCallback that queues
-    ``fn(err)`` and wakes the loop only when the queue was empty, so the loop runs every callback
-    of a flush round in one go. ``schedule`` is e.g. ``loop.call_soon_threadsafe`` (this module
-    stays free of asyncio). ``wrap`` may be called from any thread; ``fn`` runs on the loop.
-    """
-
-    def __init__(self, schedule: Callable[[Callable[[], None]], object]) -> None:
-        self._schedule = schedule
-        self._lock = threading.Lock()
-        self._pending: list[tuple[Callable[[StoreError | None], None], StoreError | None]] = []
-
-    def wrap(self, fn: Callable[[StoreError | None], None]) -> FlushCallback:
-        def callback(err: StoreError | None) -> None:
-            with self._lock:
-                first = not self._pending
-                self._pending.append((fn, err))
-            if first:
-                self._schedule(self._drain)
-
-        return callback
-
-    def _drain(self) -> None:
-        with self._lock:
-            batch, self._pending = self._pending, []
-        for fn, err in batch:
-            try:
-                fn(err)
-            except Exception:  # one failing callback must not starve the others
-                log.exception("durability callback failed")
-
+            rest = self._requests + self._direct
+            self._requests, self._direct = [], []
+        run_callbacks(rest, StoreError("store closed before the put was flushed"))

@@ -235,7 +235,8 @@ class IndexFile:
         self.mf.dirty = True
 
     def add_one(self, h: int, phys: int, ts: int) -> None:
-        """:meth:`add` for a single hash: the hot path (one id-index entry per batch)."""
+        """:meth:`add` for a single hash: the hot path (one id-index entry per batch). The
+        caller checked :meth:`fits`."""
         mm = self.mf.mm
         n = self.index_count + 1
         if n == 1:
@@ -250,10 +251,13 @@ class IndexFile:
         SLOT.pack_into(mm, spos, n)
         if not head:
             self.hash_slot_count += 1
-        if ts > self.end_ts:
-            self.end_ts = ts
+        end_ts = self.end_ts
+        if ts > end_ts:
+            self.end_ts = end_ts = ts
         self.end_phys = phys
-        self._write_header(n)
+        HEADER.pack_into(
+            mm, 0, self.begin_ts, end_ts, self.begin_phys, phys, self.hash_slot_count, n
+        )
         self.index_count = n
         self.mf.dirty = True
 
@@ -409,14 +413,24 @@ class IndexService:
         self.put_many((key,), phys_offset, store_ts)
 
     def put_one(self, key: str, phys_offset: int, store_ts: int) -> None:
-        """:meth:`put` without the generality of :meth:`put_many` (the per-batch hot path)."""
+        """:meth:`put` without the generality of :meth:`put_many`."""
+        self.put_hash(_crc32c(key.encode()), phys_offset, store_ts)
+
+    def put_hash(self, h: int, phys_offset: int, store_ts: int) -> None:
+        """:meth:`put_one` of a key whose :func:`key_hash` the caller knows (the per-batch hot
+        path: the store caches the hash of each producer's current id block)."""
         files = self._files
-        f = files[-1] if files else None
-        if f is not None and phys_offset < f.end_phys:
-            return
-        if f is None or not f.fits(store_ts):
+        if not files:
             f = self._roll(store_ts)
-        f.add_one(_crc32c(key.encode()), phys_offset, store_ts)
+        else:
+            f = files[-1]
+            if phys_offset < f.end_phys:
+                return
+            # IndexFile.fits, inlined: this runs once per stored batch
+            n = f.index_count
+            if n >= f.max_entries or (n and store_ts - f.begin_ts > _I32_MAX):
+                f = self._roll(store_ts)
+        f.add_one(h, phys_offset, store_ts)
 
     def put_many(self, keys: Iterable[str], phys_offset: int, store_ts: int) -> None:
         """Index every non-empty key of ``keys`` to the batch at ``phys_offset``.
@@ -425,9 +439,12 @@ class IndexService:
         from there is idempotent (the batch *at* it may be indexed twice; query
         de-duplicates).
         """
+        self.put_hashes([_crc32c(k.encode()) for k in keys if k], phys_offset, store_ts)
+
+    def put_hashes(self, hashes: list[int], phys_offset: int, store_ts: int) -> None:
+        """:meth:`put_many` of keys whose :func:`key_hash` the caller computed."""
         if phys_offset < self.max_phys_offset:
             return
-        hashes = [_crc32c(k.encode()) for k in keys if k]
         i = 0
         while i < len(hashes):
             f = self._files[-1] if self._files else None
@@ -436,6 +453,19 @@ class IndexService:
             take = min(len(hashes) - i, f.room)
             f.add(hashes[i : i + take], phys_offset, store_ts)
             i += take
+
+    def make_room(self, store_ts: int, entries: int) -> None:
+        """Roll to a new file now if the newest cannot take ``entries`` more entries stored at
+        ``store_ts``, so that the puts of one batch that follow do not need to create a file
+        (the store calls this before it writes the batch: a full disk then fails the put with
+        nothing written). Raises StoreError (DiskFullError) when the file cannot be created."""
+        files = self._files
+        if files:
+            f = files[-1]
+            n = f.index_count
+            if not n or (n + entries <= f.max_entries and store_ts - f.begin_ts <= _I32_MAX):
+                return  # an empty file takes what it can; the rest rolls as before
+        self._roll(store_ts)
 
     def _roll(self, store_ts: int) -> IndexFile:
         files = self._files

@@ -49,15 +49,18 @@ from tidemq.protocol.errors import (
     StoreLockedError,
 )
 from tidemq.protocol.record import (
+    CRC_FIELD,
     INDEX_ENTRY_SIZE,
-    STORE_FIELDS,
+    STORE_CRC_FROM,
+    STORE_CRC_OFFSET,
     STORE_FIELDS_OFFSET,
+    STORE_TAIL,
     TOTAL_SIZE_MAGIC,
     BatchView,
     StoredMessage,
+    crc32c,
     pack_host,
     parse_unique_id,
-    seal_store_header,
 )
 from tidemq.store.checkpoint import (
     Checkpoint,
@@ -67,18 +70,15 @@ from tidemq.store.checkpoint import (
 )
 from tidemq.store.commit_log import CommitLog
 from tidemq.store.config import StoreConfig
-from tidemq.store.consume_queue import ConsumeQueueTable
+from tidemq.store.consume_queue import ConsumeQueue, ConsumeQueueTable
 from tidemq.store.flush import FlushCallback, FlushMode, FlushService
-from tidemq.store.index_file import IndexService
+from tidemq.store.index_file import IndexService, key_hash
 from tidemq.store.recovery import RecoveryReport, scan
 from tidemq.store.retention import RetentionService
 
 log = logging.getLogger(__name__)
 
-_QUEUE_ID = struct.Struct("<I")
-_QUEUE_ID_OFFSET = 44
-_HOST = struct.Struct("<H16s")
-_HOST_OFFSET = 54
+_TAG_HASH = struct.Struct("<Q")  # the first field of a message index entry
 _TAG_DTYPE = np.dtype([("tag", "<u8"), ("rel", "<u4")])
 assert _TAG_DTYPE.itemsize == INDEX_ENTRY_SIZE
 
@@ -200,10 +200,15 @@ class MessageStore:
         self._checkpoint_lock = threading.Lock()
         self._listeners: list[DispatchListener] = []
         self._queue_offsets: dict[tuple[str, int], int] = {}
-        self._host = _HOST.pack(config.store_port, pack_host(config.store_host))
+        self._store_port = config.store_port
+        self._store_host = pack_host(config.store_host)
+        self._max_batch_bytes = config.max_batch_bytes
+        self._index_enabled = config.index_enabled
+        self._sync_flush = config.flush_mode is FlushMode.SYNC
         self.quarantine: dict[int, str] = {}  # phys offset -> reason (never served)
         self.disk_full = False
-        self.stats = {"put_batches": 0, "put_messages": 0, "put_bytes": 0, "get_messages": 0}
+        self._id_hashes: dict[tuple[int, int], int] = {}
+        self._put_batches = self._put_messages = self._put_bytes = self._get_messages = 0
         try:
             self.recovery_report = self._open()
         except BaseException:
@@ -388,7 +393,7 @@ class MessageStore:
         if self._closed:
             raise StoreClosedError("the store is closed")
         size = len(data)
-        if size > self.config.max_batch_bytes:
+        if size > self._max_batch_bytes:
             raise MessageTooLargeError(
                 f"batch of {size} bytes exceeds max_batch_bytes={self.config.max_batch_bytes}; "
                 "send fewer or smaller messages per batch"
@@ -406,32 +411,43 @@ class MessageStore:
         topic = v.topic
         qid = v.queue_id if queue_id is None else queue_id
         key = (topic, qid)
-        p_start = v.producer_start
+        count = v.count
+        hashes = self._index_hashes(v, topic) if self._index_enabled else None
+        # This block runs once per batch, single messages included: keep it to a few calls.
         with self._put_lock:
             cl = self.commitlog
             seg, rel = cl.reserve(size)
-            mm = seg.mm
-            phys = seg.start + rel
             qoff = self._queue_offsets.get(key, 0)
             now = time.time_ns() // 1_000_000
+            # Everything that may need new disk space comes before the batch is written, so
+            # a full disk fails the put with nothing stored (no half-dispatched batch).
+            cq = self.cqs.get_or_create(topic, qid)
+            cq.make_room(qoff, count)
+            if hashes:
+                self.index.make_room(now, len(hashes))
+            mm = seg.mm
+            phys = seg.start + rel
             mm[rel : rel + size] = data
-            STORE_FIELDS.pack_into(mm, rel + STORE_FIELDS_OFFSET, phys, qoff, now)
-            _QUEUE_ID.pack_into(mm, rel + _QUEUE_ID_OFFSET, qid)
-            mm[rel + _HOST_OFFSET : rel + _HOST_OFFSET + 18] = self._host
-            seal_store_header(mm, rel, p_start)
+            STORE_TAIL.pack_into(
+                mm, rel + STORE_FIELDS_OFFSET, phys, qoff, now, v.prepared_offset, qid,
+                v.reconsume_times, v.topic_len, self._store_port, self._store_host,
+            )
+            CRC_FIELD.pack_into(
+                mm, rel + STORE_CRC_OFFSET,
+                crc32c(memoryview(mm)[rel + STORE_CRC_FROM : rel + v.producer_start]),
+            )
             cl.advance(size)
-            self._dispatch(v, key, phys, qoff, size, now)
-            self._queue_offsets[key] = qoff + v.count
+            self._write_dispatch(v, cq, hashes, phys, qoff, size, now)
+            self._queue_offsets[key] = qoff + count
             if self._listeners:
                 stored = BatchView(mm, rel)
                 for cb in self._listeners:
-                    cb(topic, qid, qoff + v.count, stored)
-        st = self.stats
-        st["put_batches"] += 1
-        st["put_messages"] += v.count
-        st["put_bytes"] += size
-        result = PutResult(PutStatus.PUT_OK, topic, qid, phys, qoff, v.count, size, now)
-        if self.config.flush_mode is FlushMode.SYNC:
+                    cb(topic, qid, qoff + count, stored)
+        self._put_batches += 1
+        self._put_messages += count
+        self._put_bytes += size
+        result = PutResult(PutStatus.PUT_OK, topic, qid, phys, qoff, count, size, now)
+        if self._sync_flush:
             if on_durable is not None:
                 self.flush_service.request(phys + size, on_durable)
             else:
@@ -446,25 +462,65 @@ class MessageStore:
     def _dispatch(
         self, v: BatchView, key: tuple[str, int], phys: int, qoff: int, size: int, ts: int
     ) -> None:
-        """Build the consume queue units and index entries of one batch (per batch, not per
-        message, except for messages that carry keys)."""
-        self.cqs.get_or_create(*key).append_batch(qoff, phys, size, v.index_view())
-        if not self.config.index_enabled:
-            return
-        idx = self.index
+        """Build the consume queue units and index entries of one batch (re-dispatch from
+        the CommitLog at recovery; ``put`` does the same in two steps around its write)."""
+        hashes = self._index_hashes(v, key[0]) if self._index_enabled else None
+        self._write_dispatch(v, self.cqs.get_or_create(*key), hashes, phys, qoff, size, ts)
+
+    def _write_dispatch(
+        self, v: BatchView, cq: ConsumeQueue, hashes: list[int] | None, phys: int, qoff: int,
+        size: int, ts: int,
+    ) -> None:
+        """The batch's consume queue units (per batch, not per message) and index entries."""
+        if v.count == 1:
+            cq.append_one(qoff, phys, size, _TAG_HASH.unpack_from(v.buf, v.pos + v.index_start)[0])
+        else:
+            cq.append_batch(qoff, phys, size, v.index_view())
+        if hashes:
+            if len(hashes) == 1:
+                self.index.put_hash(hashes[0], phys, ts)
+            else:
+                self.index.put_hashes(hashes, phys, ts)
+
+    def _index_hashes(self, v: BatchView, topic: str) -> list[int]:
+        """Index key hashes of a batch: each key of each message that has keys, then each id
+        block (2**ID_BLOCK_BITS sequence ids) the batch's unique ids fall in."""
+        out: list[int] = []
         if v.keys_size:
-            topic = key[0]
-            names = [key_index_key(topic, k) for ks in v.keys().values() for k in ks.split() if k]
-            if names:
-                idx.put_many(names, phys, ts)
+            out = [
+                key_hash(key_index_key(topic, k))
+                for ks in v.keys().values() for k in ks.split() if k
+            ]
         pid = v.producer_id
         if pid:
             first = v.base_seq >> ID_BLOCK_BITS
             last = (v.base_seq + v.count - 1) >> ID_BLOCK_BITS
             if first == last:
-                idx.put_one(f"#id#{pid:016X}#{first:X}", phys, ts)
+                h = self._id_hashes.get((pid, first))
+                out.append(h if h is not None else self._id_block_hash(pid, first))
             else:
-                idx.put_many([f"#id#{pid:016X}#{b:X}" for b in range(first, last + 1)], phys, ts)
+                out += [key_hash(id_block_key(pid, b)) for b in range(first, last + 1)]
+        return out
+
+    def _id_block_hash(self, producer_id: int, block: int) -> int:
+        """key_hash(id_block_key(...)), remembered: a producer's single-message batches share
+        an id block for 2**ID_BLOCK_BITS messages, and formatting plus hashing the key is a
+        quarter of a single message's put. Bounded: cleared past 4,096 blocks."""
+        cache = self._id_hashes
+        if len(cache) >= 4096:
+            cache.clear()
+        h = cache[(producer_id, block)] = key_hash(id_block_key(producer_id, block))
+        return h
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters since open: batches, messages and bytes put; messages read."""
+        return {
+            "put_batches": self._put_batches,
+            "put_messages": self._put_messages,
+            "put_bytes": self._put_bytes,
+            "get_messages": self._get_messages,
+        }
 
     def add_dispatch_listener(self, listener: DispatchListener) -> None:
         """``listener(topic, queue_id, new_max_offset, stored_batch)`` after every put (the
@@ -543,7 +599,7 @@ class MessageStore:
             n += v.count - first
             nbytes += v.total_size
             q = v.queue_offset + v.count
-        self.stats["get_messages"] += n
+        self._get_messages += n
         if batches:
             status = GetStatus.FOUND
         elif removed:
