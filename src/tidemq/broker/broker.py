@@ -68,6 +68,7 @@ from tidemq.protocol.headers import (
     UnregisterBrokerRequestHeader,
 )
 from tidemq.protocol.record import BatchView
+from tidemq.store.flush import handoff_to
 from tidemq.store.message_store import MessageStore, PutResult
 
 __all__ = ["Broker"]
@@ -151,6 +152,8 @@ class Broker:
         # Opening the store takes its lock (a second broker on the same directory stops here,
         # before touching the config files) and recovers it; nothing else runs yet.
         self.store = MessageStore(cfg.store_config(self.port))
+        # SYNC_FLUSH: a group commit's callbacks reach the loop in one wake-up (store/flush.py)
+        self.store.flush_service.complete_on(handoff_to(loop.call_soon_threadsafe))
         os.makedirs(cfg.config_path, exist_ok=True)
         self.topics.load()
         self.offsets.load()

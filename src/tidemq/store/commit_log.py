@@ -19,7 +19,7 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from tidemq.protocol.errors import OffsetOutOfRangeError, StoreError, StoreWriteError
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 #: envelopes) under 100 MB of added RSS (`tidemq bench delay-index`).
 RESIDENT_BEHIND = 32 * 1024 * 1024
 _PAGE = mmap.PAGESIZE
+_NEVER = 1 << 63
 
 
 class CommitLog:
@@ -67,6 +68,10 @@ class CommitLog:
         # Prepared segments get their first window warmed; WarmAhead follows the writer.
         self._allocator = SegmentAllocator(enabled=preallocate, warm_bytes=warm_ahead_bytes)
         self._warmer: WarmAhead | None = None
+        #: When the write position reaches this, ``on_flush_wake()`` is called once (the
+        #: ASYNC_FLUSH service asks to be woken after flush_dirty_bytes more bytes).
+        self.flush_wake_at = _NEVER
+        self.on_flush_wake: Callable[[], None] = lambda: None
         self._flush_lock = threading.Lock()
         self._zombies: list[Segment] = []  # deleted segments still pinned by readers' views
         self._trimmed_at = 0  # flushed position of the last trim (flush thread only)
@@ -153,11 +158,26 @@ class CommitLog:
             seg, rel = nxt, 0
         return seg, rel
 
+    def pwrite(self, seg: Segment, rel: int, parts: tuple[bytes | bytearray | memoryview, ...],
+               size: int) -> None:
+        """Write ``parts`` (``size`` bytes in all) at ``rel`` in ``seg`` with one pwritev
+        instead of through the mapping (large batches; the mapping sees the same page cache).
+        The GIL is released during the copy. StoreWriteError on failure: nothing advanced."""
+        try:
+            n = os.pwritev(seg.fd, parts, rel)
+        except OSError as exc:
+            raise StoreWriteError(f"write to {seg.path} at {rel} failed: {exc.strerror}") from exc
+        if n != size:
+            raise StoreWriteError(f"short write to {seg.path} at {rel}: {n} of {size} bytes")
+
     def advance(self, size: int) -> None:
-        self.write_pos += size
+        pos = self.write_pos = self.write_pos + size
         w = self._warmer
-        if w is not None and self.write_pos >= w.wake_at:
+        if w is not None and pos >= w.wake_at:
             w.kick()
+        if pos >= self.flush_wake_at:
+            self.flush_wake_at = _NEVER
+            self.on_flush_wake()
 
     # -- reading ---------------------------------------------------------------------------
     def view(self, phys: int, size: int) -> memoryview:

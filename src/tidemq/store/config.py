@@ -17,6 +17,8 @@ class StoreConfig:
     #: SYNC: a put completes after fsync (group commit). ASYNC: fsync every flush_interval_ms.
     flush_mode: FlushMode = FlushMode.ASYNC
     flush_interval_ms: int = 500
+    #: ASYNC: also flush as soon as this many bytes are unflushed (0: only on the interval).
+    flush_dirty_bytes: int = 64 * MiB
     #: How long a SYNC put waits for its fsync before answering FLUSH_DISK_TIMEOUT.
     sync_flush_timeout_ms: int = 5000
     #: Consume queue units per file (RocketMQ: 300,000 x 20 B).

@@ -5,7 +5,11 @@ the flush thread takes every request waiting, runs one fdatasync for all of them
 byte written before it started), then completes them. Many concurrent puts share one fsync, so the
 rate is bounded by puts-per-fsync-interval rather than fsyncs per second.
 
-ASYNC_FLUSH (FlushRealTimeService): fdatasync every ``interval_ms`` (500 ms) if anything is new.
+ASYNC_FLUSH (FlushRealTimeService): fdatasync every ``interval_ms`` (500 ms) if anything is new,
+and also as soon as ``dirty_bytes`` (64 MiB) are unflushed: that bounds what a power loss can
+take under a fast writer, and spreads the writeback over the writes instead of leaving a burst
+of a gigabyte to the next tick (1 GiB of 104 KB writes then one fdatasync: 2.1 GB/s; the same
+with an fdatasync every 64 MiB on the side: 2.9 GB/s, on this machine).
 
 Completing a round is per-round work, not per-put work: the flush thread hands the whole list
 of completed requests to one executor call. By default that calls each callback on the flush
@@ -68,20 +72,38 @@ def handoff_to(schedule: Callable[..., object]) -> RoundExecutor:
 
 
 class FlushService:
-    def __init__(self, commitlog: CommitLog, mode: FlushMode, interval_ms: int = 500) -> None:
+    def __init__(
+        self, commitlog: CommitLog, mode: FlushMode, interval_ms: int = 500,
+        dirty_bytes: int = 64 << 20,
+    ) -> None:
         self.commitlog = commitlog
         self.mode = FlushMode(mode)
         self.interval = interval_ms / 1000
+        self.dirty_bytes = dirty_bytes
         self._cond = threading.Condition()
         self._requests: list[tuple[int, FlushCallback]] = []  # completed by the executor
         self._direct: list[tuple[int, FlushCallback]] = []  # completed on the flush thread
         self._executor: RoundExecutor = run_callbacks
         self._idle = False  # the flush thread is waiting for work (only then is notify needed)
+        self._wake_requested = False  # ASYNC: dirty_bytes were written since the last flush
         self._running = True
         self.flush_count = 0
         self.last_error: StoreError | None = None
+        if self.mode is FlushMode.ASYNC and dirty_bytes > 0:
+            commitlog.on_flush_wake = self._wake
+            self._arm()
         self._thread = threading.Thread(target=self._run, name="commitlog-flush", daemon=True)
         self._thread.start()
+
+    def _arm(self) -> None:
+        """ASYNC: be woken when dirty_bytes more than what is flushed have been written."""
+        self.commitlog.flush_wake_at = self.commitlog.flushed_pos + self.dirty_bytes
+
+    def _wake(self) -> None:  # the writer's thread, from CommitLog.advance
+        with self._cond:
+            self._wake_requested = True
+            if self._idle:
+                self._cond.notify()
 
     def complete_on(self, executor: RoundExecutor) -> None:
         """Hand every group commit's completed :meth:`request` callbacks to ``executor`` in
@@ -126,10 +148,14 @@ class FlushService:
     def _run(self) -> None:
         while True:
             with self._cond:
-                if self._running and not self._requests and not self._direct:
+                if (
+                    self._running and not self._requests and not self._direct
+                    and not self._wake_requested
+                ):
                     self._idle = True
                     self._cond.wait(self.interval)
                     self._idle = False
+                self._wake_requested = False
                 batch, self._requests = self._requests, []
                 direct, self._direct = self._direct, []
                 running = self._running
@@ -141,6 +167,8 @@ class FlushService:
                 except StoreWriteError as exc:
                     err = self.last_error = exc
                     log.error("%s", exc)
+                if self.mode is FlushMode.ASYNC and self.dirty_bytes > 0:
+                    self._arm()
             if batch:
                 self._complete(batch, err, self._executor, self._requests)
             if direct:

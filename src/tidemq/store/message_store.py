@@ -82,6 +82,13 @@ _TAG_HASH = struct.Struct("<Q")  # the first field of a message index entry
 _TAG_DTYPE = np.dtype([("tag", "<u8"), ("rel", "<u4")])
 assert _TAG_DTYPE.itemsize == INDEX_ENTRY_SIZE
 
+#: Batches this large are written with one pwritev, smaller ones through the mapping. On this
+#: machine a write fault on a fresh page of the mapping costs a page zeroing plus the fault
+#: (1 GiB of 104 KB batches: 350-1,275 MB/s and up to 2.7 s of system time through the mapping,
+#: ~2,000 MB/s and 0.28 s with pwrite), while a syscall per small batch costs more than the
+#: copy (286 B: 1,100-1,200 MB/s mapped, ~280 MB/s with pwrite). See docs/format.md.
+PWRITE_MIN_BYTES = 32 * 1024
+
 #: Messages per id-index block: a batch is indexed once per block of sequence ids it covers.
 ID_BLOCK_BITS = 10
 
@@ -215,7 +222,7 @@ class MessageStore:
             self._release_lock()
             raise
         self.flush_service = FlushService(
-            self.commitlog, config.flush_mode, config.flush_interval_ms
+            self.commitlog, config.flush_mode, config.flush_interval_ms, config.flush_dirty_bytes
         )
         self.retention = RetentionService(self)
         self._stop = threading.Event()
@@ -427,15 +434,22 @@ class MessageStore:
                 self.index.make_room(now, len(hashes))
             mm = seg.mm
             phys = seg.start + rel
-            mm[rel : rel + size] = data
+            p_start = v.producer_start
+            if size < PWRITE_MIN_BYTES:  # copy through the mapping, then stamp it in place
+                buf, at = mm, rel
+                mm[rel : rel + size] = data
+            else:  # stamp a copy of the store header, write both with one syscall
+                buf, at = bytearray(memoryview(data)[:p_start]), 0
             STORE_TAIL.pack_into(
-                mm, rel + STORE_FIELDS_OFFSET, phys, qoff, now, v.prepared_offset, qid,
+                buf, at + STORE_FIELDS_OFFSET, phys, qoff, now, v.prepared_offset, qid,
                 v.reconsume_times, v.topic_len, self._store_port, self._store_host,
             )
             CRC_FIELD.pack_into(
-                mm, rel + STORE_CRC_OFFSET,
-                crc32c(memoryview(mm)[rel + STORE_CRC_FROM : rel + v.producer_start]),
+                buf, at + STORE_CRC_OFFSET,
+                crc32c(memoryview(buf)[at + STORE_CRC_FROM : at + p_start]),
             )
+            if buf is not mm:
+                cl.pwrite(seg, rel, (buf, memoryview(data)[p_start:]), size)
             cl.advance(size)
             self._write_dispatch(v, cq, hashes, phys, qoff, size, now)
             self._queue_offsets[key] = qoff + count

@@ -1,0 +1,162 @@
+"""The put path's mechanisms: large batches written with pwritev, single messages through the
+consume-queue tail cache, space reserved before a batch is written, ASYNC flush by dirty bytes,
+and group-commit rounds completed through one executor call."""
+
+import threading
+import time
+
+import pytest
+
+from tidemq.protocol.errors import DiskFullError, StoreError
+from tidemq.protocol.record import BatchView
+from tidemq.store import mapped_file
+from tidemq.store.flush import run_callbacks
+from tidemq.store.message_store import PWRITE_MIN_BYTES
+
+from .helpers import FlushMode, batch, open_store, read_all
+from .test_faults import crash_image
+
+
+def test_large_and_small_batches_are_stamped_alike_and_survive_a_crash(tmp_path):
+    big_body = bytes(range(256)) * (PWRITE_MIN_BYTES // 256 + 8)
+    s = open_store(tmp_path / "live", segment_size=1 << 20)
+    results = []
+    for k in range(6):  # alternate the two write paths, across a segment roll
+        body = big_body if k % 2 else f"small-{k}".encode()
+        results.append(s.put(batch("t", [body, body[:10]], queue_id=1, keys=f"key{k}",
+                                   producer_id=5, base_seq=2 * k)))
+    assert any(r.size >= PWRITE_MIN_BYTES for r in results)
+    assert any(r.size < PWRITE_MIN_BYTES for r in results)
+    for r in results:  # the store header is stamped and sealed on both paths
+        v = s.read_batch(r.phys_offset)
+        v.verify()
+        assert (v.phys_offset, v.queue_offset, v.queue_id) == (r.phys_offset, r.queue_offset, 1)
+        assert v.store_ts == r.store_ts
+    img = crash_image(s, tmp_path / "img")
+    s.close()
+    with open_store(img, segment_size=1 << 20) as s2:
+        assert s2.recovery_report.truncated == [] and s2.recovery_report.quarantined == []
+        msgs, _ = read_all(s2, "t", 1)
+        assert [m.queue_offset for m in msgs] == list(range(12))
+        assert msgs[2].body == big_body and msgs[3].body == big_body[:10]
+        assert [m.keys for m in s2.query_by_key("t", "key3")] == ["key3", "key3"]
+        assert s2.get_by_id(f"{5:016X}{7:016X}").body == big_body[:10]
+
+
+def test_single_message_puts_keep_every_offset_across_consume_queue_files(tmp_path):
+    # 7 units per file: the tail cache is left and rebuilt at every file boundary
+    with open_store(tmp_path, cq_units_per_file=7, segment_size=1 << 20) as s:
+        for i in range(50):
+            r = s.put(batch("t", [f"m{i}".encode()], tags=f"tag{i % 3}", producer_id=9,
+                            base_seq=i))
+            assert r.queue_offset == i
+        msgs, _ = read_all(s, "t")
+        assert [m.body for m in msgs] == [f"m{i}".encode() for i in range(50)]
+        assert [m.tags for m in msgs] == [f"tag{i % 3}" for i in range(50)]
+        units = s.cqs.find("t", 0)
+        assert [units.get(i)[0] for i in range(50)] == [m.phys_offset for m in msgs]
+
+
+def test_no_room_for_the_consume_queue_fails_the_put_with_nothing_written(tmp_path, monkeypatch):
+    with open_store(tmp_path, cq_units_per_file=4, segment_size=1 << 20) as s:
+        for i in range(4):
+            s.put(batch("t", [f"m{i}".encode()]))
+        write_pos = s.commitlog.write_pos
+        real = mapped_file._fallocate
+
+        def full(fd, offset, length):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(mapped_file, "_fallocate", full)
+        with pytest.raises(DiskFullError, match="No space left"):
+            s.put(batch("t", [b"refused"]))  # needs the queue's second file
+        assert s.commitlog.write_pos == write_pos  # the batch never reached the CommitLog
+        monkeypatch.setattr(mapped_file, "_fallocate", real)
+        assert s.put(batch("t", [b"accepted"])).queue_offset == 4
+        img = crash_image(s, tmp_path.parent / (tmp_path.name + "-img"))
+    with open_store(img, cq_units_per_file=4, segment_size=1 << 20) as s2:
+        msgs, _ = read_all(s2, "t")
+        assert [m.body for m in msgs][-2:] == [b"m3", b"accepted"]  # no phantom "refused"
+        assert len(msgs) == 5
+
+
+def test_async_flush_runs_when_dirty_bytes_pile_up(tmp_path):
+    with open_store(tmp_path, flush_interval_ms=60_000, flush_dirty_bytes=256 * 1024,
+                    segment_size=4 << 20) as s:
+        time.sleep(0.05)
+        before = s.flush_service.flush_count
+        for _ in range(40):  # ~400 KiB: past the threshold once
+            s.put(batch("t", [b"x" * 10_000]))
+        deadline = time.time() + 5
+        while s.flush_service.flush_count == before and time.time() < deadline:
+            time.sleep(0.01)
+        assert s.flush_service.flush_count > before
+        assert s.commitlog.flushed_pos >= 256 * 1024
+
+
+def test_async_flush_by_dirty_bytes_can_be_turned_off(tmp_path):
+    with open_store(tmp_path, flush_interval_ms=60_000, flush_dirty_bytes=0,
+                    segment_size=4 << 20) as s:
+        time.sleep(0.05)
+        before = s.flush_service.flush_count
+        for _ in range(40):
+            s.put(batch("t", [b"x" * 10_000]))
+        time.sleep(0.3)
+        assert s.flush_service.flush_count == before
+
+
+def test_group_commit_rounds_reach_the_executor_whole(tmp_path):
+    with open_store(tmp_path, flush_mode=FlushMode.SYNC) as s:
+        rounds: list[int] = []
+        done: list[object] = []
+        all_done = threading.Event()
+        n = 300
+
+        def executor(requests, err):
+            rounds.append(len(requests))
+            run_callbacks(requests, err)
+
+        def cb(err):
+            done.append(err)
+            if len(done) == n:
+                all_done.set()
+
+        s.flush_service.complete_on(executor)
+        for _ in range(n):
+            s.put(batch("t", [b"y"]), on_durable=cb)
+        assert all_done.wait(10)
+        assert done == [None] * n and sum(rounds) <= n  # (a put already durable is called at once)
+        assert len(rounds) < n  # rounds, not puts
+        assert max(rounds) > 1
+
+
+def test_a_blocking_sync_put_never_depends_on_the_executor(tmp_path):
+    with open_store(tmp_path, flush_mode=FlushMode.SYNC) as s:
+        s.flush_service.complete_on(lambda requests, err: None)  # an executor that never runs
+        t0 = time.monotonic()
+        r = s.put(batch("t", [b"z"]))  # waits for its fsync on the flush thread itself
+        assert r.status.value == "PUT_OK" and time.monotonic() - t0 < 5
+        assert s.commitlog.flushed_pos >= r.end_offset
+
+
+def test_a_broken_executor_does_not_stop_the_flush_thread(tmp_path):
+    with open_store(tmp_path, flush_mode=FlushMode.SYNC) as s:
+        def broken(requests, err):
+            raise RuntimeError("boom")
+
+        s.flush_service.complete_on(broken)
+        s.put(batch("t", [b"a"]), on_durable=lambda err: None)
+        r = s.put(batch("t", [b"b"]))  # the flush thread is still alive
+        assert r.status.value == "PUT_OK"
+
+
+def test_a_put_refused_before_writing_leaves_the_batch_view_usable(tmp_path):
+    # a refused put (closed store) raises StoreError and never touches the caller's bytes
+    s = open_store(tmp_path)
+    b = batch("t", [b"x"])
+    before = bytes(b)
+    s.close()
+    with pytest.raises(StoreError):
+        s.put(b)
+    assert bytes(b) == before
+    BatchView(b).verify()
