@@ -61,6 +61,7 @@ from tidemq.protocol.record import (
     crc32c,
     pack_host,
     parse_unique_id,
+    stored_span,
 )
 from tidemq.store.checkpoint import (
     Checkpoint,
@@ -570,6 +571,7 @@ class MessageStore:
             return GetResult(GetStatus.OFFSET_OVERFLOW_BADLY, mn if mn == 0 else mx, mn, mx)
         cl = self.commitlog
         cl_min = cl.min_offset
+        write_pos = cl.write_pos  # read after mx: every unit below mx points below it
         wanted = np.fromiter(tag_hashes, dtype=np.uint64) if tag_hashes else None
         batches: list[ReadBatch] = []
         n = 0
@@ -577,42 +579,75 @@ class MessageStore:
         q = offset
         removed = False
         verify = self.config.verify_reads
-        while q < mx and n < max_messages and nbytes < self.config.max_read_bytes:
-            unit = cq.get(q)
-            if unit is None:
+        max_bytes = self.config.max_read_bytes
+        quarantine = self.quarantine
+        seg_start = seg_end = -1
+        seg_mv = memoryview(b"")
+        # Units come in one array per consume-queue file, batches are checked with
+        # stored_span and the segment's view is reused: per batch this loop is a few calls,
+        # which is what a backlog of single-message batches needs.
+        while q < mx and n < max_messages and nbytes < max_bytes:
+            units = cq.units(q, max_messages - n)
+            if not len(units):
                 break
-            phys, size, _tag = unit
-            if phys < cl_min:
-                removed = True
-                q += 1
-                continue
-            if phys in self.quarantine:
-                q = self._skip_batch(cq, q, phys, mx)
-                continue
-            try:
-                v = cl.read_batch(phys)
-                if verify:
-                    v.verify()
-            except (CorruptBatchError, OffsetOutOfRangeError) as exc:
-                self._report_corrupt(phys, str(exc))
-                q = self._skip_batch(cq, q, phys, mx)
-                continue
-            first = q - v.queue_offset
-            if not 0 <= first < v.count:
-                self._report_corrupt(phys, f"consume queue unit {q} does not match the batch")
-                q = self._skip_batch(cq, q, phys, mx)
-                continue
-            if wanted is not None:
-                tags = np.frombuffer(v.index_view(), dtype=_TAG_DTYPE)["tag"][first:]
-                mask = np.isin(tags, wanted)
-                if not mask.any():
-                    q = v.queue_offset + v.count
+            base = q
+            phys_l = units["phys"].tolist()
+            size_l = units["size"].tolist()
+            k = len(phys_l)
+            i = 0
+            while i < k and n < max_messages and nbytes < max_bytes:
+                phys = phys_l[i]
+                size = size_l[i]
+                if not size:  # not written (a concurrent truncation): stop here
+                    k = -1
+                    break
+                if phys < cl_min:
+                    removed = True
+                    q += 1
+                    i += 1
                     continue
-                first += int(mask.argmax())
-            batches.append(ReadBatch(v.bytes_view, first, v.queue_offset + first, v.count - first))
-            n += v.count - first
-            nbytes += v.total_size
-            q = v.queue_offset + v.count
+                if phys in quarantine:
+                    q = self._skip_batch(cq, q, phys, mx)
+                    i = q - base
+                    continue
+                try:
+                    if not seg_start <= phys < seg_end:
+                        seg = cl.segment_for(phys)
+                        seg_start, seg_end = seg.start, seg.end
+                        seg_mv = memoryview(seg.mm)[: max(0, min(seg.size, write_pos - seg_start))]
+                    rel = phys - seg_start
+                    if rel + size > len(seg_mv):
+                        raise OffsetOutOfRangeError(
+                            f"batch of {size} bytes at {phys} runs past the written data"
+                        )
+                    bq, bc = stored_span(seg_mv, rel, size, verify)
+                except (CorruptBatchError, OffsetOutOfRangeError) as exc:
+                    self._report_corrupt(phys, str(exc))
+                    q = self._skip_batch(cq, q, phys, mx)
+                    i = q - base
+                    continue
+                first = q - bq
+                if not 0 <= first < bc:
+                    self._report_corrupt(phys, f"consume queue unit {q} does not match the batch")
+                    q = self._skip_batch(cq, q, phys, mx)
+                    i = q - base
+                    continue
+                if wanted is not None:
+                    v = BatchView(seg_mv, rel)
+                    tags = np.frombuffer(v.index_view(), dtype=_TAG_DTYPE)["tag"][first:]
+                    mask = np.isin(tags, wanted)
+                    if not mask.any():
+                        q = bq + bc
+                        i = q - base
+                        continue
+                    first += int(mask.argmax())
+                batches.append(ReadBatch(seg_mv[rel : rel + size], first, bq + first, bc - first))
+                n += bc - first
+                nbytes += size
+                q = bq + bc
+                i = q - base
+            if k < 0:
+                break
         self._get_messages += n
         if batches:
             status = GetStatus.FOUND
