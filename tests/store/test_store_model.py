@@ -19,7 +19,11 @@ from tidemq.protocol.record import tag_hash
 from .helpers import batch, open_store
 
 TOPICS = ["a", "b"]
-OPTS = dict(segment_size=4096, cq_units_per_file=7, index_slots=8, index_max_entries=16)
+# pwrite_min_bytes=300: batches take both write paths (through the mapping and pwritev)
+OPTS = dict(
+    segment_size=4096, cq_units_per_file=7, index_slots=8, index_max_entries=16,
+    pwrite_min_bytes=300,
+)
 _ids = itertools.count()
 
 

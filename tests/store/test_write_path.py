@@ -10,8 +10,8 @@ import pytest
 from tidemq.protocol.errors import DiskFullError, StoreError
 from tidemq.protocol.record import BatchView
 from tidemq.store import mapped_file
+from tidemq.store.config import PWRITE_MIN_BYTES
 from tidemq.store.flush import run_callbacks
-from tidemq.store.message_store import PWRITE_MIN_BYTES
 
 from .helpers import FlushMode, batch, open_store, read_all
 from .test_faults import crash_image

@@ -83,13 +83,6 @@ _TAG_HASH = struct.Struct("<Q")  # the first field of a message index entry
 _TAG_DTYPE = np.dtype([("tag", "<u8"), ("rel", "<u4")])
 assert _TAG_DTYPE.itemsize == INDEX_ENTRY_SIZE
 
-#: Batches this large are written with one pwritev, smaller ones through the mapping. On this
-#: machine a write fault on a fresh page of the mapping costs a page zeroing plus the fault
-#: (1 GiB of 104 KB batches: 350-1,275 MB/s and up to 2.7 s of system time through the mapping,
-#: ~2,000 MB/s and 0.28 s with pwrite), while a syscall per small batch costs more than the
-#: copy (286 B: 1,100-1,200 MB/s mapped, ~280 MB/s with pwrite). See docs/format.md.
-PWRITE_MIN_BYTES = 32 * 1024
-
 #: Messages per id-index block: a batch is indexed once per block of sequence ids it covers.
 ID_BLOCK_BITS = 10
 
@@ -211,6 +204,7 @@ class MessageStore:
         self._store_port = config.store_port
         self._store_host = pack_host(config.store_host)
         self._max_batch_bytes = config.max_batch_bytes
+        self._pwrite_min = config.pwrite_min_bytes
         self._index_enabled = config.index_enabled
         self._sync_flush = config.flush_mode is FlushMode.SYNC
         self.quarantine: dict[int, str] = {}  # phys offset -> reason (never served)
@@ -436,7 +430,7 @@ class MessageStore:
             mm = seg.mm
             phys = seg.start + rel
             p_start = v.producer_start
-            if size < PWRITE_MIN_BYTES:  # copy through the mapping, then stamp it in place
+            if size < self._pwrite_min:  # copy through the mapping, then stamp it in place
                 buf, at = mm, rel
                 mm[rel : rel + size] = data
             else:  # stamp a copy of the store header, write both with one syscall
