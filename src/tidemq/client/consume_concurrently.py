@@ -70,6 +70,8 @@ _EWMA = 1 / 16
 LOCAL_RETRY_DELAY = 5.0
 
 _Result = tuple[list[MessageExt], bool, int]  # page, success, ack index
+_SUCCESS = ConsumeStatus.SUCCESS
+_RECONSUME_LATER = ConsumeStatus.RECONSUME_LATER
 
 
 async def send_back(c: PushConsumer, msg: MessageExt, delay_level: int = 0) -> None:
@@ -134,11 +136,13 @@ class ConsumeConcurrentlyService:
                  mq: MessageQueue) -> None:
         """One pool job: the listener over ``pages``, results posted to the loop (pool thread)."""
         t0 = time.perf_counter()
+        results: list[_Result] = []
         try:
-            results = self._run_pages(pages, pq, mq)
+            self._run_pages(pages, pq, mq, results)
         except Exception:  # a hook failed: what did not complete is retried, not stranded
             log.exception("consume job of group %s on %s failed", self.c.group, mq)
-            results = [(page, False, -1) for page in pages]
+            if not pq.dropped:
+                results += [(page, False, -1) for page in pages[len(results):]]
         if results:
             # Clipped at JOB_TARGET: one job held up (say, waiting for the GIL) must not make
             # a fast listener look slow for long; anything that slow is spread anyway.
@@ -169,29 +173,30 @@ class ConsumeConcurrentlyService:
     def _context(self, page: list[MessageExt], mq: MessageQueue) -> ConsumeContext:
         return ConsumeContext(group=self.c.group, message_queue=mq, msgs=page)
 
-    def _run_pages(self, pages: list[list[MessageExt]], pq: ProcessQueue,
-                   mq: MessageQueue) -> list[_Result]:
+    def _run_pages(self, pages: list[list[MessageExt]], pq: ProcessQueue, mq: MessageQueue,
+                   out: list[_Result]) -> None:
+        """The listener over ``pages``, one result appended to ``out`` per page called."""
         c = self.c
         listener = c.listener
         hooks = c.hooks
-        out: list[_Result] = []
+        group = c.group
+        append = out.append
         for page in pages:
             if pq.dropped:
                 break
-            ctx = self._context(page, mq)
+            ctx = ConsumeContext(group, mq, page)
             for h in hooks:
                 h.before(ctx)
             try:
                 status = listener(page, ctx)
             except Exception:
                 log.exception("listener of group %s failed on %d messages of %s; they will "
-                              "be retried", c.group, len(page), mq)
-                status = ConsumeStatus.RECONSUME_LATER
+                              "be retried", group, len(page), mq)
+                status = _RECONSUME_LATER
             ctx.status = status
             for h in hooks:
                 h.after(ctx)
-            out.append((page, status == ConsumeStatus.SUCCESS, ctx.ack_index))
-        return out
+            append((page, status is _SUCCESS or status == _SUCCESS, ctx.ack_index))
 
     async def _run_async(self, pages: list[list[MessageExt]], pq: ProcessQueue,
                          mq: MessageQueue) -> None:
