@@ -137,3 +137,122 @@ def test_large_mixed_batch_uses_the_vectorised_paths_and_matches_reference():
         assert BatchView(got).unique_id(299) == dec[-1].msg_id
         assert [m.keys for m in dec] == [[m.keys] if m.keys else [] for m in batch[40:]]
         assert all(m.born_timestamp == 1234 and m.properties == {} for m in dec)
+
+
+# -- the per-batch fast paths of decode_pull_body (single-message batches and the general path)
+# checked field by field against record.BatchView.messages, the reference decoder.
+
+TOPICS = ("topic-a", "%RETRY%a-much-longer-group-name")
+
+
+def stored(batch: bytearray, queue_offset: int, *, phys: int = 0, reconsume: int = 0,
+           topic_len: int = 7) -> bytearray:
+    """``batch`` as the broker stores it: store fields stamped, header CRC resealed."""
+    from tidemq.protocol.record import STORE_TAIL, pack_host, seal_store_header
+
+    STORE_TAIL.pack_into(batch, 12, phys, queue_offset, 1_700_000_000_123 + queue_offset, -1,
+                         5, reconsume, topic_len, 10911, pack_host("10.1.2.3"))
+    seal_store_header(batch, 0, 72 + topic_len)
+    return batch
+
+
+def reference_messages(body: bytes, from_offset: int, tags: frozenset[str] | None) -> list:
+    out, pos = [], 0
+    while pos < len(body):
+        v = BatchView(body, pos)
+        pos += v.total_size
+        start = max(0, from_offset - v.queue_offset)
+        if start < v.count:
+            out += [m for m in v.messages(start) if tags is None or m.tags in tags]
+    return out
+
+
+BATCH = st.tuples(st.lists(MESSAGE, min_size=1, max_size=3), st.sampled_from((0, 0, 1, 3)),
+                  st.sampled_from(TOPICS), st.integers(0, 3))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(BATCH, min_size=1, max_size=8), st.integers(0, 12), st.booleans(),
+       st.none() | st.frozensets(TEXT, min_size=1, max_size=3))
+def test_pull_body_of_mixed_batches_decodes_as_batchview(batches, from_offset, framed, tags):
+    parts, qo = [], 0
+    for msgs, compression, topic, reconsume in batches:
+        data = [MessageData(m.body, m.tags, m.keys_string, m.properties, 0, 1234) for m in msgs]
+        b = encode_batch(topic, data, queue_id=5, producer_id=77, base_seq=qo,
+                         born_host="10.0.0.7", born_port=4321, compression=compression,
+                         compress_min=0, delay_level=2 if reconsume == 3 else 0)
+        parts.append(stored(b, qo, phys=1000 + qo, reconsume=reconsume,
+                            topic_len=len(topic)))
+        qo += len(msgs)
+    body = b"".join(parts)
+    # A frame body is a memoryview into a larger received chunk; a bytes body is whole.
+    got, end = decode_pull_body(memoryview(b"xyz" + body + b"!")[3:-1] if framed else body,
+                                from_offset=from_offset, broker_name="bk", tags=tags)
+    want = reference_messages(body, from_offset, tags)
+    assert end == max(qo, from_offset)
+    assert len(got) == len(want)
+    for d, e in zip(got, want, strict=True):
+        assert (d.body, d.tags, d.queue_offset, d.msg_id) == (e.body, e.tags, e.queue_offset,
+                                                               e.msg_id)
+        assert d.properties == e.properties and (" ".join(d.keys) or None) == e.keys
+        assert (d.topic, d.queue_id, d.broker_name) == (e.topic, 5, "bk")
+        assert d.born_timestamp == e.born_ts and d.born_host == "10.0.0.7:4321"
+        assert d.store_timestamp == e.store_ts and d.store_host == "10.1.2.3:10911"
+        assert d.commit_log_offset == e.phys_offset and d.reconsume_times == e.reconsume_times
+        assert d.delay_level == e.delay_level and d.flag == e.flag
+
+
+def single(body: bytes, qo: int, tags: str | None = None) -> bytearray:
+    b = encode_messages("topic-a", [Message("topic-a", body, tags)], queue_id=5,
+                        producer_id=1, base_seq=qo, born_ts=1)
+    return stored(b, qo)
+
+
+class _Reports(list):
+    def append_args(self, *r: object) -> None:
+        self.append(r)
+
+
+def test_damage_to_a_single_message_batch_is_detected_and_contained():
+    from tidemq.protocol.record import crc32c
+
+    batches = [single(b"m%d" % i, i) for i in range(4)]
+    for where in (-1, 30, 100):  # the body, the store time (store CRC), the producer header
+        damaged = [bytearray(b) for b in batches]
+        damaged[2][where] ^= 0x40
+        body = b"".join(damaged)
+        with pytest.raises(CorruptBatchError, match="CRC32C mismatch"):
+            decode_pull_body(body, from_offset=0)
+        reports = _Reports()
+        msgs, end = decode_pull_body(body, from_offset=0, on_corrupt=reports.append_args)
+        assert [m.body for m in msgs] == [b"m0", b"m1", b"m3"] and end == 4
+        assert [(q, n) for q, n, _ in reports] == [(2, 1)]
+    # Record sizes that disagree, under a valid CRC: caught by the checks, not by the CRC.
+    p = 72 + len("topic-a")
+    for fields in ((24,), (0, 24)):  # body_len alone; record_size and body_len past the end
+        bad = bytearray(batches[1])
+        for f in fields:
+            bad[p + 76 + f] += 1
+        bad[p : p + 4] = crc32c(memoryview(bad)[p + 4 :]).to_bytes(4, "little")
+        body = bytes(batches[0] + bad + batches[2])
+        with pytest.raises(CorruptBatchError, match="record sizes are inconsistent"):
+            decode_pull_body(body, from_offset=0)
+        assert [m.body for m in decode_pull_body(body, from_offset=0,
+                                                 on_corrupt=lambda *r: None)[0]] == [b"m0", b"m2"]
+    # A torn last batch ends the body and is reported with count -1.
+    body = b"".join(batches)[:-3]
+    reports = []
+    msgs, end = decode_pull_body(body, from_offset=0, on_corrupt=lambda *r: reports.append(r))
+    assert [m.body for m in msgs] == [b"m0", b"m1", b"m2"] and [r[:2] for r in reports] == [
+        (3, -1)]
+    with pytest.raises(CorruptBatchError):
+        decode_pull_body(body, from_offset=0)
+
+
+def test_single_message_batches_filter_tags_and_skip_before_offset():
+    body = b"".join(single(b"m%d" % i, i, tags=("x", "y", None)[i % 3]) for i in range(9))
+    got = decode_batches(body, from_offset=2, tags=parse_tag_expression("x || y"))
+    assert [(m.queue_offset, m.tags, m.body) for m in got] == [
+        (i, ("x", "y")[i % 3], b"m%d" % i) for i in range(3, 9) if i % 3 != 2]
+    assert decode_pull_body(body, from_offset=20)[0] == []
+    assert decode_pull_body(body, from_offset=20)[1] == 20

@@ -191,3 +191,84 @@ def test_consume_from_last_first_and_timestamp_for_a_new_group(dev) -> None:
     assert got["last"] == new
     assert got["first"] == old | mid | new
     assert got["timestamp"] == mid | new
+
+
+def test_a_fast_listener_gets_a_pull_in_one_job_a_slow_one_in_parallel_pages(dev) -> None:
+    """Single-message batches (one send each): the listener still gets at most
+    consume_message_batch_max_size messages a call; a fast listener is measured fast (its
+    pages then travel in one pool job per pull), a slow one keeps running in parallel."""
+    from tidemq.client.consume_concurrently import JOB_TARGET
+
+    topic = "pc-bundle"
+    with tidemq.Admin(dev.namesrv) as admin:
+        admin.create_topic(topic, 1)
+    with tidemq.Producer(dev.namesrv) as p:
+        for i in range(200):
+            p.send(tidemq.Message(topic, b"m%d" % i))
+    calls: list[list[bytes]] = []
+
+    def fast(msgs, ctx):
+        calls.append([m.body for m in msgs])
+        return tidemq.ConsumeStatus.SUCCESS
+
+    with tidemq.PushConsumer(dev.namesrv, "pc-bundle-fast", fast,
+                             consume_message_batch_max_size=3, **FAST) as c:
+        c.subscribe(topic)
+        wait_until(lambda: c.stats()["consumed"] == 200, 10)
+        assert 0 < c._aio.consume_service.page_seconds < JOB_TARGET
+    assert max(map(len, calls)) == 3
+    assert sorted(b for page in calls for b in page) == sorted(b"m%d" % i for i in range(200))
+    with tidemq.Admin(dev.namesrv) as admin:
+        wait_until(lambda: admin.group_lag("pc-bundle-fast", topic).total_lag == 0, 5)
+
+    lock = threading.Lock()
+    active = [0, 0]  # now, peak
+
+    def slow(msgs, ctx):
+        with lock:
+            active[0] += 1
+            active[1] = max(active)
+        time.sleep(0.1)
+        with lock:
+            active[0] -= 1
+        return tidemq.ConsumeStatus.SUCCESS
+
+    with tidemq.PushConsumer(dev.namesrv, "pc-bundle-slow", slow, pull_batch_size=8,
+                             **FAST) as c:
+        c.subscribe(topic)
+        wait_until(lambda: c.stats()["consumed"] >= 24, 10)
+        assert c._aio.consume_service.page_seconds >= JOB_TARGET
+    assert active[1] >= 2  # pages of one pull ran on several pool threads at once
+
+
+def test_a_failing_hook_retries_its_pages_instead_of_stranding_them(dev) -> None:
+    topic = "pc-hook"
+    with tidemq.Admin(dev.namesrv) as admin:
+        admin.create_topic(topic, 1)
+    with tidemq.Producer(dev.namesrv) as p:
+        for i in range(5):
+            p.send(tidemq.Message(topic, b"h%d" % i))
+    seen: list[tuple[bytes, int]] = []
+    failed = threading.Event()
+
+    class Hook:
+        def before(self, ctx: tq.ConsumeContext) -> None:
+            if not failed.is_set():
+                failed.set()
+                raise RuntimeError("hook fails once")
+
+        def after(self, ctx: tq.ConsumeContext) -> None:
+            pass
+
+    def handle(msgs, ctx):
+        seen.extend((m.body, m.reconsume_times) for m in msgs)
+        return tidemq.ConsumeStatus.SUCCESS
+
+    with tidemq.PushConsumer(dev.namesrv, "pc-hook-g", handle, hooks=[Hook()], **FAST) as c, \
+            tidemq.Admin(dev.namesrv) as admin:
+        c.subscribe(topic)
+        # Every message is consumed: those of the failed job come back through the retry
+        # topic, and the committed offset moves past them.
+        wait_until(lambda: {b for b, _ in seen} == {b"h%d" % i for i in range(5)}, 10)
+        assert any(n == 1 for _, n in seen)
+        wait_until(lambda: admin.group_lag("pc-hook-g", topic).total_lag == 0, 5)

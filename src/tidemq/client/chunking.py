@@ -186,7 +186,7 @@ class ChunkAssembler:
 
 def may_be_chunk(m: MessageExt) -> bool:
     """Cheap pre-check: chunks travel as batches of one message that have properties."""
-    return len(m._b.index) == 12 and m._b.record(m._i)[4] > 0
+    return m._b.count == 1 and m._b.record(m._i)[4] > 0
 
 
 class _Assembled(MessageExt, array_like=True, gc=False):

@@ -5,7 +5,16 @@ default: one message per listener call) and the pages run on the consumer's thre
 (``consume_thread_max``, 20 threads) -- or, for an ``async def`` listener, as tasks on the
 consumer's event loop. Pages of one pull are spread over at most :data:`JOBS_PER_PULL` pool
 jobs: handing every single page to the pool costs more than a no-op listener itself
-(~30 µs per hop), while a few jobs per pull keep a slow listener parallel across the pool.
+(~10-30 µs per hop: a Future, a thread wake-up, GIL hand-overs), while a few jobs per pull
+keep a slow listener parallel across the pool. How many jobs is sized by the listener's
+measured time per page (:data:`JOB_TARGET` of listener time per job, at least): a fast listener
+gets the whole pull in one job -- what makes a backlog of single-message batches, 32 messages
+per pull, affordable -- a slow one (or one not measured yet) up to JOBS_PER_PULL. Parallelism
+across jobs of *several* pulls is unchanged: the next pull goes out as soon as this one is
+handed over.
+
+Finished jobs post their results to a queue that the event loop drains; one loop wake-up
+(``call_soon_threadsafe``) serves every job that finished before the loop got to it.
 
 After a listener call, on the event loop:
 
@@ -30,9 +39,12 @@ hooks on the pool (sync listeners) or the loop (async listeners).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import inspect
 import logging
+import math
+import time
 from typing import TYPE_CHECKING
 
 from tidemq.client.listener import ConsumeContext, ConsumeStatus
@@ -45,14 +57,21 @@ from tidemq.protocol.headers import ConsumerSendMsgBackRequestHeader
 if TYPE_CHECKING:
     from tidemq.client.push_consumer import PushConsumer
 
-__all__ = ["ConsumeConcurrentlyService", "JOBS_PER_PULL", "LOCAL_RETRY_DELAY", "send_back"]
+__all__ = ["ConsumeConcurrentlyService", "JOBS_PER_PULL", "JOB_TARGET", "LOCAL_RETRY_DELAY",
+           "send_back"]
 
 log = logging.getLogger(__name__)
 
 JOBS_PER_PULL = 4
+#: Seconds of listener time a pool job should carry before a pull's pages are split further.
+JOB_TARGET = 0.0002
+#: Weight of one job's measurement in the running time-per-page estimate.
+_EWMA = 1 / 16
 LOCAL_RETRY_DELAY = 5.0
 
 _Result = tuple[list[MessageExt], bool, int]  # page, success, ack index
+_SUCCESS = ConsumeStatus.SUCCESS
+_RECONSUME_LATER = ConsumeStatus.RECONSUME_LATER
 
 
 async def send_back(c: PushConsumer, msg: MessageExt, delay_level: int = 0) -> None:
@@ -82,6 +101,15 @@ class ConsumeConcurrentlyService:
         self._tasks: set[asyncio.Task] = set()
         self.consumed = 0
         self.failed = 0
+        #: Listener wall time per page, a running estimate written by the pool threads (a lost
+        #: update between two of them only delays the estimate); starts "slow": pages are
+        #: spread until the listener is measured fast.
+        self.page_seconds = JOB_TARGET
+        #: Results of finished jobs (appended by pool threads, drained on the loop) and whether
+        #: a drain is scheduled.
+        self._done: collections.deque[tuple[list[_Result], ProcessQueue, MessageQueue]] = (
+            collections.deque())
+        self._drain_scheduled = False
 
     def submit(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue,
                dispatch: bool) -> None:
@@ -90,56 +118,85 @@ class ConsumeConcurrentlyService:
         if self.is_async:
             self._spawn(self._run_async(pages, pq, mq))
             return
-        jobs = min(len(pages), JOBS_PER_PULL)
-        step = -(-len(pages) // jobs)
-        for j in range(0, len(pages), step):
-            chunk = pages[j : j + step]
-            fut = self.pool.submit(self._run_pages, chunk, pq, mq)
-            fut.add_done_callback(lambda f, pq=pq, mq=mq: self._from_thread(f, pq, mq))
+        n = len(pages)
+        jobs = min(n, JOBS_PER_PULL, max(1, math.ceil(n * self.page_seconds / JOB_TARGET)))
+        if jobs == 1:
+            self.pool.submit(self._run_job, pages, pq, mq)
+            return
+        step = -(-n // jobs)
+        for j in range(0, n, step):
+            self.pool.submit(self._run_job, pages[j : j + step], pq, mq)
 
     def _spawn(self, coro) -> None:  # noqa: ANN001
         t = self.loop.create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    def _from_thread(self, f: concurrent.futures.Future, pq: ProcessQueue,
-                     mq: MessageQueue) -> None:
+    def _run_job(self, pages: list[list[MessageExt]], pq: ProcessQueue,
+                 mq: MessageQueue) -> None:
+        """One pool job: the listener over ``pages``, results posted to the loop (pool thread)."""
+        t0 = time.perf_counter()
+        results: list[_Result] = []
         try:
-            results = f.result()
-        except concurrent.futures.CancelledError:
-            return
-        try:
-            self.loop.call_soon_threadsafe(self.process_results, results, pq, mq)
-        except RuntimeError:  # the loop is closed: the consumer is gone
-            pass
+            self._run_pages(pages, pq, mq, results)
+        except Exception:  # a hook failed: what did not complete is retried, not stranded
+            log.exception("consume job of group %s on %s failed", self.c.group, mq)
+            if not pq.dropped:
+                results += [(page, False, -1) for page in pages[len(results):]]
+        if results:
+            # Clipped at JOB_TARGET: one job held up (say, waiting for the GIL) must not make
+            # a fast listener look slow for long; anything that slow is spread anyway.
+            per_page = min((time.perf_counter() - t0) / len(results), JOB_TARGET)
+            self.page_seconds += (per_page - self.page_seconds) * _EWMA
+        self._done.append((results, pq, mq))
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            try:
+                self.loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:  # the loop is closed: the consumer is gone
+                pass
+
+    def _drain(self) -> None:
+        """Process every posted job result (event loop)."""
+        # Cleared before draining: a job posting after this either is drained below or
+        # schedules the next drain itself.
+        self._drain_scheduled = False
+        done = self._done
+        while done:
+            results, pq, mq = done.popleft()
+            try:
+                self.process_results(results, pq, mq)
+            except Exception:  # a bug must not strand the results queued behind it
+                log.exception("processing consume results of %s failed", mq)
 
     # -- listener calls --------------------------------------------------------------------------
     def _context(self, page: list[MessageExt], mq: MessageQueue) -> ConsumeContext:
         return ConsumeContext(group=self.c.group, message_queue=mq, msgs=page)
 
-    def _run_pages(self, pages: list[list[MessageExt]], pq: ProcessQueue,
-                   mq: MessageQueue) -> list[_Result]:
+    def _run_pages(self, pages: list[list[MessageExt]], pq: ProcessQueue, mq: MessageQueue,
+                   out: list[_Result]) -> None:
+        """The listener over ``pages``, one result appended to ``out`` per page called."""
         c = self.c
         listener = c.listener
         hooks = c.hooks
-        out: list[_Result] = []
+        group = c.group
+        append = out.append
         for page in pages:
             if pq.dropped:
                 break
-            ctx = self._context(page, mq)
+            ctx = ConsumeContext(group, mq, page)
             for h in hooks:
                 h.before(ctx)
             try:
                 status = listener(page, ctx)
             except Exception:
                 log.exception("listener of group %s failed on %d messages of %s; they will "
-                              "be retried", c.group, len(page), mq)
-                status = ConsumeStatus.RECONSUME_LATER
+                              "be retried", group, len(page), mq)
+                status = _RECONSUME_LATER
             ctx.status = status
             for h in hooks:
                 h.after(ctx)
-            out.append((page, status == ConsumeStatus.SUCCESS, ctx.ack_index))
-        return out
+            append((page, status is _SUCCESS or status == _SUCCESS, ctx.ack_index))
 
     async def _run_async(self, pages: list[list[MessageExt]], pq: ProcessQueue,
                          mq: MessageQueue) -> None:

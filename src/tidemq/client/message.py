@@ -22,11 +22,15 @@ from typing import Any
 import msgspec
 
 from tidemq.protocol.record import (
+    ATTR_DELAY_MASK,
+    ATTR_DELAY_SHIFT,
     INDEX_ENTRY,
     INDEX_ENTRY_SIZE,
     KEYS_ENTRY,
+    PRODUCER_HEADER_SIZE,
     RECORD_HEADER,
     RECORD_HEADER_SIZE,
+    STORE_HEADER_SIZE,
     decode_properties,
     unique_id,
     unpack_host,
@@ -161,48 +165,101 @@ class ConsumeFrom(enum.StrEnum):
     TIMESTAMP = "timestamp"  # the first message stored at or after consume_timestamp
 
 
-class _BatchMeta:
-    """What the messages of one received batch share; decoded lazily (see MessageExt)."""
+# Fields of ``_BatchMeta.h``: STORE_HEADER's 14 fields, then PRODUCER_HEADER's 11 (record.py),
+# as one struct.unpack_from of both headers returns them (codec.py).
+_H_PHYS_OFFSET, _H_QUEUE_OFFSET, _H_STORE_TS, _H_QUEUE_ID, _H_RECONSUME = 5, 6, 7, 9, 10
+_H_TOPIC_LEN, _H_STORE_PORT, _H_STORE_HOST = 11, 12, 13
+_H_ATTRIBUTES, _H_BORN_PORT, _H_COUNT, _H_KEYS_SIZE = 15, 16, 17, 18
+_H_PRODUCER_ID, _H_BASE_SEQ, _H_DELIVER_AT, _H_BORN_HOST = 21, 22, 23, 24
+_INDEX_AT = STORE_HEADER_SIZE + PRODUCER_HEADER_SIZE  # + topic_len: the index in a batch
 
-    __slots__ = (
-        "topic", "broker_name", "queue_id", "queue_offset", "phys_offset", "store_ts",
-        "reconsume_times", "producer_id", "base_seq", "born_host_raw", "born_port",
-        "store_host_raw", "store_port", "delay_level", "deliver_at", "raw", "index",
-        "keys_raw", "_keys", "raw_off",
-    )
 
-    def __init__(self, view: Any, topic: str, broker_name: str, raw: bytes, raw_off: int = 0
-                 ) -> None:
-        self.topic = topic
-        self.broker_name = broker_name
-        self.queue_id = view.queue_id
-        self.queue_offset = view.queue_offset
-        self.phys_offset = view.phys_offset
-        self.store_ts = view.store_ts
-        self.reconsume_times = view.reconsume_times
-        self.producer_id = view.producer_id
-        self.base_seq = view.base_seq
-        self.born_host_raw = view.born_host_raw
-        self.born_port = view.born_port
-        self.store_host_raw = view.store_host_raw
-        self.store_port = view.store_port
-        self.delay_level = view.delay_level
-        self.deliver_at = view.deliver_at
-        self.raw = raw  # holds the records section, uncompressed, at raw_off
-        self.raw_off = raw_off
-        self.index = bytes(view.index_view())
-        if view.keys_size:
-            s = view.pos + view.keys_start
-            self.keys_raw = bytes(view.buf[s : s + view.keys_size])
-        else:
-            self.keys_raw = b""
-        self._keys: dict[int, str] | None = None
+class _BatchMeta(msgspec.Struct, gc=False):
+    """What the messages of one received batch share; decoded lazily (see MessageExt).
+
+    Built once per received batch, so it is a Struct of what the decoder already holds (the
+    header tuple and where the bytes are) rather than ~20 attributes copied out of it: a pull
+    of single-message batches builds one per message.
+    """
+
+    topic: str
+    broker_name: str
+    #: STORE_HEADER + PRODUCER_HEADER fields (may carry more after them; see _H_*)
+    h: tuple
+    src: bytes  # holds the batch as received (index, keys) at ``pos``
+    pos: int
+    raw: bytes  # holds the records section, uncompressed, at raw_off
+    raw_off: int
+    _keys: dict[int, str] | None = None
+
+    @property
+    def queue_id(self) -> int:
+        return self.h[_H_QUEUE_ID]
+
+    @property
+    def queue_offset(self) -> int:
+        return self.h[_H_QUEUE_OFFSET]
+
+    @property
+    def phys_offset(self) -> int:
+        return self.h[_H_PHYS_OFFSET]
+
+    @property
+    def store_ts(self) -> int:
+        return self.h[_H_STORE_TS]
+
+    @property
+    def reconsume_times(self) -> int:
+        return self.h[_H_RECONSUME]
+
+    @property
+    def producer_id(self) -> int:
+        return self.h[_H_PRODUCER_ID]
+
+    @property
+    def base_seq(self) -> int:
+        return self.h[_H_BASE_SEQ]
+
+    @property
+    def born_host_raw(self) -> bytes:
+        return self.h[_H_BORN_HOST]
+
+    @property
+    def born_port(self) -> int:
+        return self.h[_H_BORN_PORT]
+
+    @property
+    def store_host_raw(self) -> bytes:
+        return self.h[_H_STORE_HOST]
+
+    @property
+    def store_port(self) -> int:
+        return self.h[_H_STORE_PORT]
+
+    @property
+    def delay_level(self) -> int:
+        return (self.h[_H_ATTRIBUTES] & ATTR_DELAY_MASK) >> ATTR_DELAY_SHIFT
+
+    @property
+    def deliver_at(self) -> int:
+        return self.h[_H_DELIVER_AT]
+
+    @property
+    def count(self) -> int:
+        return self.h[_H_COUNT]
+
+    def index_pos(self) -> int:
+        """Where the message index starts in ``src``."""
+        return self.pos + _INDEX_AT + self.h[_H_TOPIC_LEN]
 
     def keys(self) -> dict[int, str]:
         if self._keys is None:
             out: dict[int, str] = {}
-            raw, q = self.keys_raw, 0
-            while q + 6 <= len(raw):
+            h = self.h
+            q = self.index_pos() + h[_H_COUNT] * INDEX_ENTRY_SIZE
+            end = q + h[_H_KEYS_SIZE]
+            raw = self.src
+            while q + 6 <= end:
                 i, n = KEYS_ENTRY.unpack_from(raw, q)
                 out[i] = raw[q + 6 : q + 6 + n].decode()
                 q += 6 + n
@@ -211,7 +268,7 @@ class _BatchMeta:
 
     def record(self, i: int) -> tuple[int, int, int, int, int, int]:
         """(position in raw, born_ts, flag, tags_len, props_len, body_len) of message ``i``."""
-        _th, rel = INDEX_ENTRY.unpack_from(self.index, i * INDEX_ENTRY_SIZE)
+        _th, rel = INDEX_ENTRY.unpack_from(self.src, self.index_pos() + i * INDEX_ENTRY_SIZE)
         rel += self.raw_off
         _size, born_ts, flag, tl, _r, pl, bl = RECORD_HEADER.unpack_from(self.raw, rel)
         return rel, born_ts, flag, tl, pl, bl
