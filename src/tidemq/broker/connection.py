@@ -93,7 +93,7 @@ class BrokerConnection(asyncio.Protocol):
     Event loop only (``respond`` too: the store's threads reach it through the loop)."""
 
     __slots__ = (
-        "broker", "decoder", "transport", "peer", "closed", "held", "_out", "_paused",
+        "broker", "decoder", "transport", "peer", "closed", "held", "_out", "_later", "_paused",
     )
 
     def __init__(self, broker: Any, max_frame_size: int) -> None:
@@ -105,6 +105,9 @@ class BrokerConnection(asyncio.Protocol):
         #: Held (long-polling) pulls of this connection, dropped when it closes.
         self.held: set[Any] = set()
         self._out: list | None = None
+        # Writes made outside data_received (a group commit's answers, a woken held pull),
+        # sent together at the end of the loop iteration; None when nothing waits.
+        self._later: list | None = None
         self._paused = False
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
@@ -129,6 +132,9 @@ class BrokerConnection(asyncio.Protocol):
                 handle(self, frame)
         finally:
             self._out = None
+            if self._later is not None:  # keep the order: earlier writes first
+                out[:0] = self._later
+                self._later = None
             if out and not self.closed:
                 self.transport.writelines(out)
 
@@ -159,7 +165,20 @@ class BrokerConnection(asyncio.Protocol):
         if self._out is not None:
             self._out.extend(parts)
         elif not self.closed:
-            self.transport.writelines(parts)
+            # Outside data_received: coalesce this loop iteration's writes into one system call
+            # (a SYNC_FLUSH group commit answers up to a round's worth of sends at once; a
+            # writelines each cost ~7 µs of system time per send).
+            later = self._later
+            if later is None:
+                self._later = list(parts)
+                self.broker.loop.call_soon(self._write_later)
+            else:
+                later.extend(parts)
+
+    def _write_later(self) -> None:
+        later, self._later = self._later, None
+        if later and not self.closed:
+            self.transport.writelines(later)
 
     def respond(self, opaque: int, code: int, header: Any, bodies: list | None = None) -> None:
         """Send a response; ``bodies`` are written after the header, each untouched."""
@@ -181,6 +200,9 @@ class BrokerConnection(asyncio.Protocol):
 
     def close(self) -> None:
         if not self.closed:
+            later, self._later = self._later, None
+            if later and self.transport is not None:
+                self.transport.writelines(later)  # written before the close, as before
             self.closed = True
             if self.transport is not None:
                 self.transport.close()

@@ -77,9 +77,7 @@ def _ignore_durability(err: object) -> None:
 class _PendingSend:
     """A SYNC_FLUSH send between its put and its response."""
 
-    __slots__ = (
-        "waiters", "conn", "opaque", "header", "durable", "error", "timer", "answered", "dedup",
-    )
+    __slots__ = ("waiters", "conn", "opaque", "header", "durable", "error", "answered", "dedup")
 
     def __init__(self, waiters: _DurabilityWaiters, conn: BrokerConnection, opaque: int) -> None:
         self.waiters = waiters
@@ -88,7 +86,6 @@ class _PendingSend:
         self.header: SendMessageResponseHeader | None = None
         self.durable = False
         self.error: object = None
-        self.timer: asyncio.TimerHandle | None = None
         self.answered = False
         # (MessageDeduplication, producer id, highest sequence) of a deduplicated batch
         self.dedup: tuple[MessageDeduplication, int, int] | None = None
@@ -102,7 +99,7 @@ class _PendingSend:
         if self.durable:
             self._answer()
         else:
-            self.timer = self.waiters.loop.call_later(self.waiters.timeout_s, self._timeout)
+            self.waiters.expect(self)
 
     def made_durable(self, err: object) -> None:
         """The fsync covering this batch finished (loop thread)."""
@@ -117,8 +114,8 @@ class _PendingSend:
         if self.header is not None:
             self._answer()
 
-    def _timeout(self) -> None:
-        self.timer = None
+    def time_out(self) -> None:
+        """Not durable within the sync flush timeout (loop thread)."""
         if not self.answered:
             self.answered = True
             log.warning("send to %s not durable within the sync flush timeout", self.conn.peer)
@@ -128,8 +125,6 @@ class _PendingSend:
         if self.answered:
             return
         self.answered = True
-        if self.timer is not None:
-            self.timer.cancel()
         if self.error is None:
             self.conn.respond(self.opaque, ResponseCode.SUCCESS, self.header)
         else:
@@ -139,8 +134,17 @@ class _PendingSend:
 
 
 class _DurabilityWaiters:
-    """Moves durability callbacks from the store's flush thread onto the event loop, one
-    ``call_soon_threadsafe`` per burst (the flush thread completes a whole group at once)."""
+    """SYNC_FLUSH sends between their put and their fsync (event loop).
+
+    Durability callbacks arrive on the loop in one hop per group commit (the store's flush
+    service hands each round to the loop; ``arrive`` also copes with a callback from another
+    thread). The sync flush timeout is one timer for all pending sends, not a ``call_later``
+    per send (a libuv timer each, plus its cancel, was a tenth of a single send's broker time):
+    sends wait in a deque in the order they were stored, so they also expire in that order, and
+    a sweep at most every SWEEP_S drops the answered ones from the head and times out the
+    expired ones (at most SWEEP_S late)."""
+
+    SWEEP_S = 0.1
 
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
         self.loop = loop
@@ -148,10 +152,12 @@ class _DurabilityWaiters:
         self._loop_thread = threading.get_ident()
         self._arrived: collections.deque[tuple[_PendingSend, object]] = collections.deque()
         self._scheduled = False
+        self._expiring: collections.deque[tuple[float, _PendingSend]] = collections.deque()
+        self._sweep_handle: asyncio.TimerHandle | None = None
 
     def arrive(self, pending: _PendingSend, err: object) -> None:
         if threading.get_ident() == self._loop_thread:
-            pending.made_durable(err)  # already durable when the put asked (same thread)
+            pending.made_durable(err)
             return
         self._arrived.append((pending, err))
         if not self._scheduled:
@@ -168,6 +174,29 @@ class _DurabilityWaiters:
             pending, err = arrived.popleft()
             pending.made_durable(err)
 
+    def expect(self, pending: _PendingSend) -> None:
+        """Time ``pending`` out unless it is answered within timeout_s (loop thread)."""
+        now = self.loop.time()
+        self._expiring.append((now + self.timeout_s, pending))
+        if self._sweep_handle is None:
+            self._sweep_handle = self.loop.call_at(
+                min(now + self.timeout_s, now + self.SWEEP_S), self._sweep
+            )
+
+    def _sweep(self) -> None:
+        self._sweep_handle = None
+        q = self._expiring
+        now = self.loop.time()
+        while q:
+            deadline, pending = q[0]
+            if not pending.answered and deadline > now:
+                break
+            q.popleft()
+            pending.time_out()  # a no-op for one answered meanwhile
+        if q:
+            self._sweep_handle = self.loop.call_at(
+                min(q[0][0], now + self.SWEEP_S), self._sweep
+            )
 
 class SendProcessor:
     """Handles SEND_MESSAGE / SEND_BATCH (event loop only)."""

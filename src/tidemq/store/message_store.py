@@ -449,9 +449,8 @@ class MessageStore:
             self._write_dispatch(v, cq, hashes, phys, qoff, size, now)
             self._queue_offsets[key] = qoff + count
             if self._listeners:
-                stored = BatchView(mm, rel)
                 for cb in self._listeners:
-                    cb(topic, qid, qoff + count, stored)
+                    cb(topic, qid, qoff + count, v)
         self._put_batches += 1
         self._put_messages += count
         self._put_bytes += size
@@ -532,8 +531,10 @@ class MessageStore:
         }
 
     def add_dispatch_listener(self, listener: DispatchListener) -> None:
-        """``listener(topic, queue_id, new_max_offset, stored_batch)`` after every put (the
-        broker wakes held pulls with it). Runs on the putting thread inside the put lock."""
+        """``listener(topic, queue_id, new_max_offset, batch)`` after every put (the broker
+        wakes held pulls with it). ``batch`` views the bytes as they were put: its message
+        index, keys and records are what was stored, its store header fields are not (read the
+        stored batch for those). Runs on the putting thread inside the put lock."""
         self._listeners.append(listener)
 
     # -- reading -------------------------------------------------------------------------------
