@@ -307,3 +307,30 @@ def test_a_send_that_gets_no_answer_times_out_and_is_retried():
             await s.close()
 
     run(main())
+
+
+@pytest.mark.parametrize("header", [
+    SendMessageRequestHeader(producer_group="g", topic="t", queue_id=3, born_timestamp=17),
+    {"n": 1}, b"\x81\xa1n\x01", bytearray(b"\x81\xa1n\x01"), None,
+])
+@pytest.mark.parametrize("body", [b"", b"x" * 100, bytearray(300), b"y" * (16 * 1024 + 1),
+                                  memoryview(b"z" * 50)])
+@pytest.mark.parametrize("flags", [0, 2])
+def test_connection_frames_exactly_as_the_protocol_encodes(header, body, flags):
+    """Connection frames small requests itself (one pack and one join); the bytes queued must
+    be encode_frame's, whatever the header and body types, and bad frames still raise."""
+    from tidemq.client.connection import Connection
+    from tidemq.protocol.errors import LocalProtocolError
+    from tidemq.protocol.frame import encode_frame
+
+    async def main():
+        conn = Connection("127.0.0.1:1")
+        conn._write(42, 7, flags, header, body)
+        assert b"".join(conn._wbuf) == encode_frame(Frame(42, 7, flags, header, body))
+        with pytest.raises(LocalProtocolError):
+            conn._write(70000, 7, 0, header, body)  # a code that does not fit u16
+        small = Connection("127.0.0.1:1", max_frame_size=64)
+        with pytest.raises(LocalProtocolError):
+            small._write(42, 7, 0, header, b"x" * 100)
+
+    run(main())

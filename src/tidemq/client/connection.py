@@ -24,6 +24,7 @@ import contextlib
 import logging
 import math
 import socket
+import struct
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -39,9 +40,15 @@ from tidemq.protocol.frame import (
     DEFAULT_MAX_FRAME_SIZE,
     FLAG_ONEWAY,
     FLAG_RESPONSE,
+    FRAME_MAGIC,
+    FRAME_PREFIX,
+    FRAME_VERSION,
+    INLINE_BODY_MAX,
+    MIN_TOTAL_LEN,
     Frame,
     FrameDecoder,
     encode_frame_parts,
+    encode_header,
 )
 from tidemq.protocol.headers import (
     ErrorResponseHeader,
@@ -196,16 +203,42 @@ class Connection(asyncio.Protocol):
         self._next_opaque = (o + 1) & _OPAQUE_MASK or 1
         return o
 
-    def _write(self, frame: Frame) -> None:
-        """Queue the frame; every frame queued in this loop iteration goes out in one write.
+    def _write(self, code: int, opaque: int, flags: int, header: Any, body: Any) -> None:
+        """Queue a frame; every frame queued in this loop iteration goes out in one write.
 
         A write system call costs tens of microseconds here (loopback delivery runs in the
         caller's context), far more than framing; coalescing the frames of one iteration
         (many sends in flight, or one pull per queue) into one ``writelines`` is what lets a
-        client do more than ~10 k requests per second. The delay is one loop iteration."""
+        client do more than ~10 k requests per second. The delay is one loop iteration.
+
+        A request with a header and a small body (every send of a few messages) is framed
+        here with one ``FRAME_PREFIX.pack`` and one join: the same bytes as
+        ``frame.encode_frame_parts`` (a test compares them) at ~0.3 instead of ~0.8 µs, since
+        it skips the Frame object and the general checks; anything else goes through it."""
         if self._closed_exc is not None:
             raise self._closed_exc
-        parts = encode_frame_parts(frame, max_frame_size=self.max_frame_size)
+        th = type(header)
+        if th is not bytearray and th is not memoryview and header is not None and (
+            type(body) is not memoryview
+        ):
+            hb = header if th is bytes else encode_header(header)
+            hlen = len(hb)
+            blen = len(body)
+            total = MIN_TOTAL_LEN + hlen + blen
+            if blen <= INLINE_BODY_MAX and total + 4 <= self.max_frame_size:
+                try:
+                    prefix = FRAME_PREFIX.pack(total, FRAME_MAGIC, FRAME_VERSION, flags, 0, code,
+                                               opaque, hlen)
+                except struct.error:
+                    pass  # encode_frame_parts raises its LocalProtocolError
+                else:
+                    self._wbuf.append(b"".join((prefix, hb, body)))
+                    if not self._flush_scheduled:
+                        self._flush_scheduled = True
+                        self._loop.call_soon(self._flush)
+                    return
+        parts = encode_frame_parts(Frame(code, opaque, flags, header, body),
+                                   max_frame_size=self.max_frame_size)
         self._wbuf += parts
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -262,7 +295,7 @@ class Connection(asyncio.Protocol):
         if deadline < self._sweep_at:
             self._arm(deadline)
         try:
-            self._write(Frame(code, o, 0, header, body))
+            self._write(code, o, 0, header, body)
         except BaseException:
             self._pending.pop(o, None)
             raise
@@ -270,7 +303,7 @@ class Connection(asyncio.Protocol):
 
     def send_oneway(self, code: int, header: Any = None, body: Any = b"") -> None:
         """Write a one-way request (no response comes)."""
-        self._write(Frame(code, self._opaque(), FLAG_ONEWAY, header, body))
+        self._write(code, self._opaque(), FLAG_ONEWAY, header, body)
 
     async def drain(self) -> None:
         """Wait until the transport's write buffer is below its high-water mark."""
