@@ -219,3 +219,118 @@ def test_latency_fault_table_follows_rocketmqs_steps(monkeypatch):
     assert not t.available("b")
     t.update("b", 10)  # a good answer clears it at once
     assert t.available("b")
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_one_deadline_timer_per_connection_still_times_out_every_request(loop_kind):
+    """Deadlines are swept by one timer per connection (not one per request): a shorter
+    deadline than the armed one re-arms it, requests with equal deadlines all fail, answered
+    and cancelled ones are forgotten, late answers are dropped, and the connection stays up."""
+
+    async def handler(frame: Frame):
+        delay = frame.header["delay"]
+        if delay < 0:
+            return None  # never answer
+        await asyncio.sleep(delay)
+        return frame.response(0, {"echo": frame.header["n"]})
+
+    async def main():
+        srv = await FakeServer(handler).start()
+        pool = ConnectionPool()
+        conn = await pool.get(srv.address)
+        loop = asyncio.get_running_loop()
+        # A long deadline arms the timer at 5 s; a shorter one must still fire on time.
+        long = asyncio.ensure_future(conn.request(999, {"n": 0, "delay": -1}, timeout=5))
+        await asyncio.sleep(0)
+        t0 = loop.time()
+        with pytest.raises(RequestTimeoutError, match="within 0.1 s"):
+            await conn.request(999, {"n": 1, "delay": -1}, timeout=0.1)
+        assert 0.09 <= loop.time() - t0 < 1.0
+        # Many requests, same deadline: the unanswered all fail, the answered all succeed.
+        futs = [conn.start_request(999, {"n": i, "delay": -1 if i % 2 else 0}, b"", 0.2)
+                for i in range(40)]
+        res = await asyncio.gather(*futs, return_exceptions=True)
+        for i, r in enumerate(res):
+            if i % 2:
+                assert isinstance(r, RequestTimeoutError)
+            else:
+                assert r.header["echo"] == i
+        # An answer after the deadline is dropped; a cancelled request leaves nothing behind.
+        with pytest.raises(RequestTimeoutError):
+            await conn.request(999, {"n": 98, "delay": 0.15}, timeout=0.05)
+        cancelled = asyncio.ensure_future(conn.request(999, {"n": 99, "delay": -1}))
+        await asyncio.sleep(0.01)
+        cancelled.cancel()
+        await asyncio.sleep(0.2)  # the late answer of n=98 arrives and is ignored
+        assert conn.in_flight == 1  # only the 5 s request
+        long.cancel()
+        await asyncio.gather(long, return_exceptions=True)
+        assert conn.in_flight == 0
+        ok = await conn.request(999, {"n": 5, "delay": 0})
+        assert ok.header["echo"] == 5 and not conn.is_closed
+        pool.close()
+        await srv.close()
+
+    if loop_kind == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(main())
+    else:
+        run(main())
+
+
+def test_a_send_that_gets_no_answer_times_out_and_is_retried():
+    """The producer's own deadline (send_timeout covers every attempt) fires on the
+    connection's deadline timer; each attempt re-sends the same sequence."""
+    seen: list[int] = []
+
+    async def broker(frame: Frame):
+        seen.append(BatchView(frame.body).base_seq)
+        return None  # never answers
+
+    async def main():
+        b1 = await FakeServer(broker).start()
+        route = _route({"b1": b1.address})
+
+        async def namesrv(frame: Frame):
+            return frame.response(0, route)
+
+        ns = await FakeServer(namesrv).start()
+        async with Producer(ns.address, send_timeout=0.3, retries=2) as p:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            with pytest.raises(RequestTimeoutError):
+                await p.send(Message("t", b"x"))
+            assert 0.25 <= loop.time() - t0 < 1.5
+        assert len(seen) >= 1 and len(set(seen)) == 1
+        for s in (b1, ns):
+            await s.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("header", [
+    SendMessageRequestHeader(producer_group="g", topic="t", queue_id=3, born_timestamp=17),
+    {"n": 1}, b"\x81\xa1n\x01", bytearray(b"\x81\xa1n\x01"), None,
+])
+@pytest.mark.parametrize("body", [b"", b"x" * 100, bytearray(300), b"y" * (16 * 1024 + 1),
+                                  memoryview(b"z" * 50)])
+@pytest.mark.parametrize("flags", [0, 2])
+def test_connection_frames_exactly_as_the_protocol_encodes(header, body, flags):
+    """Connection frames small requests itself (one pack and one join); the bytes queued must
+    be encode_frame's, whatever the header and body types, and bad frames still raise."""
+    from tidemq.client.connection import Connection
+    from tidemq.protocol.errors import LocalProtocolError
+    from tidemq.protocol.frame import encode_frame
+
+    async def main():
+        conn = Connection("127.0.0.1:1")
+        conn._write(42, 7, flags, header, body)
+        assert b"".join(conn._wbuf) == encode_frame(Frame(42, 7, flags, header, body))
+        with pytest.raises(LocalProtocolError):
+            conn._write(70000, 7, 0, header, body)  # a code that does not fit u16
+        small = Connection("127.0.0.1:1", max_frame_size=64)
+        with pytest.raises(LocalProtocolError):
+            small._write(42, 7, 0, header, b"x" * 100)
+
+    run(main())

@@ -133,6 +133,15 @@ def test_cli_benchmarks_print_one_json_object(dev):
     assert r.exit_code == 0, r.output
     p = json.loads(r.output.splitlines()[-1])
     assert p["count"] == 5000 and p["msgs_per_s"] > 0 and p["mb_per_s"] > 0
+    # Single sends from many senders, a count the batch does not divide: every message once.
+    r = run(cli, ["bench", "produce", *ns, "--topic", "bench-one", "--size", "10", "--count",
+                  "1003", "--batch", "2", "--inflight", "64", "--json"])
+    assert r.exit_code == 0, r.output
+    one = json.loads(r.output.splitlines()[-1])
+    assert one["count"] == 1003 and one["inflight"] == 64
+    with tidemq.Admin(dev.namesrv) as a:
+        # + the one message the bench sends first to warm the route and connection
+        assert sum(q.max_offset for q in a.topic_status("bench-one")) == 1003 + 1
     r = run(cli, ["bench", "consume", *ns, "--topic", "bench-t", "--count", "5000", "--batch",
                   "500", "--json"])
     c = json.loads(r.output.splitlines()[-1])

@@ -273,3 +273,41 @@ def test_oneway_right_before_close_is_still_written(dev, admin):
         c.subscribe("it-oneway-close")
         got = drain(c, 2)
     assert [m.body for m in got] == [b"first", b"last words"]
+
+
+def test_concurrent_single_sends_report_exact_results(dev, admin):
+    """Many coroutines awaiting send(msg) on one producer (the per-request hot path): every
+    SendResult names the sequence, id, queue and offset the broker stored, the queues are
+    taken round robin, and a consumer reads exactly those ids at those places."""
+    qs = make_topic(admin, "it-hot", 4)
+
+    async def main():
+        async with aio.Producer(dev.namesrv) as p:
+            async def worker(k: int) -> list[aio.SendResult]:
+                return [await p.send(aio.Message("it-hot", b"%d-%d" % (k, i), tags="T"))
+                        for i in range(25)]
+
+            rs = [r for part in await asyncio.gather(*(worker(k) for k in range(16)))
+                  for r in part]
+            return p.producer_id, rs
+
+    pid, rs = asyncio.run(main())
+    assert len(rs) == 400
+    assert sorted(r.base_seq for r in rs) == list(range(400))  # one sequence per message
+    for r in rs:
+        assert r.status is tidemq.SendStatus.SEND_OK and r.count == 1 and r.topic == "it-hot"
+        assert r.msg_id == f"{pid:016X}{r.base_seq:016X}" and r.producer_id == pid
+        assert r.broker_name == qs[0].broker_name
+    per_queue: dict[int, list[int]] = {}
+    for r in rs:
+        per_queue.setdefault(r.queue_id, []).append(r.queue_offset)
+    assert sorted(per_queue) == [0, 1, 2, 3]
+    for offsets in per_queue.values():  # round robin: an even share, offsets 0..n-1 once each
+        assert sorted(offsets) == list(range(100))
+    by_place = {(r.queue_id, r.queue_offset): r.msg_id for r in rs}
+    with tidemq.PullConsumer(dev.namesrv, "g-hot", consume_from="first") as c:
+        c.subscribe("it-hot")
+        got = drain(c, 400)
+    assert len(got) == 400
+    assert {(m.queue_id, m.queue_offset): m.msg_id for m in got} == by_place
+    assert all(m.tags == "T" for m in got)

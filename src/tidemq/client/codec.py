@@ -26,6 +26,7 @@ from tidemq.protocol.errors import CorruptBatchError
 from tidemq.protocol.record import (
     ATTR_COMPRESSION_MASK,
     BATCH_MAGIC,
+    CRC_FIELD,
     FORMAT_VERSION,
     INDEX_ENTRY,
     INDEX_ENTRY_SIZE,
@@ -103,6 +104,11 @@ def encode_messages(
     ``born_ts``. Raises ValueError for a message the format cannot hold.
     """
     n = len(messages)
+    if n == 1 and compression == Compression.NONE:
+        m = messages[0]
+        if not (m.keys or m.delay_level or m.deliver_at):
+            return _encode_one(topic, queue_id, m, producer_id, base_seq, born_ts, born_host,
+                               born_port)
     if n == 0:
         raise ValueError("a batch holds at least one message")
     topic_b = topic.encode()
@@ -147,6 +153,97 @@ def encode_messages(
     buf[q:] = records
     return _seal(buf, p, topic_b, queue_id, producer_id, base_seq, born_host, born_port, n,
                  len(keys), len(records), delay, deliver_at)
+
+
+# A batch of one message (what ``Producer.send(msg)`` sends), after its store header:
+# the producer section, the one index entry and the record header, packed in one call.
+_ONE_TAIL = struct.Struct(
+    "<I"  # P+0   batch_crc (0, then CRC'd)
+    "H"  # P+4   attributes (0: no compression, no delay)
+    "H"  # P+6   born_port
+    "I"  # P+8   count (1)
+    "I"  # P+12  keys_size (0)
+    "I"  # P+16  records_size
+    "I"  # P+20  raw_size (= records_size)
+    "Q"  # P+24  producer_id
+    "Q"  # P+32  base_seq
+    "q"  # P+40  deliver_at (0)
+    "16s"  # P+48  born_host
+    "Q"  # P+64  index: tag_hash
+    "I"  # P+72  index: rel_offset (0)
+    "I"  # P+76  record_size
+    "q"  # P+80  born_ts
+    "I"  # P+88  flag (0)
+    "H"  # P+92  tags_len
+    "H"  # P+94  reserved
+    "I"  # P+96  props_len
+    "I"  # P+100 body_len
+)
+assert _ONE_TAIL.size == PRODUCER_HEADER_SIZE + INDEX_ENTRY_SIZE + RECORD_HEADER_SIZE
+_one_heads: dict[tuple[str, int], bytes] = {}
+
+
+def _one_head(topic: str, queue_id: int) -> bytes:
+    """Bytes [4, 72 + topic_len) of a producer's batch for (topic, queue_id): magic, version,
+    store_crc and the store fields. On the wire they depend on nothing else, so their CRC is
+    computed once per queue instead of once per message."""
+    key = (topic, queue_id)
+    head = _one_heads.get(key)
+    if head is None:
+        topic_b = topic.encode()
+        if not topic_b or len(topic_b) > 0xFFFF:
+            raise ValueError("topic must be 1..65535 bytes of UTF-8")
+        buf = bytearray(STORE_HEADER_SIZE + len(topic_b))
+        STORE_HEADER.pack_into(
+            buf, 0, 0, BATCH_MAGIC, FORMAT_VERSION, 0, 0, 0, 0, 0, NO_PREPARED_OFFSET,
+            queue_id, 0, len(topic_b), 0, _ZERO16,
+        )
+        buf[STORE_HEADER_SIZE:] = topic_b
+        seal_store_header(buf, 0, len(buf))
+        head = bytes(buf[4:])
+        if len(_one_heads) < 65536:  # bounded: a producer writes to few queues
+            _one_heads[key] = head
+    return head
+
+
+def _encode_one(
+    topic: str, queue_id: int, m: Message, producer_id: int, base_seq: int, born_ts: int,
+    born_host: bytes, born_port: int,
+) -> bytearray:
+    """A batch of one message without keys, delay or compression: the bytes of
+    ``record.encode_batch`` (tests compare them) with one ``pack_into`` for the fixed fields
+    and one CRC, ~4x cheaper than the general path for a single send."""
+    head = _one_head(topic, queue_id)
+    tags = m.tags
+    if tags:
+        tags_b = tags.encode()
+        if len(tags_b) > 0xFFFF:
+            raise ValueError("tags must be at most 65535 bytes")
+        thash = _tag_hash(tags)
+    else:
+        tags_b = b""
+        thash = 0
+    props_b = encode_properties(m.properties) if m.properties else b""
+    body = m.body
+    p = len(head) + 4
+    payload_at = p + _ONE_TAIL.size
+    rec_size = RECORD_HEADER_SIZE + len(tags_b) + len(props_b) + len(body)
+    total = payload_at + rec_size - RECORD_HEADER_SIZE
+    buf = bytearray(total)
+    buf[4:p] = head
+    _ONE_TAIL.pack_into(
+        buf, p, 0, 0, born_port, 1, 0, rec_size, rec_size, producer_id, base_seq, 0, born_host,
+        thash, 0, rec_size - 4, born_ts, 0, len(tags_b), 0, len(props_b), len(body),
+    )
+    if props_b:
+        tags_b += props_b
+    if tags_b:
+        buf[payload_at : payload_at + len(tags_b)] = tags_b
+        payload_at += len(tags_b)
+    buf[payload_at:] = body
+    CRC_FIELD.pack_into(buf, 0, total)  # total_size, outside both CRCs
+    CRC_FIELD.pack_into(buf, p, crc32c(memoryview(buf)[p + 4 :]))
+    return buf
 
 
 def _seal(

@@ -22,6 +22,8 @@ __all__ = ["LatencyFaultTable", "FAILURE_LATENCY_MS"]
 _LATENCY_MAX = (50, 100, 550, 1000, 2000, 3000, 15000)
 _NOT_AVAILABLE = (0, 0, 30_000, 60_000, 120_000, 180_000, 600_000)
 FAILURE_LATENCY_MS = 30_000
+# Latencies below the first step with a non-zero time avoid nothing.
+_FIRST_AVOIDED = min(lim for lim, dur in zip(_LATENCY_MAX, _NOT_AVAILABLE, strict=True) if dur)
 
 
 class LatencyFaultTable:
@@ -32,7 +34,17 @@ class LatencyFaultTable:
     def __init__(self) -> None:
         self._until: dict[str, float] = {}
 
+    @property
+    def avoiding(self) -> bool:
+        """True when some broker is (or was until recently) avoided: only then does a queue
+        choice need :meth:`available`."""
+        return bool(self._until)
+
     def update(self, broker: str, latency_ms: float) -> None:
+        if latency_ms < _FIRST_AVOIDED:  # the common answer: nothing to avoid, one compare
+            if self._until:
+                self._until.pop(broker, None)
+            return
         for lim, dur in zip(reversed(_LATENCY_MAX), reversed(_NOT_AVAILABLE), strict=True):
             if latency_ms >= lim:
                 if dur:

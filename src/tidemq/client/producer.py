@@ -87,18 +87,18 @@ SendCallback = Callable[[SendResult | None, BaseException | None], None]
 DEFAULT_GROUP = "DEFAULT_PRODUCER"
 MAX_MESSAGE_SIZE = 4 * 1024 * 1024  # the broker's default batch limit (SPEC BR1)
 
-_SEND_OK_CODES = (
-    ResponseCode.SUCCESS,
-    ResponseCode.FLUSH_DISK_TIMEOUT,
-    ResponseCode.FLUSH_SLAVE_TIMEOUT,
-    ResponseCode.SLAVE_NOT_AVAILABLE,
-)
+# Keyed by plain ints: a frame's code is an int, and ResponseCode(code) costs more than the
+# lookup (IntEnum members hash and compare as their int, so either key finds the entry).
 _STATUS = {
-    ResponseCode.SUCCESS: SendStatus.SEND_OK,
-    ResponseCode.FLUSH_DISK_TIMEOUT: SendStatus.FLUSH_DISK_TIMEOUT,
-    ResponseCode.FLUSH_SLAVE_TIMEOUT: SendStatus.FLUSH_SLAVE_TIMEOUT,
-    ResponseCode.SLAVE_NOT_AVAILABLE: SendStatus.SLAVE_NOT_AVAILABLE,
+    int(ResponseCode.SUCCESS): SendStatus.SEND_OK,
+    int(ResponseCode.FLUSH_DISK_TIMEOUT): SendStatus.FLUSH_DISK_TIMEOUT,
+    int(ResponseCode.FLUSH_SLAVE_TIMEOUT): SendStatus.FLUSH_SLAVE_TIMEOUT,
+    int(ResponseCode.SLAVE_NOT_AVAILABLE): SendStatus.SLAVE_NOT_AVAILABLE,
 }
+_SEND_OK_CODES = frozenset(_STATUS)
+_SEND_MESSAGE = int(RequestCode.SEND_MESSAGE)
+_SEND_BATCH = int(RequestCode.SEND_BATCH)
+_DUPLICATE = int(ResponseCode.DUPLICATE)
 # Error responses worth another broker (RocketMQ's retryResponseCodes plus the retryable ones).
 _RETRY_CODES = frozenset(
     {
@@ -551,15 +551,16 @@ class Producer:
         if not self._started or self._closed:
             await self.start()
 
-    def _header(self, topic: str, queue_id: int, batch: bool) -> SendMessageRequestHeader:
+    def _header(self, topic: str, queue_id: int, batch: bool,
+                born_ts: int | None = None) -> SendMessageRequestHeader:
         return SendMessageRequestHeader(
             producer_group=self.group, topic=topic, queue_id=queue_id,
-            born_timestamp=int(time.time() * 1000), batch=batch,
+            born_timestamp=int(time.time() * 1000) if born_ts is None else born_ts, batch=batch,
         )
 
     def _encode(
         self, topic: str, msgs: Sequence[Message], queue_id: int, host: str, port: int,
-        sequence_id: int | None = None,
+        sequence_id: int | None = None, born_ts: int | None = None,
     ) -> tuple[bytearray, int]:
         if sequence_id is None:
             seq = self._seq
@@ -569,16 +570,19 @@ class Producer:
                 raise MessageRejectedError(f"sequence_id must be >= 0, got {sequence_id}")
             seq = sequence_id
             self._seq = max(self._seq, seq + len(msgs))
+        if born_ts is None:
+            born_ts = int(time.time() * 1000)
+        packed = self._hosts.get(host)
+        if packed is None:
+            packed = self._packed_host(host)
         try:
             if isinstance(msgs, Columns):
                 pid = self.producer_id if msgs.producer_id is None else msgs.producer_id
-                batch = msgs.encode(queue_id, pid, seq, int(time.time() * 1000),
-                                    self._packed_host(host), port)
+                batch = msgs.encode(queue_id, pid, seq, born_ts, packed, port)
             else:
                 batch = encode_messages(
                     topic, msgs, queue_id=queue_id, producer_id=self.producer_id, base_seq=seq,
-                    born_ts=int(time.time() * 1000), born_host=self._packed_host(host),
-                    born_port=port,
+                    born_ts=born_ts, born_host=packed, born_port=port,
                     compression=self.compression, compress_min=self.compress_min,
                 )
         except ValueError as exc:
@@ -609,6 +613,12 @@ class Producer:
     ) -> tuple[MessageQueue, bool]:
         """(queue, pinned): pinned queues are never moved by a retry."""
         queues = route.write_queues
+        if (
+            queue_id is None and selector is None and hash_key is None and avoid is None
+            and queues and not self._faults.avoiding
+        ):
+            # The common choice: plain round robin (no broker to avoid).
+            return queues[next(self._rr) % len(queues)], False
         if not queues:
             raise NoRouteError(
                 f"topic {route.topic!r} has no writable queue (check its perm and write queue "
@@ -664,6 +674,9 @@ class Producer:
         code: int,
         sequence_id: int | None = None,
     ) -> SendResult:
+        # The hot path of every synchronous send: one coroutine frame (the connection's future
+        # is awaited here, not through Connection.request), one clock read for the deadline,
+        # one for born_ts, and the monotonic pair the latency table needs.
         if not self._started or self._closed:
             await self._ensure_started()
         timeout = self.send_timeout if timeout is None else timeout
@@ -675,12 +688,16 @@ class Producer:
         last_broker: str | None = None
         last_exc: Exception | None = None
         attempts = 1 + self.retries
-        dedup = self.producer_name is not None or getattr(msgs, "producer_id", None) is not None
+        dedup = self.producer_name is not None or (
+            type(msgs) is Columns and msgs.producer_id is not None
+        )
         mq: MessageQueue | None = None
+        left = timeout
         for attempt in range(attempts):
-            left = deadline - loop.time()
-            if left <= 0:
-                break
+            if attempt:
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
             if mq is None or not dedup:
                 mq, pinned = self._select(route, msgs[0], queue_id, selector, arg, hash_key,
                                           last_broker)
@@ -688,21 +705,26 @@ class Producer:
             t0 = time.monotonic()
             try:
                 conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
+                born_ts = int(time.time() * 1000)
                 if batch is None:
                     batch, seq = self._encode(topic, msgs, mq.queue_id, conn.local_host,
-                                              conn.local_port, sequence_id)
+                                              conn.local_port, sequence_id, born_ts)
                 elif attempt:
                     # A copy: the transport may still hold the bytes of the failed attempt.
                     batch = bytearray(batch)
                     set_queue_id(batch, mq.queue_id)
-                header = self._header(topic, mq.queue_id, code == RequestCode.SEND_BATCH)
-                frame = await conn.request(code, header, batch, timeout=left)
-                if frame.code == ResponseCode.DUPLICATE:
-                    # BR12: the broker has this sequence already; nothing was stored again.
-                    return SendResult(SendStatus.DUPLICATE, unique_id(self.producer_id, seq),
-                                      topic, mq.queue_id, -1, len(msgs), mq.broker_name,
-                                      self.producer_id, seq)
-                raise_for_error(frame, _SEND_OK_CODES)
+                header = self._header(topic, mq.queue_id, code == _SEND_BATCH, born_ts)
+                if not conn.writable:
+                    await conn.drain()
+                frame = await conn.start_request(code, header, batch, left)
+                fcode = frame.code
+                if fcode not in _SEND_OK_CODES:
+                    if fcode == _DUPLICATE:
+                        # BR12: the broker has this sequence already; nothing was stored again.
+                        return SendResult(SendStatus.DUPLICATE, unique_id(self.producer_id, seq),
+                                          topic, mq.queue_id, -1, len(msgs), mq.broker_name,
+                                          self.producer_id, seq)
+                    raise_for_error(frame, _SEND_OK_CODES)
             except (ClientError, BrokerError) as exc:
                 if isinstance(exc, MessageRejectedError):
                     raise
@@ -716,6 +738,7 @@ class Producer:
                 if dedup:
                     # A deduplicated resend must reach the broker that may hold the first copy
                     # (same queue, same bytes); give an uncertain first copy time to settle.
+                    left = deadline - loop.time()
                     await asyncio.sleep(min(0.05 * (attempt + 1), max(0.0, left / 2)))
                 log.info("send to %s failed (%s), attempt %d of %d", mq, exc, attempt + 1,
                          attempts)
@@ -739,7 +762,7 @@ class Producer:
             h = frame.header
             assert isinstance(h, SendMessageResponseHeader)
             return SendResult(
-                _STATUS[ResponseCode(frame.code)], h.msg_id, topic, h.queue_id, h.queue_offset,
+                _STATUS[fcode], h.msg_id, topic, h.queue_id, h.queue_offset,
                 h.count, mq.broker_name, self.producer_id, seq, h.commit_log_offset,
             )
         if last_exc is None:
