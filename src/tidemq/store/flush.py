@@ -103,6 +103,7 @@ class FlushService:
         with self._cond:
             self._wake_requested = True
             if self._idle:
+                self._idle = False
                 self._cond.notify()
 
     def complete_on(self, executor: RoundExecutor) -> None:
@@ -128,6 +129,7 @@ class FlushService:
                 return
             queue.append((offset, callback))
             if self._idle:  # a busy flush thread looks at the queues again before it waits
+                self._idle = False  # one wake-up is enough: the thread takes every request
                 self._cond.notify()
 
     def wait(self, offset: int, timeout: float | None = None) -> None:
