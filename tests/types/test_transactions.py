@@ -30,9 +30,11 @@ OPTIONS = (
 )
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    yield from dev_cluster(*OPTIONS)
+@pytest.fixture(scope="module", params=["async", "sync"])
+def cluster(request):
+    """Both flush modes: under SYNC_FLUSH the end of a transaction is answered from the op
+    record's group commit, not by blocking the broker's loop on an fsync."""
+    yield from dev_cluster(*OPTIONS, f"flush_mode={request.param}")
 
 
 async def visible(namesrv: str, topic: str, group: str, n: int, timeout: float) -> list:

@@ -146,10 +146,10 @@ async def _txn(namesrv: str, topic: str, count: int, window: int) -> float:
         return time.monotonic() - t0
 
 
-def bench_txn(*, count: int = 50_000, window: int = 64,
+def bench_txn(*, count: int = 50_000, window: int = 64, flush: str = "async",
               data_dir: str | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tidemq-bench-txn-", dir=data_dir) as d:
-        dev = DevProcess(d).start()
+        dev = DevProcess(d, f"flush_mode={flush}").start()
         try:
             secs = run_loop(_txn(dev.namesrv, "bench-txn", count, window))
             time.sleep(0.5)
@@ -160,6 +160,7 @@ def bench_txn(*, count: int = 50_000, window: int = 64,
         "workload": "txn",
         "count": count,
         "window": window,
+        "flush": flush,
         "seconds": round(secs, 3),
         "txn_per_s": round(count / max(secs, 1e-9)),
         "committed": info.get("txn_committed"),

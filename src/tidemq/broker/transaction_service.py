@@ -260,35 +260,45 @@ class TransactionService:
                 f"{txn}, not {h.msg_id}",
             )
         state = h.commit_or_rollback
+        # Answered once the op record is durable (SYNC_FLUSH: its fsync also covers the
+        # committed message, written before it; ASYNC_FLUSH: at once), never by blocking the
+        # loop on an fsync: other sends keep sharing the group commits meanwhile.
+        answer = (
+            _ignore_durable if frame.flags & FLAG_ONEWAY
+            else _AnswerWhenDurable(conn, frame.opaque)
+        )
         if txn in self.resolved or (
             v.queue_offset < self.half_progress and txn not in self.latest_copy
         ):
             # resolved before (the check round only passes a copy once it is resolved or
             # superseded): acknowledge, never store a commit twice
             self.stats["duplicate_ends"] += 1
+            answer(None)
         elif state == TxnType.COMMIT:
             inner = bytearray(m.body)
             # the committed copy names its half message (RocketMQ's prepared offset)
             inner[_PREPARED_OFFSET_AT : _PREPARED_OFFSET_AT + 8] = h.commit_log_offset.to_bytes(
                 8, "little", signed=True
             )
-            self.broker.put_internal(inner, int(props[REAL_QID]))
-            self._resolve(txn, v.queue_offset, "commit")
+            self.broker.put_internal(inner, int(props[REAL_QID]), on_durable=_ignore_durable)
+            self._resolve(txn, v.queue_offset, "commit", answer)
             self.stats["committed"] += 1
         elif state == TxnType.ROLLBACK:
-            self._resolve(txn, v.queue_offset, "rollback")
+            self._resolve(txn, v.queue_offset, "rollback", answer)
             self.stats["rolled_back"] += 1
-        if not frame.flags & FLAG_ONEWAY:
-            conn.respond(frame.opaque, ResponseCode.SUCCESS, None)
+        else:
+            answer(None)
 
-    def _resolve(self, txn: str, half_offset: int, result: str) -> None:
+    def _resolve(
+        self, txn: str, half_offset: int, result: str, on_durable: FlushCallback | None = None
+    ) -> None:
         half = max(half_offset, self.latest_copy.pop(txn, -1))
         op = encode_batch(
             OP_TOPIC,
             [MessageData(str(half).encode(), tags=REMOVE_TAG,
                          properties={TRAN_ID: txn, "RESULT": result})],
         )
-        r = self.store.put(op, queue_id=0)
+        r = self.store.put(op, queue_id=0, on_durable=on_durable)
         self.resolved[txn] = half
         self._ops.append((r.queue_offset, half, txn))
 
@@ -400,3 +410,30 @@ class TransactionService:
 
     def pending(self) -> int:
         return max(0, self.store.max_offset(HALF_TOPIC, 0) - self.half_progress)
+
+
+def _ignore_durable(err: object) -> None:
+    """on_durable of a put nobody waits for (a one-way END_TRANSACTION; the committed message,
+    whose durability the op record's answers for)."""
+
+
+class _AnswerWhenDurable:
+    """on_durable of END_TRANSACTION's op record: answer the producer (event loop: the broker
+    hands group commits to its loop; ASYNC_FLUSH calls it inside the put)."""
+
+    __slots__ = ("conn", "opaque")
+
+    def __init__(self, conn: BrokerConnection, opaque: int) -> None:
+        self.conn = conn
+        self.opaque = opaque
+
+    def __call__(self, err: object) -> None:
+        if err is None:
+            self.conn.respond(self.opaque, ResponseCode.SUCCESS, None)
+        else:
+            log.error("end of transaction stored, but its flush failed: %s", err)
+            self.conn.respond_error(
+                self.opaque, ResponseCode.SYSTEM_ERROR,
+                f"the end of the transaction was stored but its fsync failed ({err}); it may "
+                "be lost if the broker's machine fails",
+            )

@@ -35,16 +35,19 @@ def bench_delay_index_cmd(count: int, window: int, data_dir: str | None, as_json
 @click.command("txn")
 @click.option("--count", default=50_000, show_default=True, help="Transactions.")
 @click.option("--window", default=64, show_default=True, help="Transactions in flight.")
+@click.option("--flush", type=click.Choice(["async", "sync"]), default="async",
+              show_default=True, help="The broker's flush mode.")
 @_data_dir
 @click.option("--json", "as_json", is_flag=True)
-def bench_txn_cmd(count: int, window: int, data_dir: str | None, as_json: bool) -> None:
+def bench_txn_cmd(count: int, window: int, flush: str, data_dir: str | None,
+                  as_json: bool) -> None:
     """COUNT transactions (half message, local commit, END_TRANSACTION) through one
     TransactionProducer; print transactions per second."""
     from tidemq.bench.types_bench import bench_txn
 
     if count < 1 or window < 1:
         raise click.BadParameter("count and window must be >= 1")
-    emit_result(bench_txn(count=count, window=window, data_dir=data_dir), as_json)
+    emit_result(bench_txn(count=count, window=window, flush=flush, data_dir=data_dir), as_json)
 
 
 @click.command("dedup")
