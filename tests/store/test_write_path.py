@@ -160,3 +160,25 @@ def test_a_put_refused_before_writing_leaves_the_batch_view_usable(tmp_path):
         s.put(b)
     assert bytes(b) == before
     BatchView(b).verify()
+
+
+def test_when_durable_fires_after_the_group_commit_covering_every_put_so_far(tmp_path):
+    with open_store(tmp_path / "sync", flush_mode=FlushMode.SYNC) as s:
+        for _ in range(20):
+            s.put(batch("t", [b"x" * 100]), on_durable=lambda err: None)
+        end = s.commitlog.write_pos
+        seen: list[tuple[object, int]] = []
+        done = threading.Event()
+
+        def cb(err):
+            seen.append((err, s.commitlog.flushed_pos))
+            done.set()
+
+        s.when_durable(cb)
+        assert done.wait(5)
+        assert seen[0][0] is None and seen[0][1] >= end
+    with open_store(tmp_path / "async", flush_mode=FlushMode.ASYNC) as s:
+        s.put(batch("t", [b"y"]))
+        seen2: list[object] = []
+        s.when_durable(seen2.append)  # ASYNC_FLUSH: at once, as a put's on_durable
+        assert seen2 == [None]

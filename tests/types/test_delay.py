@@ -188,7 +188,10 @@ def test_deliver_at_is_at_most_100_ms_late_at_p99_under_load(dev: DevCluster) ->
     asyncio.run(main())
 
 
-def test_kill_9_with_pending_messages_loses_and_doubles_nothing() -> None:
+@pytest.mark.parametrize("flush", ["async", "sync"])
+def test_kill_9_with_pending_messages_loses_and_doubles_nothing(flush: str) -> None:
+    """Under SYNC_FLUSH the delay levels deliver without waiting for each fsync and persist
+    only the progress known durable; a kill -9 must still lose and double nothing."""
     async def send_all(c: DevCluster, topic: str) -> tuple[dict[bytes, int], list[bytes]]:
         await make_topic(c.namesrv, topic, 2)
         due: dict[bytes, int] = {}
@@ -206,15 +209,16 @@ def test_kill_9_with_pending_messages_loses_and_doubles_nothing() -> None:
             await asyncio.gather(*sends)
         return due, [f"lv{i}".encode() for i in range(30)]
 
+    opts = (*OPTIONS, f"flush_mode={flush}")
     with tempfile.TemporaryDirectory(prefix="tidemq-delay-kill-") as d:
-        c = start_dev(d, *OPTIONS)
+        c = start_dev(d, *opts)
         try:
             due, levels = asyncio.run(send_all(c, "timed-kill"))
             time.sleep(1.0)  # some delivered, many pending
             os.kill(c.proc.pid, signal.SIGKILL)
             c.proc.wait()
             t0 = time.monotonic()
-            c = start_dev(d, *OPTIONS)
+            c = start_dev(d, *opts)
             print(f"\nrestart after kill -9: {time.monotonic() - t0:.2f} s")
             got = asyncio.run(collect(c.namesrv, "timed-kill", "kill-g", 330, 30))
             asyncio.run(asyncio.sleep(1.0))

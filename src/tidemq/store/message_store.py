@@ -467,6 +467,15 @@ class MessageStore:
             on_durable(None)
         return result
 
+    def when_durable(self, callback: FlushCallback) -> None:
+        """Call ``callback(None)`` (or the flush error) once everything put so far is
+        durable: SYNC_FLUSH, after the group commit covering it (through the flush service's
+        executor, like a put's ``on_durable``); ASYNC_FLUSH, at once, as a put's."""
+        if self._sync_flush:
+            self.flush_service.request(self.commitlog.write_pos, callback)
+        else:
+            callback(None)
+
     def _dispatch(
         self, v: BatchView, key: tuple[str, int], phys: int, qoff: int, size: int, ts: int
     ) -> None:
