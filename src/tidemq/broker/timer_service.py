@@ -26,6 +26,7 @@ Threads: the broker's event loop only (checkpoints run in a worker thread; see T
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -221,10 +222,12 @@ class TimerMessageService:
         assert idx is not None
         now = _now_ms()
         batch = idx.pop_due(now, _BURST)
+        put: list[tuple[int, int, int]] = []  # delivered: DONE once their put is durable
         try:
             for i, (d, phys, size) in enumerate(batch):
                 try:
-                    self._deliver_one(d, phys, size)
+                    if self._deliver_one(d, phys, size):
+                        put.append((d, phys, size))
                 except TidemqError as exc:
                     # the undelivered ones are due again (not lost until a restart)
                     idx.release(batch[i:])
@@ -233,11 +236,13 @@ class TimerMessageService:
                     return
                 self.lateness_ms.append(now - d)
         finally:
-            # The DONE marks reach the page cache in the same turn as the deliveries (one
-            # write per bucket per burst), so a kill -9 cannot lose them; only a power loss
-            # before the next fsync can, which the restart's id-index check covers.
-            for start in {idx.bucket_of(d) for d, _p, _s in batch}:
-                idx.write_now(start)
+            # The burst's deliveries are put without waiting for each fsync; their DONE marks
+            # are written once the group commit covering them is done (at once under
+            # ASYNC_FLUSH), so a mark never outlives its delivery in a crash. Until then the
+            # entries stay handed out (never delivered twice by this process); a restart
+            # checks unmarked entries against the id index.
+            if put:
+                self.store.when_durable(functools.partial(self._mark_done, put))
         if len(self.lateness_ms) > 100_000:
             del self.lateness_ms[:50_000]
         if len(batch) == _BURST:
@@ -245,7 +250,26 @@ class TimerMessageService:
         else:
             self._rearm()
 
-    def _deliver_one(self, d: int, phys: int, size: int) -> None:
+    def _mark_done(self, entries: list[tuple[int, int, int]], err: object) -> None:
+        """DONE marks of delivered entries whose puts are durable (event loop, or inside the
+        call under ASYNC_FLUSH). The marks reach the page cache at once (one write per
+        bucket), so a kill -9 cannot lose them; a power loss before the timer log's next
+        fsync can, which the restart's id-index check covers."""
+        idx = self.index
+        if err is not None:
+            log.error("timer: %d deliveries may not be durable (%s); a restart re-checks them",
+                      len(entries), err)
+            return
+        if idx is None or self._closed:
+            return  # shutting down: the restart's id-index check marks them
+        for d, phys, size in entries:
+            idx.done(d, phys, size)
+        for start in {idx.bucket_of(d) for d, _p, _s in entries}:
+            idx.write_now(start)
+
+    def _deliver_one(self, d: int, phys: int, size: int) -> bool:
+        """Put the held batch to its real queue (True); an unreadable one is dropped, marked
+        DONE at once (False)."""
         idx = self.index
         assert idx is not None
         try:
@@ -254,10 +278,11 @@ class TimerMessageService:
             log.error("timer: held batch at CommitLog offset %d is unreadable (%s); dropped",
                       phys, exc)
             idx.done(d, phys, size)
-            return
-        self.store.put(m.body, queue_id=int(m.properties[REAL_QID]))
-        idx.done(d, phys, size)
+            idx.write_now(idx.bucket_of(d))
+            return False
+        self.store.put(m.body, queue_id=int(m.properties[REAL_QID]), on_durable=_ignore_durable)
         self.delivered += 1
+        return True
 
     def _already_delivered(self, phys: int) -> bool:
         try:
@@ -279,3 +304,7 @@ class TimerMessageService:
 
     def pending_buckets(self) -> int:
         return self.index.pending_files() if self.index else 0
+
+
+def _ignore_durable(err: object) -> None:
+    """on_durable of a delivery: the burst's when_durable marks them DONE."""
