@@ -27,7 +27,8 @@ any other is *put back* (a new half copy with TRANSACTION_CHECK_TIMES + 1, as Ro
 putBackHalfMsgQueue) and a CHECK_TRANSACTION_STATE request (one-way, body = the inner batch)
 goes to one live producer connection of its group, whose answer is an END_TRANSACTION. The
 progress offsets of the half and op queues are persisted in
-``<config>/transaction_progress.json`` after every round; on start the resolved set is rebuilt
+``<config>/transaction_progress.json`` after every round, once the round's puts are durable
+(they are made without waiting for their fsyncs); on start the resolved set is rebuilt
 from the op queue and the latest copy of each pending transaction from the half queue.
 
 Producers of a group are known from their connections: a half send, an END_TRANSACTION, or a
@@ -310,10 +311,28 @@ class TransactionService:
                 await self.check_round()
             except Exception:
                 log.exception("transaction check round failed")
+            # The round's puts (copies, discards, op records) did not wait for their fsyncs:
+            # its progress is persisted once they are durable, never ahead of them.
+            err = await self._all_durable()
+            if err is not None:
+                log.error("transaction check round: its puts may not be durable (%s); progress "
+                          "not persisted", err)
+                continue
             try:
                 await asyncio.to_thread(write_atomic, self.path, self._snapshot())
             except OSError as exc:
                 log.error("persisting transaction progress to %s failed: %s", self.path, exc)
+
+    async def _all_durable(self) -> object:
+        """Wait until everything put so far is durable; the flush error or None."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[object] = loop.create_future()
+
+        def done(err: object) -> None:  # the loop, or a closing store's thread
+            loop.call_soon_threadsafe(_set_result, fut, err)
+
+        self.store.when_durable(done)
+        return await fut
 
     def check_once(self) -> None:
         """One round over the pending half messages (see the module docstring), at once."""
@@ -345,14 +364,15 @@ class TransactionService:
                 age = now - int(props[FIRST_BORN])
                 checks = int(props[CHECK_TIMES])
                 if checks >= cfg.transaction_check_max:
-                    self.store.put(with_topic(m.body, DISCARD_TOPIC), queue_id=0)
-                    self._resolve(txn, q, "discard")
+                    self.store.put(with_topic(m.body, DISCARD_TOPIC), queue_id=0,
+                                   on_durable=_ignore_durable)
+                    self._resolve(txn, q, "discard", _ignore_durable)
                     self.stats["discarded"] += 1
                     log.warning("transaction %s checked %d times: moved to %s", txn, checks,
                                 DISCARD_TOPIC)
                     finished = True
                 elif age > cfg.transaction_skip_ms:
-                    self._resolve(txn, q, "skip")
+                    self._resolve(txn, q, "skip", _ignore_durable)
                     self.stats["skipped"] += 1
                     finished = True
                 elif age >= self._immunity_ms(m.body):
@@ -391,7 +411,7 @@ class TransactionService:
             base_seq=inner.base_seq, count=inner.count, born_ts=m.born_ts,
             extra={k: val for k, val in props.items() if k != "COUNT"},
         )
-        r = self.store.put(env, queue_id=0)
+        r = self.store.put(env, queue_id=0, on_durable=_ignore_durable)
         txn = props[TRAN_ID]
         self.latest_copy[txn] = r.queue_offset
         conn = self._live_producer(props.get(PGROUP, ""))
@@ -414,7 +434,13 @@ class TransactionService:
 
 def _ignore_durable(err: object) -> None:
     """on_durable of a put nobody waits for (a one-way END_TRANSACTION; the committed message,
-    whose durability the op record's answers for)."""
+    whose durability the op record's answers for; the check round's puts, whose progress is
+    persisted after _all_durable)."""
+
+
+def _set_result(fut: asyncio.Future[object], value: object) -> None:
+    if not fut.done():
+        fut.set_result(value)
 
 
 class _AnswerWhenDurable:
