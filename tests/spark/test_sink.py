@@ -115,26 +115,35 @@ def test_sink_exactly_once_when_a_task_fails_and_is_retried(spark, dev, tmp_path
     n = 60_000
     want = _source(dev, "sk-retry-in", n)
     create_topic(dev, "sk-retry-out", 2)
+    gate_dir = tmp_path / "gate"
+    gate_dir.mkdir()
     q = (_stream(spark, dev, "sk-retry-in").select("body")
          .writeStream.format("tidemq").option("namesrv", dev.namesrv)
          .option("topic", "sk-retry-out").option("batchRows", "20")
          .option("sortRows", "false")  # send while reading (sorting waits for all rows)
+         # each task's first attempt stops once 5,000 of its rows are stored: the kill below
+         # lands there (a kill timed by polling once landed after everything was stored)
+         .option("testPauseAfterRows", "5000").option("testPauseDir", str(gate_dir))
          .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(availableNow=True)
          .start())
     try:
-        # Kill the tasks' Python workers once the sink has stored part of the rows: Spark
-        # retries the tasks (local[2,4]), which re-send everything from their first row.
+        # Both tasks (one per queue) pause part-way in their first attempt; then kill their
+        # Python workers: Spark retries the tasks (local[2,4]), which re-send everything from
+        # their first row.
         with tidemq.Admin(dev.namesrv) as admin:
             def stored() -> int:
                 return sum(st.max_offset for st in admin.topic_status("sk-retry-out"))
-            wait_for(lambda: stored() > 0, 120, "the sink's first rows")
+            wait_for(lambda: len(os.listdir(gate_dir)) == 2, 120,
+                     "both tasks paused part-way with rows stored")
             at_kill = stored()
             killed = _kill_task_workers()
+            (gate_dir / "release").touch()
         assert q.awaitTermination(180)
         assert q.exception() is None
     finally:
+        (gate_dir / "release").touch()
         q.stop()
-    assert killed > 0 and 0 < at_kill < n
+    assert killed > 0 and 10_000 <= at_kill < n
     got = _counts(_read_all(spark, dev, "sk-retry-out"))
     assert got == want  # every input row once: none lost, none twice
 
@@ -201,3 +210,17 @@ def test_empty_partitions_write_nothing(spark, dev):
         (df.write.format("tidemq").option("namesrv", dev.namesrv).option("topic", "sk-empty")
          .option("sortRows", sort).mode("append").save())
     assert [bytes(r.body) for r in _read_all(spark, dev, "sk-empty")] == [b"only", b"only"]
+
+
+def test_options_are_found_whatever_their_case():
+    """Spark hands a data source its options with lower-cased names; the writer's options were
+    once looked up as ``batchRows`` in a plain dict of them, so every camel-case write option
+    was silently ignored."""
+    from tidemq.spark.options import ReadOptions, WriteOptions
+
+    w = WriteOptions.parse({"namesrv": "h:1", "batchrows": "20", "sortrows": "false",
+                            "BATCHBYTES": "4096", "requesttimeoutms": "500"})
+    assert (w.batch_rows, w.sort_rows, w.batch_bytes, w.request_timeout) == (20, False, 4096, 0.5)
+    r = ReadOptions.parse({"namesrv": "h:1", "topics": "t", "maxoffsetspertrigger": "7"},
+                          streaming=True)
+    assert r.max_offsets_per_trigger == 7

@@ -48,6 +48,18 @@ def parse_queue_key(key: str) -> tuple[str | None, int]:
         raise OptionError(f"queue {key!r} is neither 'queueId' nor 'brokerName:queueId'")
 
 
+class _Options(dict[str, str]):
+    """Options looked up by name whatever the case, as Spark's own options are: Spark hands a
+    data source its options with lower-cased names (``batchrows``), and a plain dict of them
+    (what a writer receives when the options were copied) would miss ``batchRows``."""
+
+    def __init__(self, opts: Mapping[str, str]) -> None:
+        super().__init__({str(k).lower(): v for k, v in opts.items()})
+
+    def get(self, name: str, default: object = None) -> object:  # type: ignore[override]
+        return super().get(name.lower(), default)
+
+
 def _bool(opts: Mapping[str, str], name: str, default: bool) -> bool:
     v = opts.get(name)
     if v is None:
@@ -116,6 +128,7 @@ class ReadOptions:
 
     @classmethod
     def parse(cls, opts: Mapping[str, str], *, streaming: bool) -> ReadOptions:
+        opts = _Options(opts)
         namesrv = opts.get("namesrv")
         if not namesrv:
             raise OptionError("option namesrv (name server host:port) is required")
@@ -176,9 +189,16 @@ class WriteOptions:
     batch_bytes: int = 1 << 20
     #: Sort each partition's rows before numbering them (replays that reorder rows stay exact).
     sort_rows: bool = True
+    #: Fault-injection point for tests (option ``testPauseAfterRows`` with ``testPauseDir``):
+    #: in a task's first attempt, once this many rows of the partition are stored, touch
+    #: ``paused-<partition>`` in the directory and wait (at most 2 min) for a ``release`` file,
+    #: so a test can kill -9 the task at a known point. 0 = off.
+    test_pause_after_rows: int = 0
+    test_pause_dir: str | None = None
 
     @classmethod
     def parse(cls, opts: Mapping[str, str]) -> WriteOptions:
+        opts = _Options(opts)
         namesrv = opts.get("namesrv")
         if not namesrv:
             raise OptionError("option namesrv (name server host:port) is required")
@@ -189,4 +209,8 @@ class WriteOptions:
         if w.batch_bytes > 3 << 20:
             raise OptionError("batchBytes must be at most 3 MiB (a sent batch is at most 4 MiB)")
         w.sort_rows = _bool(opts, "sortRows", True)
+        w.test_pause_after_rows = _int(opts, "testPauseAfterRows", 0) or 0
+        w.test_pause_dir = opts.get("testPauseDir") or None
+        if w.test_pause_after_rows and not w.test_pause_dir:
+            raise OptionError("option testPauseAfterRows needs testPauseDir")
         return w

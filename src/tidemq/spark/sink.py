@@ -319,12 +319,34 @@ def write_partition(batches: Iterator[pa.RecordBatch], opts: WriteOptions, name_
     if opts.sort_rows:
         batches = _sorted(batches)
     w = _PartitionWriter(opts, name_prefix, base_seq, partition)
+    pause_at = opts.test_pause_after_rows
+    if pause_at:
+        ctx = TaskContext.get()
+        if ctx is not None and ctx.attemptNumber() > 0:
+            pause_at = 0
     try:
         for rb in batches:
             w.add(rb)
+            if pause_at and w.row >= pause_at:
+                pause_at = 0
+                _pause_for_test(w, opts.test_pause_dir or "", partition)
         return w.finish()
     finally:
         w.close()
+
+
+def _pause_for_test(w: _PartitionWriter, gate_dir: str, partition: int) -> None:
+    """The ``testPauseAfterRows`` fault-injection point (options.WriteOptions): wait until
+    every row sent so far is stored, say so, and wait for the test to kill this process."""
+    import os
+    import time
+
+    for sub in w.subs.values():
+        w._wait(sub)
+    open(os.path.join(gate_dir, f"paused-{partition}"), "w").close()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(gate_dir, "release")) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 class TideMQBatchWriter(DataSourceArrowWriter):
