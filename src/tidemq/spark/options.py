@@ -59,6 +59,12 @@ class _Options(dict[str, str]):
     def get(self, name: str, default: object = None) -> object:  # type: ignore[override]
         return super().get(name.lower(), default)
 
+    def __getitem__(self, name: str) -> str:
+        return super().__getitem__(name.lower())
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and super().__contains__(name.lower())
+
 
 def _bool(opts: Mapping[str, str], name: str, default: bool) -> bool:
     v = opts.get(name)
