@@ -595,6 +595,12 @@ class Broker:
             **{f"txn_{k}": n for k, n in self.transactions.stats.items()},
         })
         info.update(self.non_persistent.stats())
+        # "Tolerate on the way out": records readers skipped as undecodable, per reader, and
+        # batches the store quarantined (CRC or framing damage found by recovery or a read).
+        corrupt = store.corrupt.counts
+        info["corrupt_skipped"] = sum(corrupt.values())
+        info.update({f"corrupt_skipped_{r.replace('-', '_')}": n for r, n in corrupt.items()})
+        info["quarantined_batches"] = len(store.quarantine)
         return info
 
 
