@@ -277,7 +277,8 @@ class MessageStore:
         report.problems += self.commitlog.open_segments()
         self.cqs = ConsumeQueueTable(self.dir / "consumequeue", cfg.cq_units_per_file)
         self.cqs.load()
-        self.index = IndexService(self.dir / "index", cfg.index_slots, cfg.index_max_entries)
+        self.index = IndexService(self.dir / "index", cfg.index_slots, cfg.index_max_entries,
+                                  cfg.index_max_free_ratio)
         report.problems += self.index.load_errors
         cl_min = self.commitlog.min_offset
         start = self._trusted_start(cp, report)
@@ -289,7 +290,8 @@ class MessageStore:
             shutil.rmtree(self.dir / "index", ignore_errors=True)
             self.cqs = ConsumeQueueTable(self.dir / "consumequeue", cfg.cq_units_per_file)
             self.cqs.load()
-            self.index = IndexService(self.dir / "index", cfg.index_slots, cfg.index_max_entries)
+            self.index = IndexService(self.dir / "index", cfg.index_slots, cfg.index_max_entries,
+                                  cfg.index_max_free_ratio)
             start = cl_min
         start = max(start, cl_min)
         report.scanned_from = start
@@ -406,9 +408,11 @@ class MessageStore:
                 "send fewer or smaller messages per batch"
             )
         if self.disk_full:
+            blocked = self.retention.blocked
             raise DiskFullError(
                 f"disk holding {self.dir} is over {self.config.disk_refuse_writes_ratio:.0%} "
                 "full; writes are refused until retention frees space"
+                + (f": {blocked}" if blocked else "")
             )
         v = BatchView(data) if view is None else view  # the broker passes the view it parsed
         if v.total_size != size:
