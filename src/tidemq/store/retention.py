@@ -185,7 +185,7 @@ class RetentionService:
                 self._log_dropped(dropped, forced, ratio)
         if kept is not None and ratio >= cfg.disk_clean_forcibly_ratio:
             self.blocked = (
-                f"the oldest segment holds unconsumed messages ({kept}); consume them, delete "
+                f"the oldest segment holds unconsumed messages ({kept}); consume them, reset "
                 "stale consumer groups, free disk space, or set store.clean_file_forcibly=true "
                 "to delete them anyway"
             )
