@@ -569,11 +569,7 @@ class Broker:
         decides what may be *kept* (a stale answer keeps more, never less, except right after
         an offset reset)."""
         out: dict[tuple[str, int], tuple[int, str]] = {}
-        table = dict(self.offsets._table)
-        by_topic: dict[str, list[tuple[str, dict[int, int]]]] = {}
-        for key, queues in table.items():
-            topic, _, group = key.partition("@")
-            by_topic.setdefault(topic, []).append((group, dict(queues)))
+        by_topic = self.offsets.by_topic()
         assert self.store is not None
         for cq in self.store.cqs.all():
             groups = by_topic.get(cq.topic)
