@@ -62,6 +62,14 @@ def test_a_bomb_lying_about_its_size_never_gets_past_what_it_declared(name):
     assert why, why
 
 
+@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("declared", [0, 1, 27])
+def test_a_bomb_declaring_almost_nothing_is_refused(name, declared):
+    # zlib's max_length 0 means "no limit": a raw_size of 0 must never reach it
+    secs, peak, why = _decode(_bomb(name, declared))
+    assert peak < MiB and secs < 0.1, (peak, secs, why)
+
+
 def test_a_zstd_frame_without_a_content_size_is_capped_at_the_declared_size():
     secs, peak, why = _decode(_bomb("zstd", MiB, content_size=False))
     assert "does not decompress" in why and peak < 3 * MiB, (why, peak)

@@ -562,8 +562,9 @@ class PullConsumer:
 
     @property
     def corrupt_batches(self) -> int:
-        """Skips of undecodable records (a whole batch, or one message of a batch)."""
-        return self.corrupt.total
+        """Skips of undecodable records (a whole batch, or one message of a batch);
+        ``stats()["corrupt_skipped"]`` counts the messages."""
+        return self.corrupt.events
 
     def stats(self) -> dict[str, int]:
         return {
@@ -577,6 +578,7 @@ class PullConsumer:
                  else f"offset {queue_offset} to the end of the pull")
         self.corrupt.skipped(
             "consumer", f"topic {mq.topic} queue {mq.broker_name}:{mq.queue_id} {where}", why,
+            count,
         )
 
     def _assemble(self, q: _Queue, msgs: list[MessageExt]) -> list[MessageExt]:

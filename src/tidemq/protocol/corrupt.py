@@ -31,8 +31,11 @@ class CorruptRecords:
         self.log = logger
         self.interval = interval
         self.burst = burst
-        #: reader name -> records (messages or whole batches) skipped
+        #: reader name -> records skipped (messages; a skipped batch counts its messages, a
+        #: body whose framing broke counts 1)
         self.counts: dict[str, int] = {}
+        #: skips reported (one per damaged batch or undecodable message)
+        self.events = 0
         self._window_start = -1e18
         self._logged = 0
         self._suppressed = 0
@@ -45,6 +48,7 @@ class CorruptRecords:
         """Count ``n`` records skipped by ``reader`` and log ``where`` (topic, queue, offset)
         and ``reason``, rate-limited."""
         self.counts[reader] = self.counts.get(reader, 0) + max(n, 1)
+        self.events += 1
         now = time.monotonic()
         if now - self._window_start >= self.interval:
             self._window_start = now

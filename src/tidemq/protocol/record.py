@@ -330,6 +330,9 @@ def _decompress(
             f"records section declares {raw_size} bytes uncompressed, over this reader's limit "
             f"of {limit} bytes"
         )
+    if raw_size < RECORD_HEADER_SIZE:
+        # cannot hold one record; and 0 would mean "no limit" to zlib's max_length
+        raise CorruptBatchError(f"records section declares {raw_size} bytes uncompressed")
     try:
         if codec == Compression.LZ4:
             out = lz4.block.decompress(data, uncompressed_size=raw_size)
