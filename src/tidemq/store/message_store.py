@@ -290,8 +290,8 @@ class MessageStore:
             shutil.rmtree(self.dir / "index", ignore_errors=True)
             self.cqs = ConsumeQueueTable(self.dir / "consumequeue", cfg.cq_units_per_file)
             self.cqs.load()
-            self.index = IndexService(self.dir / "index", cfg.index_slots, cfg.index_max_entries,
-                                  cfg.index_max_free_ratio)
+            self.index = IndexService(self.dir / "index", cfg.index_slots,
+                                      cfg.index_max_entries, cfg.index_max_free_ratio)
             start = cl_min
         start = max(start, cl_min)
         report.scanned_from = start
@@ -536,8 +536,8 @@ class MessageStore:
         section whose framing is broken) are left out of the index -- no key string could
         find them anyway -- counted and logged, and the batch is stored and dispatched as
         usual (recovery and delivery of held batches must never fail on a message's keys)."""
-        where = f"topic {topic} queue {v.queue_id} batch of producer {v.producer_id:016X} " \
-                f"seq {v.base_seq}"
+        where = (f"topic {topic} queue {v.queue_id} batch of producer {v.producer_id:016X} "
+                 f"seq {v.base_seq}")
         try:
             raw = v.raw_keys()
         except CorruptBatchError as exc:
