@@ -205,8 +205,10 @@ def test_async_flush_flushes_on_interval(data_dir):
         assert s.commitlog.flushed_pos >= r.end_offset
 
 
-def test_disk_nearly_full_refuses_writes_and_retention_deletes_old_segments(data_dir):
-    with open_store(data_dir, segment_size=8192) as s:
+def test_disk_nearly_full_refuses_writes_and_forced_retention_deletes_old_segments(data_dir):
+    # RocketMQ's behaviour (cleanFileForciblyEnable): tidemq's default keeps unconsumed data
+    # (tests/store/test_retention_pressure.py)
+    with open_store(data_dir, segment_size=8192, clean_file_forcibly=True) as s:
         for _ in range(40):
             s.put(batch("t", [b"z" * 500]))
         nseg = len(s.commitlog.segments)

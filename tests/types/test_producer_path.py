@@ -116,7 +116,7 @@ def test_corrupt_batch_is_skipped_and_reported_by_the_consumer(cluster, caplog):
 
     with caplog.at_level("WARNING", logger="tidemq.client.consumer"):
         asyncio.run(main())
-    assert any("corrupt batch skipped: topic pp-crc queue" in r.message and "offsets 4..7"
+    assert any("skipped a corrupt record at topic pp-crc queue" in r.message and "offsets 4..7"
                in r.message for r in caplog.records)
 
 

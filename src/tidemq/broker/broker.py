@@ -50,14 +50,18 @@ from tidemq.broker.non_persistent import NonPersistentTopics
 from tidemq.broker.pull_processor import PullProcessor
 from tidemq.broker.queue_lock import QueueLockManager
 from tidemq.broker.registration import NamesrvRegistration
-from tidemq.broker.schedule_service import ScheduleMessageService, parse_delay_levels
+from tidemq.broker.schedule_service import (
+    SCHEDULE_TOPIC,
+    ScheduleMessageService,
+    parse_delay_levels,
+)
 from tidemq.broker.send_back import SendBackProcessor
 from tidemq.broker.send_processor import SYSTEM_TOPIC_PREFIXES, SendProcessor
 from tidemq.broker.stats import BrokerStats
 from tidemq.broker.subscription_group import SubscriptionGroupManager
 from tidemq.broker.timer_service import TimerMessageService
 from tidemq.broker.topic_config import TopicConfigManager
-from tidemq.broker.transaction_service import TransactionService
+from tidemq.broker.transaction_service import HALF_TOPIC, OP_TOPIC, TransactionService
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import CorruptBatchError
 from tidemq.protocol.frame import DEFAULT_MAX_FRAME_SIZE, FLAG_ONEWAY, FLAG_RESPONSE, Frame
@@ -158,6 +162,8 @@ class Broker:
         self.topics.load()
         self.offsets.load()
         self.subscription_groups.load()
+        # Disk pressure never deletes what a reader has not consumed (store/retention.py).
+        self.store.retention.consumed = self._consumed_positions
         self._loaded = True
         self.hold = PullRequestHoldService(
             loop,
@@ -551,6 +557,39 @@ class Broker:
             self.stats.sample()
 
     # -- runtime info ----------------------------------------------------------------------------
+    def _consumed_positions(self) -> dict[tuple[str, int], tuple[int, str]]:
+        """Per queue, the lowest offset a reader still needs and who that is, for retention
+        (store/retention.py): the lowest committed offset of the consumer groups with
+        offsets on the topic (a group without one for a queue needs all of it), and the
+        progress of the services reading the internal topics. Queues nobody reads are left
+        out (kept until they expire).
+
+        Called on the store's housekeeping thread: every table is copied first with C-level
+        dict copies (atomic under the GIL) of what the event loop owns, and the result only
+        decides what may be *kept* (a stale answer keeps more, never less, except right after
+        an offset reset)."""
+        out: dict[tuple[str, int], tuple[int, str]] = {}
+        by_topic = self.offsets.by_topic()
+        assert self.store is not None
+        for cq in self.store.cqs.all():
+            groups = by_topic.get(cq.topic)
+            if not groups:
+                continue
+            off, who = min(((q.get(cq.queue_id, -1), g) for g, q in groups),
+                           key=lambda e: e[0])
+            out[(cq.topic, cq.queue_id)] = (max(off, 0), f"consumer group {who} at offset {off}")
+        schedule = getattr(self, "schedule", None)
+        if schedule is not None:
+            durable = dict(schedule.durable_offsets)
+            for level in range(1, schedule.max_level + 1):
+                off = durable.get(level, 0)
+                out[(SCHEDULE_TOPIC, level - 1)] = (off, f"delay level {level} at offset {off}")
+        txn = getattr(self, "transactions", None)
+        if txn is not None:
+            out[(HALF_TOPIC, 0)] = (txn.half_progress, "the transaction check")
+            out[(OP_TOPIC, 0)] = (txn.op_progress, "the transaction check")
+        return out
+
     def runtime_info(self) -> dict[str, Any]:
         cfg = self.config
         store = self.store
@@ -595,6 +634,12 @@ class Broker:
             **{f"txn_{k}": n for k, n in self.transactions.stats.items()},
         })
         info.update(self.non_persistent.stats())
+        # "Tolerate on the way out": records readers skipped as undecodable, per reader, and
+        # batches the store quarantined (CRC or framing damage found by recovery or a read).
+        corrupt = store.corrupt.counts
+        info["corrupt_skipped"] = sum(corrupt.values())
+        info.update({f"corrupt_skipped_{r.replace('-', '_')}": n for r, n in corrupt.items()})
+        info["quarantined_batches"] = len(store.quarantine)
         return info
 
 

@@ -82,6 +82,15 @@ class ConsumerOffsetManager:
     def offsets(self, group: str, topic: str) -> dict[int, int]:
         return dict(self._table.get(f"{topic}@{group}", {}))
 
+    def by_topic(self) -> dict[str, list[tuple[str, dict[int, int]]]]:
+        """topic -> [(group, {queue id: offset})], copied. Safe from another thread (retention):
+        each copy is one C-level dict copy, atomic under the GIL."""
+        out: dict[str, list[tuple[str, dict[int, int]]]] = {}
+        for key, queues in dict(self._table).items():
+            topic, _, group = key.partition("@")
+            out.setdefault(topic, []).append((group, dict(queues)))
+        return out
+
     def topics_of_group(self, group: str) -> list[str]:
         suffix = f"@{group}"
         return sorted(k[: -len(suffix)] for k in self._table if k.endswith(suffix))

@@ -24,6 +24,7 @@ Threads: plain functions; callers are on the broker's event loop.
 
 from __future__ import annotations
 
+from tidemq.protocol.errors import TidemqError
 from tidemq.protocol.record import MessageData, StoredMessage, encode_batch
 from tidemq.store.message_store import MessageStore, id_block_key
 
@@ -93,7 +94,8 @@ def delivered_copy_exists(
             v = store.read_batch(phys)
         except Exception:  # gone or damaged: not a delivered copy we can trust
             continue
-        if (v.producer_id == producer_id and v.base_seq == base_seq and v.topic == real_topic
+        if (v.producer_id == producer_id and v.base_seq == base_seq
+                and v.topic_bytes == real_topic.encode()
                 and v.store_ts >= since_ts
                 and (reconsume_times is None or v.reconsume_times == reconsume_times)):
             return True
@@ -111,10 +113,13 @@ def find_envelopes(
             v = store.read_batch(phys)
         except Exception:
             continue
-        if v.topic != topic or v.producer_id != producer_id:
+        if v.topic_bytes != topic.encode() or v.producer_id != producer_id:
             continue
-        m = next(v.messages())
-        n = int(m.properties.get(COUNT, "1"))
+        try:
+            m = next(v.messages())
+            n = int(m.properties.get(COUNT, "1"))
+        except (TidemqError, ValueError):  # not a readable envelope: not one to act on
+            continue
         if v.base_seq <= seq < v.base_seq + n:
             out.append((phys, m))
     out.sort(key=lambda e: e[0])

@@ -92,6 +92,15 @@ class BrokerCollector:
         cl.add_metric(["max"], float(info["commitlog_max_offset"]))
         cl.add_metric(["flushed"], float(info["commitlog_flushed_offset"]))
         yield cl
+        corrupt = CounterMetricFamily(
+            "tidemq_corrupt_records", "Records skipped because they do not decode (non-UTF-8 "
+            "strings, bad sizes, decompression over the limit), per reader.", labels=["reader"])
+        for reader, n in sorted(b.store.corrupt.counts.items()):
+            corrupt.add_metric([reader], float(n))
+        yield corrupt
+        yield GaugeMetricFamily(
+            "tidemq_quarantined_batches", "Damaged CommitLog batches found by recovery or a "
+            "read, never served.", value=float(info["quarantined_batches"]))
         yield from self._traffic()
         yield from self._lag()
 

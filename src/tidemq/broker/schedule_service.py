@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from tidemq.broker.durable_file import read_file, write_atomic
 from tidemq.broker.envelope import REAL_QID, REAL_TOPIC, delivered_copy_exists, wrap
-from tidemq.protocol.errors import TidemqError
+from tidemq.protocol.errors import CorruptBatchError, MessageTooLargeError, TidemqError
 from tidemq.protocol.record import BatchView
 from tidemq.store.message_store import GetStatus, MessageStore, PutResult
 
@@ -81,6 +81,7 @@ class ScheduleMessageService:
         #: waiting for each fsync; a restart re-checks from here, _skip_delivered).
         self.durable_offsets: dict[int, int] = {}
         self.delivered = 0
+        self.dropped = 0  # envelopes that could not be delivered (see _deliver)
         self.lateness_ms: list[int] = []  # recent (delivery - due), for stats and tests
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -157,32 +158,44 @@ class ScheduleMessageService:
         store = self.store
         qid = level - 1
         off = self.offsets.get(level, 0)
-        delivered = 0
+        delivered = handled = 0
         try:
-            while delivered < _BURST:
+            while handled < _BURST:
                 r = store.get_messages(SCHEDULE_TOPIC, qid, off, 32)
                 if r.status is not GetStatus.FOUND:
-                    if r.next_begin_offset > off and r.status is GetStatus.OFFSET_TOO_SMALL:
-                        off = r.next_begin_offset  # retention removed the head: skip ahead
+                    if r.next_begin_offset > off and r.status in (
+                            GetStatus.OFFSET_TOO_SMALL, GetStatus.NO_MATCHED_MESSAGE):
+                        # retention removed the head, or the store skipped damaged units
+                        # (quarantined, counted there): skip ahead
+                        off = r.next_begin_offset
                         continue
                     break  # nothing pending: hold() wakes the level
                 for rb in r.batches:
-                    v = BatchView(rb.data)
+                    handled += 1
+                    try:
+                        v = BatchView(rb.data)
+                    except CorruptBatchError as exc:
+                        self._drop(level, rb.queue_offset, exc)
+                        off = rb.queue_offset + 1
+                        continue
                     now = time.time_ns() // 1_000_000
                     due = self._due(v, level)
                     if due > now:
                         self._arm(level, (due - now) / 1000)
                         return
-                    self._deliver(v)
-                    self.lateness_ms.append(now - due)
+                    if self._deliver(v, level, rb.queue_offset):
+                        self.lateness_ms.append(now - due)
+                        delivered += 1
                     off = rb.queue_offset + 1
-                    delivered += 1
                 if r.next_begin_offset > off:
                     off = r.next_begin_offset
             else:
                 self._arm(level, 0)  # a backlog: continue after other work had its turn
-        except TidemqError as exc:
+        except TidemqError as exc:  # the store refused for now (disk full, closing)
             log.error("delay level %d: delivery failed (%s); retrying in 1 s", level, exc)
+            self._arm(level, 1.0)
+        except Exception:  # a bug must not stop the level for good
+            log.exception("delay level %d: delivery failed unexpectedly; retrying in 1 s", level)
             self._arm(level, 1.0)
         finally:
             if off != self.offsets.get(level, 0):
@@ -193,10 +206,26 @@ class ScheduleMessageService:
             if len(self.lateness_ms) > 100_000:
                 del self.lateness_ms[:50_000]
 
-    def _deliver(self, v: BatchView) -> None:
-        m = next(v.messages())
-        props = m.properties
-        self.store.put(m.body, queue_id=int(props[REAL_QID]), on_durable=_ignore_durable)
+    def _deliver(self, v: BatchView, level: int, queue_offset: int) -> bool:
+        """Put the envelope's inner batch to its real queue (True). One that cannot be
+        delivered because of what it holds (an unreadable envelope, an inner batch the store
+        refuses as corrupt or too large) is dropped, counted and logged (False): the level
+        moves on past it and never blocks on it, across restarts too. A store refusal for now
+        raises (the level retries in 1 s)."""
+        try:
+            m = next(v.messages())
+            qid = int(m.properties[REAL_QID])
+            self.store.put(m.body, queue_id=qid, on_durable=_ignore_durable)
+        except (CorruptBatchError, MessageTooLargeError, KeyError, ValueError) as exc:
+            self._drop(level, queue_offset, exc)
+            return False
+        return True
+
+    def _drop(self, level: int, queue_offset: int, exc: Exception) -> None:
+        self.dropped += 1
+        self.store.corrupt.skipped(
+            "delay", f"{SCHEDULE_TOPIC} level {level} (queue {level - 1}) offset {queue_offset}",
+            f"dropped: {exc}")
 
     def _made_durable(self, level: int, off: int, err: object) -> None:
         """The deliveries below ``off`` are durable (event loop, or inside the call under
@@ -217,14 +246,17 @@ class ScheduleMessageService:
             r = self.store.get_messages(SCHEDULE_TOPIC, level - 1, off, 1)
             if r.status is not GetStatus.FOUND:
                 break
-            v = BatchView(r.batches[0].data)
-            if self._due(v, level) > now:
-                break
-            m = next(v.messages())
-            inner = BatchView(m.body)
+            try:
+                v = BatchView(r.batches[0].data)
+                if self._due(v, level) > now:
+                    break
+                m = next(v.messages())
+                inner = BatchView(m.body)
+                real_topic = m.properties[REAL_TOPIC]
+            except (TidemqError, KeyError):
+                break  # unreadable: _run reads it again and drops it
             if not delivered_copy_exists(self.store, inner.producer_id, inner.base_seq,
-                                         m.properties[REAL_TOPIC], v.store_ts,
-                                         inner.reconsume_times):
+                                         real_topic, v.store_ts, inner.reconsume_times):
                 break
             off = r.batches[0].queue_offset + 1
         if off != self.offsets.get(level, 0):

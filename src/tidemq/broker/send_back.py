@@ -34,7 +34,7 @@ from tidemq.broker.connection import decode_request
 from tidemq.broker.consumer_manager import DLQ_PREFIX, RETRY_PREFIX
 from tidemq.broker.errors import RequestRejected, rejection_for_store_error
 from tidemq.protocol.codes import RequestCode, ResponseCode
-from tidemq.protocol.errors import CorruptBatchError, TidemqError
+from tidemq.protocol.errors import TidemqError
 from tidemq.protocol.headers import ConsumerSendMsgBackRequestHeader, EmptyHeader
 from tidemq.protocol.record import MAX_DELAY_LEVEL, MessageData, encode_batch, unpack_host
 
@@ -70,13 +70,21 @@ class SendBackProcessor:
         broker = self.broker
         group = h.consumer_group
         sg = broker.subscription_groups.ensure(group)
+        found = False  # a batch is there: a failure after this is its content, not the ask
         try:
             v = broker.store.read_batch(h.commit_log_offset)
             v.verify()
-            if h.index >= v.count:
-                raise CorruptBatchError(f"the batch holds {v.count} messages")
-            m = next(v.messages(h.index))
+            if not 0 <= h.index < v.count:
+                raise ValueError(f"the batch holds {v.count} messages")
+            found = True
+            # Decompression is capped at the store's largest batch: a bomb costs at most that
+            # much memory and time on the loop, and is refused as corrupt.
+            m = next(v.messages(h.index, broker.store.config.max_batch_bytes))
         except (TidemqError, ValueError) as exc:
+            if found:
+                broker.store.corrupt.skipped(
+                    "send-back", f"batch at CommitLog offset {h.commit_log_offset} message "
+                    f"{h.index} (group {group})", str(exc))
             raise RequestRejected(
                 ResponseCode.INVALID_ARGUMENT,
                 f"no message at commit log offset {h.commit_log_offset} index {h.index}: "

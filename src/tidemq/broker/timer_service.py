@@ -39,7 +39,12 @@ from tidemq.broker.envelope import (
     unwrap,
     wrap,
 )
-from tidemq.protocol.errors import TidemqError
+from tidemq.protocol.errors import (
+    CorruptBatchError,
+    MessageTooLargeError,
+    OffsetOutOfRangeError,
+    TidemqError,
+)
 from tidemq.protocol.record import BatchView, parse_unique_id
 from tidemq.store.message_store import GetStatus, MessageStore, PutResult
 from tidemq.store.timer_log import TimerLog
@@ -71,6 +76,7 @@ class TimerMessageService:
         self.checkpoint_ms = checkpoint_ms
         self.index: TimerLog | None = None
         self.delivered = 0
+        self.dropped = 0  # held batches that could not be delivered (see _deliver_one)
         self.recovered_done = 0
         self.lateness_ms: list[int] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -86,16 +92,25 @@ class TimerMessageService:
         self._reindex()
         horizon = idx.heartbeat_ms + 2 * self.checkpoint_ms + 1000 if idx.heartbeat_ms else 0
         # Due entries the crash may have delivered without their DONE mark reaching the file.
+        # Nothing here may keep the broker from starting: an entry whose delivery fails (the
+        # store refuses it for now) is given back and retried by the loop's timer.
         while horizon:
             batch = idx.pop_due(min(_now_ms(), horizon), 4096)
             if not batch:
                 break
-            for d, phys, size in batch:
-                if self._already_delivered(phys):
-                    idx.done(d, phys, size)
-                    self.recovered_done += 1
-                else:
-                    self._deliver_one(d, phys, size)
+            for i, (d, phys, size) in enumerate(batch):
+                try:
+                    if self._already_delivered(phys):
+                        idx.done(d, phys, size)
+                        self.recovered_done += 1
+                    else:
+                        self._deliver_one(d, phys, size)
+                except Exception as exc:  # noqa: BLE001 - a start-up must go on
+                    idx.release(batch[i:])
+                    log.error("timer: delivery at start-up failed (%s); retrying once started",
+                              exc)
+                    horizon = 0
+                    break
         if horizon:
             idx.sync()  # before serving: the marks of what start-up delivered are durable
         if self.recovered_done:
@@ -228,10 +243,15 @@ class TimerMessageService:
                 try:
                     if self._deliver_one(d, phys, size):
                         put.append((d, phys, size))
-                except TidemqError as exc:
-                    # the undelivered ones are due again (not lost until a restart)
+                except Exception as exc:
+                    # The store refused the put (disk full, closing) or a bug: the undelivered
+                    # ones are due again (not lost until a restart). What a message holds
+                    # never lands here (_deliver_one drops and counts it).
                     idx.release(batch[i:])
-                    log.error("timer delivery failed (%s); retrying in 1 s", exc)
+                    if isinstance(exc, TidemqError):
+                        log.error("timer delivery failed (%s); retrying in 1 s", exc)
+                    else:
+                        log.exception("timer delivery failed unexpectedly; retrying in 1 s")
                     self._arm(_now_ms() + 1000)
                     return
                 self.lateness_ms.append(now - d)
@@ -268,19 +288,26 @@ class TimerMessageService:
             idx.write_now(start)
 
     def _deliver_one(self, d: int, phys: int, size: int) -> bool:
-        """Put the held batch to its real queue (True); an unreadable one is dropped, marked
-        DONE at once (False)."""
+        """Put the held batch to its real queue (True). A held batch that cannot be delivered
+        because of what it holds -- an unreadable envelope, an inner batch the store refuses
+        as corrupt or too large -- is dropped: counted, logged, marked DONE at once (False),
+        so it never blocks the timer or a restart. A store refusal for now (disk full,
+        closing) raises: the caller retries."""
         idx = self.index
         assert idx is not None
         try:
             m = unwrap(self.store, phys)
-        except TidemqError as exc:
-            log.error("timer: held batch at CommitLog offset %d is unreadable (%s); dropped",
-                      phys, exc)
+            qid = int(m.properties[REAL_QID])
+            self.store.put(m.body, queue_id=qid, on_durable=_ignore_durable)
+        except (CorruptBatchError, MessageTooLargeError, OffsetOutOfRangeError, KeyError,
+                ValueError) as exc:
+            self.dropped += 1
+            self.store.corrupt.skipped(
+                "timer", f"held batch at CommitLog offset {phys} (due {d})",
+                f"dropped: {exc}")
             idx.done(d, phys, size)
             idx.write_now(idx.bucket_of(d))
             return False
-        self.store.put(m.body, queue_id=int(m.properties[REAL_QID]), on_durable=_ignore_durable)
         self.delivered += 1
         return True
 
@@ -288,19 +315,20 @@ class TimerMessageService:
         try:
             env = self.store.read_batch(phys)
             m = unwrap(self.store, phys)
-        except TidemqError:
-            return False
-        inner = BatchView(m.body)
+            inner = BatchView(m.body)
+            real_topic = m.properties[REAL_TOPIC]
+        except (TidemqError, KeyError, ValueError):
+            return False  # _deliver_one reads it again and drops what it cannot deliver
         return delivered_copy_exists(self.store, inner.producer_id, inner.base_seq,
-                                     m.properties[REAL_TOPIC], env.store_ts,
-                                     inner.reconsume_times)
+                                     real_topic, env.store_ts, inner.reconsume_times)
 
     def stats(self) -> dict[str, int]:
         idx = self.index
         if idx is None:
             return {}
         return {"timer_index_bytes": idx.memory_bytes(), "timer_added": idx.added,
-                "timer_cancelled": idx.cancelled, "timer_recovered_done": self.recovered_done}
+                "timer_cancelled": idx.cancelled, "timer_recovered_done": self.recovered_done,
+                "timer_dropped": self.dropped}
 
     def pending_buckets(self) -> int:
         return self.index.pending_files() if self.index else 0

@@ -129,7 +129,7 @@ class TransactionService:
         self.latest_copy: dict[str, int] = {}  # txn id -> offset of its latest put-back copy
         self._ops: deque[tuple[int, int, str]] = deque()  # (op offset, half offset, txn id)
         self.stats = {"prepared": 0, "committed": 0, "rolled_back": 0, "checks_sent": 0,
-                      "discarded": 0, "skipped": 0, "duplicate_ends": 0}
+                      "discarded": 0, "skipped": 0, "duplicate_ends": 0, "corrupt_skipped": 0}
         self._task: asyncio.Task | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -156,13 +156,26 @@ class TransactionService:
     def _rebuild(self) -> None:
         off = self.op_progress
         for q, v in self._scan(OP_TOPIC, off):
-            m = next(v.messages())
-            txn, half = m.properties.get(TRAN_ID, ""), int(m.body)
+            try:
+                m = next(v.messages())
+                txn, half = m.properties.get(TRAN_ID, ""), int(m.body)
+            except (TidemqError, ValueError) as exc:  # never a reason not to start
+                self._skipped(OP_TOPIC, q, exc)
+                continue
             self.resolved[txn] = max(half, self.resolved.get(txn, -1))
             self._ops.append((q, half, txn))
         for q, v in self._scan(HALF_TOPIC, self.half_progress):
-            m = next(v.messages())
-            self.latest_copy[m.properties[TRAN_ID]] = q
+            try:
+                m = next(v.messages())
+                self.latest_copy[m.properties[TRAN_ID]] = q
+            except (TidemqError, KeyError) as exc:
+                self._skipped(HALF_TOPIC, q, exc)
+
+    def _skipped(self, topic: str, queue_offset: int, exc: Exception) -> None:
+        """A half or op record that does not decode: counted, logged, passed over."""
+        self.stats["corrupt_skipped"] += 1
+        self.store.corrupt.skipped("transaction", f"{topic} queue 0 offset {queue_offset}",
+                                   f"passed over: {exc}")
 
     def _scan(self, topic: str, off: int, end: int | None = None):
         """(queue offset, batch view) of every single-message batch of ``topic``/0 from
@@ -251,9 +264,17 @@ class TransactionService:
                 f"CommitLog offset {h.commit_log_offset} holds no half message at half queue "
                 f"offset {h.tran_state_table_offset}",
             )
-        m = next(v.messages())
-        props = m.properties
-        txn = props[TRAN_ID]
+        try:
+            m = next(v.messages())
+            props = m.properties
+            txn = props[TRAN_ID]
+            real_qid = int(props[REAL_QID])
+        except (TidemqError, KeyError, ValueError) as exc:
+            raise RequestRejected(
+                ResponseCode.TRANSACTION_FAILED,
+                f"the half message at CommitLog offset {h.commit_log_offset} is unreadable "
+                f"({exc})",
+            ) from None
         if h.msg_id and h.msg_id != txn:
             raise RequestRejected(
                 ResponseCode.TRANSACTION_FAILED,
@@ -281,7 +302,7 @@ class TransactionService:
             inner[_PREPARED_OFFSET_AT : _PREPARED_OFFSET_AT + 8] = h.commit_log_offset.to_bytes(
                 8, "little", signed=True
             )
-            self.broker.put_internal(inner, int(props[REAL_QID]), on_durable=_ignore_durable)
+            self.broker.put_internal(inner, real_qid, on_durable=_ignore_durable)
             self._resolve(txn, v.queue_offset, "commit", answer)
             self.stats["committed"] += 1
         elif state == TxnType.ROLLBACK:
@@ -356,13 +377,23 @@ class TransactionService:
         end = self.store.max_offset(HALF_TOPIC, 0)
         prefix = True
         for q, v in self._scan(HALF_TOPIC, self.half_progress, end):
-            m = next(v.messages())
-            props = m.properties
-            txn = props[TRAN_ID]
-            finished = txn in self.resolved or self.latest_copy.get(txn, q) > q
-            if not finished:
+            try:
+                m = next(v.messages())
+                props = m.properties
+                txn = props[TRAN_ID]
                 age = now - int(props[FIRST_BORN])
                 checks = int(props[CHECK_TIMES])
+                BatchView(m.body)  # the inner batch's framing (put back, committed)
+            except (TidemqError, KeyError, ValueError) as exc:
+                # A half message that cannot be read can never be checked or committed:
+                # passed over (counted, logged) so the round and its progress go on.
+                self._skipped(HALF_TOPIC, q, exc)
+                if prefix:
+                    self.half_progress = q + 1
+                yield
+                continue
+            finished = txn in self.resolved or self.latest_copy.get(txn, q) > q
+            if not finished:
                 if checks >= cfg.transaction_check_max:
                     self.store.put(with_topic(m.body, DISCARD_TOPIC), queue_id=0,
                                    on_durable=_ignore_durable)
@@ -392,7 +423,7 @@ class TransactionService:
     def _immunity_ms(self, inner: bytes) -> int:
         base = self.config.transaction_timeout_ms
         try:
-            first = next(BatchView(inner).messages())
+            first = next(BatchView(inner).messages(0, self.store.config.max_batch_bytes))
         except TidemqError:
             return base
         sec = first.properties.get(IMMUNITY)

@@ -282,8 +282,12 @@ def consume_cmd(namesrv: str, topic: str, group: str, expression: str, from_begi
                 _print_msg(m, as_json)
             got += len(msgs)
         consumer.commit()
+        skipped = consumer.stats()["corrupt_skipped"]
     if not as_json:
         click.echo(f"consumed {got} messages", err=True)
+    if skipped:
+        click.echo(f"skipped {skipped} corrupt records (not decodable; see the log for their "
+                   "queues and offsets)", err=True)
 
 
 def _print_msg(m: MessageExt, as_json: bool) -> None:

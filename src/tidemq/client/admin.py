@@ -11,13 +11,15 @@ Threading: one event loop. Use ``tidemq.Admin`` from threads.
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
 from tidemq.client import offsets
-from tidemq.client.codec import decode_batches, decode_pull_body
+from tidemq.client.codec import decode_pull_body
 from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
 from tidemq.client.errors import NoRouteError
 from tidemq.client.message import Message, MessageExt, MessageQueue
@@ -31,6 +33,7 @@ from tidemq.protocol.codes import (
     ResponseCode,
     pull_status,
 )
+from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import BrokerError
 from tidemq.protocol.frame import Frame
 from tidemq.protocol.headers import (
@@ -57,6 +60,8 @@ from tidemq.protocol.headers import (
     ViewMessageRequestHeader,
 )
 from tidemq.protocol.record import BatchView, parse_unique_id
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Admin", "QueueLag", "GroupLag", "QueueStatus", "GroupInfo", "DLQ_PREFIX"]
 
@@ -420,7 +425,8 @@ class Admin:
                     raise_for_error(f)
                 nxt = f.header.next_begin_offset
                 if status is PullStatus.FOUND:
-                    msgs = decode_pull_body(f.body, from_offset=off, broker_name=name)[0]
+                    msgs = decode_pull_body(f.body, from_offset=off, broker_name=name,
+                                            on_corrupt=functools.partial(_skipped, mq))[0]
                     out.extend(msgs[: max_num - len(out)])
                 if nxt <= off:
                     break
@@ -507,11 +513,19 @@ def _found(frame: Frame, broker_name: str) -> list[MessageExt]:
     while pos < len(mv) and i < len(indexes):
         view = BatchView(mv, pos)
         size = view.total_size
-        msgs = decode_batches(bytes(mv[pos : pos + size]), from_offset=0,
-                              broker_name=broker_name)
         k = indexes[i]
-        if 0 <= k < len(msgs):
-            out.append(msgs[k])
+        msgs = decode_pull_body(bytes(mv[pos : pos + size]), from_offset=0,
+                                broker_name=broker_name,
+                                on_corrupt=functools.partial(_skipped, view.topic_bytes))[0]
+        out.extend(m for m in msgs if m._i == k)
         pos += size
         i += 1
     return out
+
+
+_corrupt = CorruptRecords(log)
+
+
+def _skipped(where: object, queue_offset: int, count: int, why: str) -> None:
+    """A message a query or DLQ listing cannot decode: left out, counted and logged."""
+    _corrupt.skipped("admin", f"{where} offset {queue_offset}", why, count)

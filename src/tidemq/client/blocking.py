@@ -247,6 +247,14 @@ class PullConsumer(_Facade):
     def fetch_queues(self, topic: str) -> list[MessageQueue]:
         return _run(self._aio.fetch_queues(topic))
 
+    def stats(self) -> dict[str, int]:
+        """Assigned queues, buffered messages and ``corrupt_skipped`` (records skipped because
+        they do not decode)."""
+        async def go() -> dict[str, int]:
+            return self._aio.stats()
+
+        return _run(go())
+
     def poll(self, timeout: float = 5.0) -> list[MessageExt]:
         _open.add(self)
         return _run(self._aio.poll(timeout))

@@ -27,6 +27,7 @@ from tidemq.protocol.record import (
     ATTR_COMPRESSION_MASK,
     BATCH_MAGIC,
     CRC_FIELD,
+    DEFAULT_MAX_RAW_SIZE,
     FORMAT_VERSION,
     INDEX_ENTRY,
     INDEX_ENTRY_SIZE,
@@ -43,6 +44,7 @@ from tidemq.protocol.record import (
     Compression,
     MessageData,
     crc32c,
+    decode_utf8,
     encode_batch,
     encode_properties,
     seal_store_header,
@@ -425,14 +427,18 @@ def decode_batches(
     tags: frozenset[str] | None = None,
     check_crc: bool = True,
     topic: str | None = None,
+    max_uncompressed: int = DEFAULT_MAX_RAW_SIZE,
 ) -> list[MessageExt]:
     """Messages with queue offset >= ``from_offset`` in the batches of a pull response body.
 
     ``tags`` (from :func:`parse_tag_expression`) keeps only messages whose tag is in the set
-    (the broker filters by tag hash only). Raises CorruptBatchError for damaged bytes.
+    (the broker filters by tag hash only). Raises CorruptBatchError for damaged bytes or a
+    record that does not decode (strict: readers that must go on use :func:`decode_pull_body`
+    with ``on_corrupt``).
     """
     return decode_pull_body(body, from_offset=from_offset, broker_name=broker_name, tags=tags,
-                            check_crc=check_crc, topic=topic)[0]
+                            check_crc=check_crc, topic=topic,
+                            max_uncompressed=max_uncompressed)[0]
 
 
 def decode_pull_body(
@@ -444,13 +450,20 @@ def decode_pull_body(
     check_crc: bool = True,
     topic: str | None = None,
     on_corrupt: Callable[[int, int, str], None] | None = None,
+    max_uncompressed: int = DEFAULT_MAX_RAW_SIZE,
 ) -> tuple[list[MessageExt], int]:
     """:func:`decode_batches` plus the queue offset right after the last batch of the body
     (``from_offset`` when the body is empty).
 
-    ``on_corrupt(queue_offset, count, reason)`` (CO9): a batch failing its CRC or its decoding
-    is reported there and skipped instead of raising; a batch whose framing is broken ends the
-    body (its end cannot be known) and is reported with count -1.
+    ``on_corrupt(queue_offset, count, reason)`` (CO9; "tolerate on the way out"): what cannot
+    be decoded is reported there and skipped instead of raising, so a consumer moves past it:
+
+    - a batch failing its CRC, or whose records do not decompress (or would decompress to more
+      than ``max_uncompressed`` bytes, or to another size than the batch declares), or whose
+      record sizes do not add up: the whole batch, ``count`` its messages;
+    - one message whose tag, keys or properties are not UTF-8: that message alone, count 1
+      (the others of its batch are delivered);
+    - a batch whose framing is broken ends the body (its end cannot be known): count -1.
 
     Each batch's headers -- and for a batch of one message its index entry and record header
     too -- are read by one ``struct.unpack_from`` (:func:`_heads`); a single-message,
@@ -477,6 +490,7 @@ def decode_pull_body(
     heads = _heads(len(topic.encode()) if topic else 0)  # the batches of a pull share a topic
     last_tb = b""
     btopic = topic if topic is not None else ""
+    bad: list[tuple[int, str]] | None = [] if on_corrupt is not None else None
     pos = 0
     while pos < end:
         a = boff + pos
@@ -504,7 +518,7 @@ def decode_pull_body(
             # Damaged (or too short for the combined read): BatchView checks and words it.
             nxt, end_offset = _decode_checked(mv, buf, boff, pos, from_offset, end_offset,
                                               broker_name, tags, check_crc, topic, on_corrupt,
-                                              out)
+                                              out, max_uncompressed)
             if nxt < 0:
                 break
             pos = nxt
@@ -521,8 +535,15 @@ def decode_pull_body(
         if topic is None:
             tb = buf[a + STORE_HEADER_SIZE : a + p]
             if tb != last_tb:
+                try:
+                    btopic = tb.decode()
+                except UnicodeDecodeError:
+                    if on_corrupt is None:
+                        raise CorruptBatchError("topic: not UTF-8") from None
+                    on_corrupt(qo + start, count - start, "topic: not UTF-8")
+                    pos += total
+                    continue
                 last_tb = tb
-                btopic = tb.decode()
         rec = a + p + PRODUCER_HEADER_SIZE + INDEX_ENTRY_SIZE
         if count == 1 and not h[18] and not h[15] & ATTR_COMPRESSION_MASK and not h[26]:
             # One message (RocketMQ's send(msg)): its record header was read with the batch's.
@@ -530,7 +551,17 @@ def decode_pull_body(
             q = rec + RECORD_HEADER_SIZE
             n = tl + pl + bl
             if h[27] + 4 == RECORD_HEADER_SIZE + n and n <= h[19] - RECORD_HEADER_SIZE:
-                tag = buf[q : q + tl].decode() if tl else None
+                try:
+                    tag = buf[q : q + tl].decode() if tl else None
+                    if pl:
+                        buf[q + tl : q + tl + pl].decode()  # properties must decode too
+                except UnicodeDecodeError:
+                    why = _why_undecodable(buf, q, tl, pl, 0)
+                    if on_corrupt is None:
+                        raise CorruptBatchError(why) from None
+                    on_corrupt(qo, 1, why)
+                    pos += total
+                    continue
                 if tags is None or tag in tags:
                     q += tl + pl
                     append(MessageExt(buf[q : q + bl], qo, tag,
@@ -539,20 +570,25 @@ def decode_pull_body(
                 continue
         elif on_corrupt is None:
             out.extend(_decode_general(mv, buf, a, pos, h, rec, start, btopic, broker_name,
-                                       tags))
+                                       tags, max_uncompressed, None))
             pos += total
             continue
         else:
             try:
                 out.extend(_decode_general(mv, buf, a, pos, h, rec, start, btopic,
-                                           broker_name, tags))
+                                           broker_name, tags, max_uncompressed, bad))
             except CorruptBatchError as exc:
-                on_corrupt(qo, count, str(exc))
+                on_corrupt(qo + start, count - start, exc.message)
+            if bad:
+                for i, why in bad:
+                    on_corrupt(qo + i, 1, why)
+                bad.clear()
             pos += total
             continue
         # A single-message batch whose record sizes disagree: let the checked path word it.
         nxt, end_offset = _decode_checked(mv, buf, boff, pos, from_offset, end_offset,
-                                          broker_name, tags, check_crc, topic, on_corrupt, out)
+                                          broker_name, tags, check_crc, topic, on_corrupt, out,
+                                          max_uncompressed)
         if nxt < 0:
             break
         pos = nxt
@@ -581,27 +617,79 @@ def _heads(topic_len: int) -> struct.Struct:
     return s
 
 
+def _why_undecodable(raw: bytes, q: int, tl: int, pl: int, i: int) -> str:
+    """Which string of the record at ``raw[q:]`` (tags ``tl`` bytes, then properties ``pl``)
+    is not UTF-8, in BatchView's words. Only called once a decode has failed."""
+    try:
+        if tl:
+            decode_utf8(raw[q : q + tl], f"tags of message {i}")
+        decode_utf8(raw[q + tl : q + tl + pl], f"properties of message {i}")
+    except CorruptBatchError as exc:
+        return exc.message
+    return f"message {i} does not decode"
+
+
+def _keys_checked(src: bytes, q: int, size: int, count: int
+                  ) -> tuple[dict[int, str], dict[int, str]]:
+    """The keys section at ``src[q:q + size]``: (index -> keys that decode, index -> why the
+    keys of that message do not). CorruptBatchError when its framing is broken."""
+    out: dict[int, str] = {}
+    bad: dict[int, str] = {}
+    end = q + size
+    while q < end:
+        if q + 6 > end:
+            raise CorruptBatchError("keys section entry is truncated")
+        i, n = KEYS_ENTRY.unpack_from(src, q)
+        q += 6
+        if q + n > end or i >= count:
+            raise CorruptBatchError("keys section entry points outside the batch")
+        try:
+            out[i] = decode_utf8(src[q : q + n], f"keys of message {i}")
+        except CorruptBatchError as exc:
+            bad[i] = exc.message
+        q += n
+    return out, bad
+
+
 def _decode_general(
     mv: memoryview, buf: bytes, a: int, pos: int, h: tuple, rec: int, start: int, topic: str,
-    broker_name: str, tags: frozenset[str] | None,
+    broker_name: str, tags: frozenset[str] | None, max_raw: int,
+    bad: list[tuple[int, str]] | None,
 ) -> list[MessageExt]:
     """Messages ``start..`` of the framed, CRC-checked batch at ``buf[a:]`` (``mv[pos:]``)
-    whose headers are ``h``; ``rec`` is where its records would start without keys."""
+    whose headers are ``h``; ``rec`` is where its records would start without keys.
+
+    A message that does not decode is appended to ``bad`` as (index, reason) and skipped, or
+    raises CorruptBatchError when ``bad`` is None; a batch-wide problem always raises."""
     if h[15] & ATTR_COMPRESSION_MASK:
-        raw = bytes(BatchView(mv, pos).raw_records())
+        raw = bytes(BatchView(mv, pos).raw_records(max_raw))
         off, rlen = 0, len(raw)
     else:
         raw = buf
         off = rec - INDEX_ENTRY_SIZE + h[17] * INDEX_ENTRY_SIZE + h[18]
         rlen = off + h[19]
     meta = _BatchMeta(topic, broker_name, h, buf, a, raw, off)
-    return _decode_one(meta, raw, off, rlen, h[17], start, tags)
+    bad_keys: dict[int, str] = {}
+    if h[18]:  # keys: checked once per batch here, so MessageExt.keys never fails later
+        meta._keys, bad_keys = _keys_checked(buf, rec - INDEX_ENTRY_SIZE
+                                             + h[17] * INDEX_ENTRY_SIZE, h[18], h[17])
+    if bad is None:
+        msgs = _decode_one(meta, raw, off, rlen, h[17], start, tags, None)
+        for m in msgs:
+            if m._i in bad_keys:
+                raise CorruptBatchError(bad_keys[m._i])
+        return msgs
+    msgs = _decode_one(meta, raw, off, rlen, h[17], start, tags, bad)
+    if bad_keys:
+        bad.extend((m._i, bad_keys[m._i]) for m in msgs if m._i in bad_keys)
+        msgs = [m for m in msgs if m._i not in bad_keys]
+    return msgs
 
 
 def _decode_checked(
     mv: memoryview, buf: bytes, boff: int, pos: int, from_offset: int, end_offset: int,
     broker_name: str, tags: frozenset[str] | None, check_crc: bool, topic: str | None,
-    on_corrupt: Callable[[int, int, str], None] | None, out: list[MessageExt],
+    on_corrupt: Callable[[int, int, str], None] | None, out: list[MessageExt], max_raw: int,
 ) -> tuple[int, int]:
     """The batch at ``mv[pos:]`` through BatchView and every check, messages appended to
     ``out``: (where the next batch starts, or -1 to stop; the new end offset)."""
@@ -618,6 +706,7 @@ def _decode_checked(
     if start >= view.count:
         return nxt, end_offset
     start = max(start, 0)
+    bad: list[tuple[int, str]] | None = [] if on_corrupt is not None else None
     try:
         if check_crc:
             view.verify()
@@ -626,11 +715,14 @@ def _decode_checked(
         out.extend(_decode_general(mv, buf, boff + pos, pos, h,
                                    boff + pos + view.index_start + INDEX_ENTRY_SIZE, start,
                                    topic if topic is not None else view.topic, broker_name,
-                                   tags))
+                                   tags, max_raw, bad))
     except CorruptBatchError as exc:
         if on_corrupt is None:
             raise
-        on_corrupt(view.queue_offset, view.count, str(exc))
+        on_corrupt(view.queue_offset + start, view.count - start, str(exc))
+    if bad and on_corrupt is not None:
+        for i, why in bad:
+            on_corrupt(view.queue_offset + i, 1, why)
     return nxt, end_offset
 
 
@@ -650,7 +742,7 @@ def _base_bytes(mv: memoryview) -> tuple[bytes, int] | None:
 
 def _decode_small(
     meta: _BatchMeta, raw: bytes, off: int, rlen: int, count: int, start: int,
-    tags: frozenset[str] | None,
+    tags: frozenset[str] | None, bad: list[tuple[int, str]] | None,
 ) -> list[MessageExt]:
     out: list[MessageExt] = []
     unpack_idx = INDEX_ENTRY.unpack_from
@@ -667,8 +759,17 @@ def _decode_small(
         q = rel + RECORD_HEADER_SIZE
         if size + 4 != RECORD_HEADER_SIZE + tl + pl + bl or q + tl + pl + bl > rlen:
             raise CorruptBatchError(f"message {i} record sizes are inconsistent")
-        tag = raw[q : q + tl].decode() if tl else None
-        if tags is not None and tag not in tags:
+        try:
+            tag = raw[q : q + tl].decode() if tl else None
+            if tags is not None and tag not in tags:
+                continue
+            if pl:
+                raw[q + tl : q + tl + pl].decode()  # properties must decode too
+        except UnicodeDecodeError:
+            why = _why_undecodable(raw, q, tl, pl, i)
+            if bad is None:
+                raise CorruptBatchError(why) from None
+            bad.append((i, why))
             continue
         s = q + tl + pl
         out.append(MessageExt(raw[s : s + bl], qo + i, tag, meta, i))
@@ -677,11 +778,12 @@ def _decode_small(
 
 def _decode_one(
     meta: _BatchMeta, raw: bytes, off: int, rlen: int, count: int, start: int,
-    tags: frozenset[str] | None,
+    tags: frozenset[str] | None, bad: list[tuple[int, str]] | None,
 ) -> list[MessageExt]:
-    """Messages ``start..count-1`` of a batch whose records section is ``raw[off:rlen]``."""
+    """Messages ``start..count-1`` of a batch whose records section is ``raw[off:rlen]``;
+    undecodable ones go to ``bad`` (see :func:`_decode_general`)."""
     if count - start <= _SMALL:
-        return _decode_small(meta, raw, off, rlen, count, start, tags)
+        return _decode_small(meta, raw, off, rlen, count, start, tags, bad)
     idx = np.frombuffer(meta.src, dtype=_IDX_DTYPE, count=count, offset=meta.index_pos())[start:]
     rel = idx["rel"].astype(np.int64) + off
     if len(rel) and (int(rel.max()) + RECORD_HEADER_SIZE > rlen or int(rel.min()) < off):
@@ -701,22 +803,34 @@ def _decode_one(
     qo = meta.queue_offset
     b = meta
     n = len(rel)
-    if not bool(tl.any()):
+    if not bool(tl.any()) and not bool(pl.any()):
         if tags is not None:
             return []
         return [
             MessageExt(raw[s:e], qo + i, None, b, i)
             for i, s, e in zip(range(start, start + n), bstart.tolist(), bend.tolist(), strict=True)
         ]
+    # Tags or properties: each is decoded (tags are kept, properties only checked so that
+    # MessageExt.properties never fails later); an undecodable record is skipped.
     tstart = (rel + RECORD_HEADER_SIZE).tolist()
-    tends = (rel + RECORD_HEADER_SIZE + tl).tolist()
+    tls = tl.tolist()
+    pls = pl.tolist()
     out: list[MessageExt] = []
     append = out.append
-    for i, s, e, ts, te in zip(
-        range(start, start + n), bstart.tolist(), bend.tolist(), tstart, tends, strict=True
+    for i, s, e, ts, t, p in zip(
+        range(start, start + n), bstart.tolist(), bend.tolist(), tstart, tls, pls, strict=True
     ):
-        tag = raw[ts:te].decode() if te > ts else None
-        if tags is not None and tag not in tags:
+        try:
+            tag = raw[ts : ts + t].decode() if t else None
+            if tags is not None and tag not in tags:
+                continue
+            if p:
+                raw[ts + t : s].decode()
+        except UnicodeDecodeError:
+            why = _why_undecodable(raw, ts, t, p, i)
+            if bad is None:
+                raise CorruptBatchError(why) from None
+            bad.append((i, why))
             continue
         append(MessageExt(raw[s:e], qo + i, tag, b, i))
     return out

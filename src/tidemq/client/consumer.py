@@ -17,9 +17,12 @@ messages (skipping those before the requested offset and re-checking tags); NO_N
 NO_MATCHED_MSG move on to next_begin_offset; OFFSET_ILLEGAL jumps to the broker's corrected
 offset (logged). Errors back off 1 s and retry.
 
-Integrity (CO9): every received batch's CRC32C is verified (``check_crc``); a batch that fails
-it, or does not decode, is skipped and reported -- ``corrupt_batches`` counts them and a warning
-names the queue and offsets -- instead of stopping the queue. Compressed batches are
+Integrity (CO9, "tolerate on the way out"): every received batch's CRC32C is verified
+(``check_crc``); a batch that fails it, or does not decode (records that do not decompress, or
+would decompress to more than ``max_uncompressed_bytes``), is skipped, and so is one message
+whose tag, keys or properties are not UTF-8 -- ``corrupt_batches`` counts the skips,
+``stats()`` has them, and a rate-limited error log names the queue and offsets -- instead of
+stopping the queue: the consumer moves on past it. Compressed batches are
 decompressed transparently; chunked messages (PR5) are reassembled per queue
 (``chunking.ChunkAssembler``, incomplete ones expire after ``chunk_expire`` s) and the committed
 position never passes the first chunk of a message still being assembled.
@@ -51,12 +54,14 @@ from tidemq.client.errors import ClientClosedError, NoRouteError
 from tidemq.client.message import ConsumeFrom, MessageExt, MessageQueue
 from tidemq.client.route import RouteCache
 from tidemq.protocol.codes import PullStatus, RequestCode, pull_status
+from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import TidemqError
 from tidemq.protocol.headers import (
     PullMessageRequestHeader,
     PullMessageResponseHeader,
     PullSysFlag,
 )
+from tidemq.protocol.record import DEFAULT_MAX_RAW_SIZE
 
 __all__ = ["PullConsumer"]
 
@@ -96,7 +101,9 @@ class PullConsumer:
     ``max(1000, pull_batch_size)``), ``pull_threshold_per_queue`` (buffered messages before a
     queue pauses; default ``max(1000, 4 * pull_batch_size)``), ``suspend_timeout`` (20 s: how
     long a broker holds a pull), ``check_crc`` (True: verify each batch's CRC32C),
-    ``request_timeout`` (3 s for other requests), ``pool``.
+    ``max_uncompressed_bytes`` (4 MiB + 64 KiB: the largest records section of one received
+    batch, uncompressed; raise it with the broker's ``max_message_size``), ``request_timeout``
+    (3 s for other requests), ``pool``.
     """
 
     def __init__(
@@ -117,9 +124,12 @@ class PullConsumer:
         route_refresh: float = 30.0,
         pool: ConnectionPool | None = None,
         chunk_expire: float = 60.0,
+        max_uncompressed_bytes: int = DEFAULT_MAX_RAW_SIZE,
     ) -> None:
         if not group:
             raise ValueError("a consumer needs a group name")
+        if max_uncompressed_bytes < 1:
+            raise ValueError("max_uncompressed_bytes must be >= 1")
         if pull_batch_size < 1:
             raise ValueError("pull_batch_size must be >= 1")
         self.group = group
@@ -135,7 +145,9 @@ class PullConsumer:
         self.suspend_timeout = suspend_timeout
         self.check_crc = check_crc
         self.chunk_expire = chunk_expire
-        self.corrupt_batches = 0  # CO9: batches skipped for a CRC or decoding failure
+        self.max_uncompressed_bytes = max_uncompressed_bytes
+        #: CO9: records skipped for a CRC or decoding failure (see the module docstring)
+        self.corrupt = CorruptRecords(log)
         self.request_timeout = request_timeout
         self._own_pool = pool is None
         self.pool = pool if pool is not None else ConnectionPool(connect_timeout=request_timeout)
@@ -526,6 +538,7 @@ class PullConsumer:
                         frame.body, from_offset=offset, broker_name=mq.broker_name, tags=tags,
                         check_crc=self.check_crc, topic=mq.topic,
                         on_corrupt=lambda qo, n, why, mq=mq: self._corrupt(mq, qo, n, why),
+                        max_uncompressed=self.max_uncompressed_bytes,
                     )
                     nxt = max(h.next_begin_offset, end) if end > offset else h.next_begin_offset
                     self._push(q, self._assemble(q, msgs), nxt)
@@ -547,12 +560,26 @@ class PullConsumer:
                 log.exception("pull of %s failed unexpectedly; retrying in 1 s", mq)
                 await asyncio.sleep(1.0)
 
+    @property
+    def corrupt_batches(self) -> int:
+        """Skips of undecodable records (a whole batch, or one message of a batch);
+        ``stats()["corrupt_skipped"]`` counts the messages."""
+        return self.corrupt.events
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "queues": len(self._queues),
+            "buffered": sum(q.buffered for q in self._queues.values()),
+            "corrupt_skipped": self.corrupt.total,
+        }
+
     def _corrupt(self, mq: MessageQueue, queue_offset: int, count: int, why: str) -> None:
-        self.corrupt_batches += 1
         where = (f"offsets {queue_offset}..{queue_offset + count - 1}" if count > 0
                  else f"offset {queue_offset} to the end of the pull")
-        log.warning("corrupt batch skipped: topic %s queue %s:%d %s: %s", mq.topic,
-                    mq.broker_name, mq.queue_id, where, why)
+        self.corrupt.skipped(
+            "consumer", f"topic {mq.topic} queue {mq.broker_name}:{mq.queue_id} {where}", why,
+            count,
+        )
 
     def _assemble(self, q: _Queue, msgs: list[MessageExt]) -> list[MessageExt]:
         """Chunks (PR5) replaced by the messages they complete."""

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from tidemq.protocol.errors import CorruptBatchError
 from tidemq.protocol.record import (
     ATTR_DELAY_MASK,
     ATTR_DELAY_SHIFT,
@@ -261,7 +262,9 @@ class _BatchMeta(msgspec.Struct, gc=False):
             raw = self.src
             while q + 6 <= end:
                 i, n = KEYS_ENTRY.unpack_from(raw, q)
-                out[i] = raw[q + 6 : q + 6 + n].decode()
+                # The decoders check keys before they hand out a message (an undecodable one
+                # is skipped and counted); "replace" only keeps a hand-made one from raising.
+                out[i] = raw[q + 6 : q + 6 + n].decode(errors="replace")
                 q += 6 + n
             self._keys = out
         return self._keys
@@ -320,7 +323,11 @@ class MessageExt(msgspec.Struct, array_like=True, gc=False):
         if not pl:
             return {}
         q = rel + RECORD_HEADER_SIZE + tl
-        return decode_properties(self._b.raw[q : q + pl])
+        raw = self._b.raw[q : q + pl]
+        try:
+            return decode_properties(raw)
+        except CorruptBatchError:  # the decoders skip such records; see _BatchMeta.keys
+            return decode_properties(raw.decode(errors="replace").encode())
 
     @property
     def flag(self) -> int:

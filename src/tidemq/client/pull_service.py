@@ -47,6 +47,7 @@ from tidemq.client.message import MessageExt, MessageQueue
 from tidemq.client.process_queue import ProcessQueue
 from tidemq.client.rebalance import RETRY_PREFIX
 from tidemq.protocol.codes import PullStatus, RequestCode, pull_status
+from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import TidemqError
 from tidemq.protocol.headers import PullMessageRequestHeader, PullSysFlag
 
@@ -78,6 +79,17 @@ def restore_retry_topic(msgs: list[MessageExt]) -> None:
         origin = m.properties.get("RETRY_TOPIC")
         if origin:
             m._b.topic = origin
+
+
+def _skipped(corrupt: CorruptRecords, mq: MessageQueue, queue_offset: int, count: int,
+             why: str) -> None:
+    """A record of a pull that does not decode: counted and logged; the pull goes on past it
+    (next_begin_offset), so the queue is never stalled on it (CO9, "tolerate on the way
+    out")."""
+    where = (f"offsets {queue_offset}..{queue_offset + count - 1}" if count > 0
+             else f"offset {queue_offset} to the end of the pull")
+    corrupt.skipped("consumer", f"topic {mq.topic} queue {mq.broker_name}:{mq.queue_id} {where}",
+                    why, count)
 
 
 class PullService:
@@ -189,6 +201,8 @@ class PullService:
                 msgs, _end = decode_pull_body(
                     frame.body, from_offset=req.next_offset, broker_name=mq.broker_name,
                     tags=tags, check_crc=c.check_crc, topic=None,
+                    on_corrupt=lambda qo, n, why, mq=mq: _skipped(c.corrupt, mq, qo, n, why),
+                    max_uncompressed=c.max_uncompressed_bytes,
                 )
                 req.next_offset = h.next_begin_offset
                 if msgs:

@@ -56,6 +56,7 @@ from tidemq.client.pull_service import PullService
 from tidemq.client.rebalance import RETRY_PREFIX, AllocateStrategy, Rebalance
 from tidemq.client.route import RouteCache
 from tidemq.protocol.codes import RequestCode
+from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import TidemqError
 from tidemq.protocol.frame import Frame
 from tidemq.protocol.headers import (
@@ -64,6 +65,7 @@ from tidemq.protocol.headers import (
     SubscriptionData,
     UnregisterClientRequestHeader,
 )
+from tidemq.protocol.record import DEFAULT_MAX_RAW_SIZE
 
 __all__ = ["PushConsumer"]
 
@@ -95,7 +97,14 @@ class PushConsumer:
     ``persist_interval`` (5 s), ``lock_interval`` (20 s), ``suspend_timeout`` (15 s: how long a
     broker holds a pull), ``instance_name`` (part of the client id; in broadcasting it names the
     local offset file, so keep it stable across restarts), ``offset_dir`` (~/.tidemq_offsets),
-    ``hooks`` (ConsumeHook objects), ``check_crc`` (True).
+    ``hooks`` (ConsumeHook objects), ``check_crc`` (True), ``max_uncompressed_bytes`` (4 MiB
+    + 64 KiB: the largest records section of one received batch, uncompressed; raise it with
+    the broker's ``max_message_size``).
+
+    What cannot be decoded (a CRC mismatch, records that do not decompress or would
+    decompress past ``max_uncompressed_bytes``, a tag, key or property that is not UTF-8) is
+    skipped, counted (``stats()["corrupt_skipped"]``) and logged with its queue and offset; the
+    queue moves on past it.
     """
 
     def __init__(
@@ -132,9 +141,12 @@ class PushConsumer:
         check_crc: bool = True,
         request_timeout: float = DEFAULT_TIMEOUT,
         route_refresh: float = 30.0,
+        max_uncompressed_bytes: int = DEFAULT_MAX_RAW_SIZE,
     ) -> None:
         if not group:
             raise ValueError("a push consumer needs a group name")
+        if max_uncompressed_bytes < 1:
+            raise ValueError("max_uncompressed_bytes must be >= 1")
         if not callable(listener):
             raise ValueError("listener must be a function (msgs, ctx) -> status")
         if consume_message_batch_max_size < 1 or pull_batch_size < 1:
@@ -173,6 +185,9 @@ class PushConsumer:
         self.offset_dir = offset_dir or default_offset_dir()
         self.hooks = list(hooks)
         self.check_crc = check_crc
+        self.max_uncompressed_bytes = max_uncompressed_bytes
+        #: records skipped because they do not decode ("tolerate on the way out")
+        self.corrupt = CorruptRecords(log)
         self.request_timeout = request_timeout
         self.paused = False
         self._namesrv = namesrv
@@ -221,6 +236,7 @@ class PushConsumer:
             "flow_controlled": self.pull_service.flow_controlled,
             "rebalances": self.rebalance.rebalances,
             "in_flight": sum(pq.msg_count for pq in self.rebalance.table.values()),
+            "corrupt_skipped": self.corrupt.total,
         }
 
     # -- lifecycle -------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ the process's shared ``tidemq-io`` loop (``tidemq.client.blocking``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,15 +33,19 @@ from tidemq.client.errors import ClientError
 from tidemq.client.message import MessageQueue
 from tidemq.client.route import RouteCache
 from tidemq.protocol.codes import PullStatus, RequestCode, pull_status
+from tidemq.protocol.corrupt import CorruptRecords
+from tidemq.protocol.errors import CorruptBatchError
 from tidemq.protocol.headers import (
     PullMessageRequestHeader,
     PullMessageResponseHeader,
     PullSysFlag,
 )
 from tidemq.protocol.record import (
+    DEFAULT_MAX_RAW_SIZE,
     RECORD_HEADER_SIZE,
     BatchView,
     decode_properties,
+    decode_utf8,
 )
 
 __all__ = ["RangeReader", "ColumnChunk", "DataLossError", "READER_GROUP"]
@@ -85,6 +89,11 @@ class ColumnChunk:
     keys: list[list[str]] | None = None
     properties: list[dict[str, str]] | None = None
     lost: int = 0  # offsets of the range found deleted (fail_on_data_loss=False)
+    #: messages of the range skipped because they do not decode (always skipped and logged,
+    #: never an error: "tolerate on the way out")
+    corrupt: int = 0
+    #: first queue offset the pull's body held, corrupt batches included (None: nothing)
+    covered_from: int | None = None
 
     def __len__(self) -> int:
         return len(self.queue_offsets)
@@ -129,22 +138,23 @@ def _hex_ids(producer_id: int, seqs: np.ndarray) -> np.ndarray:
     return out
 
 
-def _decode_batch(view: BatchView, start: int, stop: int, tags: frozenset[str] | None
-                  ) -> _Piece | None:
-    """Messages ``start..stop-1`` (batch indexes) of one stored batch, tag-filtered."""
+def _decode_batch(view: BatchView, start: int, stop: int, tags: frozenset[str] | None,
+                  max_raw: int, bad: list[tuple[int, str]]) -> _Piece | None:
+    """Messages ``start..stop-1`` (batch indexes) of one stored batch, tag-filtered. A message
+    whose tag, keys or properties are not UTF-8 is left out and appended to ``bad`` as
+    (batch index, reason); what breaks the whole batch raises CorruptBatchError."""
     body = view.buf.obj
     if not view.compression and type(body) is bytes and len(body) == len(view.buf):
         # Uncompressed: the records stay inside the pull response (no copy at all).
         rawb, off = body, view.pos + view.records_start
     else:
-        rawb, off = bytes(view.raw_records()), 0
+        rawb, off = bytes(view.raw_records(max_raw)), 0
     rlen = off + view.records_size if off else len(rawb)
     count = view.count
     idx = np.frombuffer(view.index_view(), dtype=_IDX_DTYPE, count=count)[start:stop]
     rel = idx["rel"].astype(np.int64) + off
     if len(rel) and (int(rel.max()) + RECORD_HEADER_SIZE > rlen or int(rel.min()) < off):
-        raise ClientError("a message of a pulled batch starts outside its records section",
-                          code="CORRUPT_BATCH")
+        raise CorruptBatchError("a message of a pulled batch starts outside its records section")
     hdr = np.frombuffer(rawb, dtype=np.uint8)[rel[:, None] + _ARANGE_REC].view(
         _REC_DTYPE).reshape(-1)
     tl = hdr["tl"].astype(np.int64)
@@ -152,32 +162,74 @@ def _decode_batch(view: BatchView, start: int, stop: int, tags: frozenset[str] |
     bl = hdr["bl"].astype(np.int64)
     bstart = rel + RECORD_HEADER_SIZE + tl + pl
     if len(bstart) and int((bstart + bl).max()) > rlen:
-        raise ClientError("record sizes of a pulled batch are inconsistent", code="CORRUPT_BATCH")
+        raise CorruptBatchError("record sizes of a pulled batch are inconsistent")
     sel = np.arange(start, stop, dtype=np.int64)
+    n = len(sel)
+    keep: np.ndarray | None = None  # messages kept, when some are not
+
+    def drop(j: int, why: str) -> None:
+        nonlocal keep
+        if keep is None:
+            keep = np.ones(n, dtype=bool)
+        if keep[j]:
+            keep[j] = False
+            bad.append((start + j, why))
+
     tag_list: list[str | None] | None = None
     if bool(tl.any()):
         ts = (rel + RECORD_HEADER_SIZE).tolist()
-        tag_list = [rawb[s : s + n].decode() if n else None for s, n in zip(ts, tl.tolist(),
-                                                                              strict=True)]
+        tag_list = []
+        for j, (s, k) in enumerate(zip(ts, tl.tolist(), strict=True)):
+            if not k:
+                tag_list.append(None)
+                continue
+            try:
+                tag_list.append(decode_utf8(rawb[s : s + k], f"tags of message {start + j}"))
+            except CorruptBatchError as exc:
+                tag_list.append(None)
+                drop(j, exc.message)
         if tags is not None:
-            keep = np.fromiter((t in tags for t in tag_list), dtype=bool, count=len(tag_list))
-            if not keep.all():
-                sel, rel, tl, pl, bl, bstart = (a[keep] for a in (sel, rel, tl, pl, bl, bstart))
-                hdr = hdr[keep]
-                tag_list = [t for t, k in zip(tag_list, keep.tolist(), strict=True) if k]
+            wanted = np.fromiter((t in tags for t in tag_list), dtype=bool, count=n)
+            keep = wanted if keep is None else keep & wanted
     elif tags is not None:
-        return None
-    if not len(sel):
         return None
     props = None
     if bool(pl.any()):
         ps = (rel + RECORD_HEADER_SIZE + tl).tolist()
-        props = [decode_properties(rawb[s : s + n]) if n else {}
-                 for s, n in zip(ps, pl.tolist(), strict=True)]
+        props = []
+        for j, (s, k) in enumerate(zip(ps, pl.tolist(), strict=True)):
+            try:
+                props.append(decode_properties(rawb[s : s + k]) if k else {})
+            except CorruptBatchError as exc:
+                props.append({})
+                drop(j, f"message {start + j} {exc.message}")
     keys = None
     if view.keys_size:
-        kmap = view.keys()
-        keys = [[k for k in kmap[i].split(" ") if k] if i in kmap else [] for i in sel.tolist()]
+        kmap = view.raw_keys()
+        keys = []
+        for j, i in enumerate(sel.tolist()):
+            kraw = kmap.get(i)
+            if kraw is None:
+                keys.append([])
+                continue
+            try:
+                keys.append([k for k in decode_utf8(kraw, f"keys of message {i}").split(" ")
+                             if k])
+            except CorruptBatchError as exc:
+                keys.append([])
+                drop(j, exc.message)
+    if keep is not None and not keep.all():
+        sel, rel, tl, pl, bl, bstart = (a[keep] for a in (sel, rel, tl, pl, bl, bstart))
+        hdr = hdr[keep]
+        kl = keep.tolist()
+        if tag_list is not None:
+            tag_list = [t for t, k in zip(tag_list, kl, strict=True) if k]
+        if props is not None:
+            props = [d for d, k in zip(props, kl, strict=True) if k]
+        if keys is not None:
+            keys = [x for x, k in zip(keys, kl, strict=True) if k]
+    if not len(sel):
+        return None
     return _Piece(
         offsets=sel + view.queue_offset, raw=rawb, body_starts=bstart, body_lens=bl,
         msg_ids=_hex_ids(view.producer_id, sel + view.base_seq),
@@ -187,28 +239,70 @@ def _decode_batch(view: BatchView, start: int, stop: int, tags: frozenset[str] |
 
 
 def decode_columns(body: bytes, topic: str, queue_id: int, start: int, end: int,
-                   tags: frozenset[str] | None = None, check_crc: bool = True
+                   tags: frozenset[str] | None = None, check_crc: bool = True,
+                   max_uncompressed: int = DEFAULT_MAX_RAW_SIZE,
+                   on_corrupt: Callable[[int, int, str], None] | None = None,
                    ) -> tuple[ColumnChunk, int]:
     """The messages with ``start <= queue_offset < end`` of a pull response body, and the queue
-    offset right after the body's last batch."""
+    offset right after the body's last batch.
+
+    What cannot be decoded -- a batch failing its CRC or its decompression (over
+    ``max_uncompressed`` bytes included), a message whose tag, keys or properties are not
+    UTF-8 -- is reported to ``on_corrupt(queue_offset, count, reason)`` and left out (count -1:
+    the body's framing broke there and its rest is dropped); without ``on_corrupt`` it raises
+    CorruptBatchError. The chunk's ``corrupt`` counts the messages left out, and its
+    ``covered_from`` is the first queue offset the body holds (corrupt batches included), so a
+    reader can tell skipped-as-corrupt from no-longer-stored."""
     mv = memoryview(body)
     pos, total = 0, len(mv)
     after = start
+    covered_from: int | None = None
+    corrupt = 0
     pieces: list[_Piece] = []
+    bad: list[tuple[int, str]] = []
     while pos < total:
-        view = BatchView(mv, pos)
+        try:
+            view = BatchView(mv, pos)
+        except CorruptBatchError as exc:
+            if on_corrupt is None:
+                raise
+            on_corrupt(after, -1, exc.message)
+            corrupt += 1
+            if covered_from is None:
+                covered_from = start
+            break
         pos += view.total_size
         qo = view.queue_offset
         after = max(after, qo + view.count)
         lo, hi = max(start - qo, 0), min(end - qo, view.count)
         if lo >= hi:
             continue
-        if check_crc:
-            view.verify()
-        piece = _decode_batch(view, lo, hi, tags)
+        if covered_from is None:
+            covered_from = qo + lo
+        try:
+            if check_crc:
+                view.verify()
+            piece = _decode_batch(view, lo, hi, tags, max_uncompressed, bad)
+        except CorruptBatchError as exc:
+            if on_corrupt is None:
+                raise
+            on_corrupt(qo + lo, hi - lo, exc.message)
+            corrupt += hi - lo
+            bad.clear()
+            continue
+        if bad:
+            if on_corrupt is None:
+                raise CorruptBatchError(bad[0][1])
+            for i, why in bad:
+                on_corrupt(qo + i, 1, why)
+            corrupt += len(bad)
+            bad.clear()
         if piece is not None:
             pieces.append(piece)
-    return _concat(topic, queue_id, pieces), after
+    chunk = _concat(topic, queue_id, pieces)
+    chunk.corrupt = corrupt
+    chunk.covered_from = covered_from
+    return chunk, after
 
 
 def _concat(topic: str, queue_id: int, pieces: Sequence[_Piece]) -> ColumnChunk:
@@ -271,8 +365,12 @@ class RangeReader:
 
     def __init__(self, namesrv: str | Sequence[str], *,
                  broker_addrs: dict[str, str] | None = None, request_timeout: float = 10.0,
-                 max_messages_per_pull: int = 8192, check_crc: bool = True) -> None:
+                 max_messages_per_pull: int = 8192, check_crc: bool = True,
+                 max_uncompressed_bytes: int = DEFAULT_MAX_RAW_SIZE) -> None:
         self.namesrv = namesrv
+        self.max_uncompressed_bytes = max_uncompressed_bytes
+        #: records skipped because they do not decode (see decode_columns)
+        self.corrupt = CorruptRecords(log)
         self.broker_addrs = dict(broker_addrs or {})
         self.request_timeout = request_timeout
         self.max_per_pull = max_messages_per_pull
@@ -346,10 +444,14 @@ class RangeReader:
                 inflight = None
                 lost = 0
                 if pulled.status is PullStatus.FOUND:
-                    chunk, after = decode_columns(pulled.body, mq.topic, mq.queue_id, offset, end,
-                                                  tag_set, self.check_crc)
+                    chunk, after = decode_columns(
+                        pulled.body, mq.topic, mq.queue_id, offset, end, tag_set, self.check_crc,
+                        self.max_uncompressed_bytes,
+                        lambda qo, n, why, mq=mq: self._corrupt(mq, qo, n, why))
                     nxt = max(after, pulled.next_begin)
-                    first = int(chunk.queue_offsets[0]) if len(chunk) else nxt
+                    # Skipped-as-corrupt is not lost: only a gap before the first batch the
+                    # body holds is.
+                    first = chunk.covered_from if chunk.covered_from is not None else nxt
                     if tag_set is None and first > offset:
                         lost = self._lost(mq, offset, min(first, end), fail_on_data_loss)
                     if nxt < end:  # prefetch while the caller works on this chunk
@@ -381,6 +483,13 @@ class RangeReader:
                     inflight.result()
                 except BaseException:  # noqa: BLE001 - the prefetch is no longer wanted
                     pass
+
+    def _corrupt(self, mq: MessageQueue, queue_offset: int, count: int, why: str) -> None:
+        where = (f"offsets {queue_offset}..{queue_offset + count - 1}" if count > 0
+                 else f"offset {queue_offset} to the end of the pull")
+        self.corrupt.skipped("range reader",
+                             f"topic {mq.topic} queue {mq.broker_name}:{mq.queue_id} {where}",
+                             why, count)
 
     def _empty(self, mq: MessageQueue, lost: int) -> ColumnChunk:
         c = _concat(mq.topic, mq.queue_id, [])

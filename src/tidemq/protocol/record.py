@@ -103,6 +103,8 @@ __all__ = [
     "parse_unique_id",
     "encode_properties",
     "decode_properties",
+    "DEFAULT_MAX_RAW_SIZE",
+    "decode_utf8",
     "crc32c",
     "pack_host",
     "unpack_host",
@@ -272,14 +274,27 @@ def encode_properties(props: dict[str, str] | None) -> bytes:
 
 
 def decode_properties(raw: bytes | memoryview) -> dict[str, str]:
+    """Properties of one record; CorruptBatchError when they are not UTF-8."""
     if not raw:
         return {}
     out = {}
-    for item in bytes(raw).decode().split(PROP_SEP):
+    for item in decode_utf8(raw, "properties").split(PROP_SEP):
         if item:
             k, _, v = item.partition(PROP_NAME_SEP)
             out[k] = v
     return out
+
+
+def decode_utf8(raw: bytes | memoryview, what: str) -> str:
+    """``raw`` decoded as UTF-8; CorruptBatchError naming ``what`` (and the byte) if it is not.
+    Every string of a batch (topic, tags, keys, properties) is read through here, so a reader
+    meets one error type for every kind of undecodable record."""
+    try:
+        return str(raw, "utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorruptBatchError(
+            f"{what}: not UTF-8 ({exc.reason} at byte {exc.start} of {len(raw)})"
+        ) from None
 
 
 def _compress(codec: int, raw: bytes) -> bytes:
@@ -292,17 +307,60 @@ def _compress(codec: int, raw: bytes) -> bytes:
     raise ValueError(f"unknown compression codec {codec}")
 
 
-def _decompress(codec: int, data: bytes | memoryview, raw_size: int) -> bytes:
+#: The largest uncompressed records section a reader accepts when it passes no limit of its
+#: own: the broker's default largest batch (max_message_size 4 MiB plus 64 KiB of headers).
+#: The broker passes its configured limit, a consumer its ``max_uncompressed_bytes``.
+DEFAULT_MAX_RAW_SIZE = 4 * 1024 * 1024 + 64 * 1024
+
+
+def _decompress(
+    codec: int, data: bytes | memoryview, raw_size: int, limit: int = DEFAULT_MAX_RAW_SIZE
+) -> bytes:
+    """The records section, never more than ``raw_size`` bytes of output, and ``raw_size``
+    itself at most ``limit``: a batch declaring or holding more (a decompression bomb) is
+    CorruptBatchError before more than ``raw_size`` bytes are ever allocated.
+
+    lz4 block: the output buffer is ``raw_size`` and the decoder stops at its end. zstd: the
+    frame's own content size, when it has one, must be ``raw_size`` (python-zstandard sizes its
+    output from that field and ignores ``max_output_size`` then); without one, the output is
+    capped at ``raw_size``. zlib: a decompressobj with ``max_length = raw_size``; a stream that
+    has not ended by then is too large."""
+    if raw_size > limit:
+        raise CorruptBatchError(
+            f"records section declares {raw_size} bytes uncompressed, over this reader's limit "
+            f"of {limit} bytes"
+        )
+    if raw_size < RECORD_HEADER_SIZE:
+        # cannot hold one record; and 0 would mean "no limit" to zlib's max_length
+        raise CorruptBatchError(f"records section declares {raw_size} bytes uncompressed")
     try:
         if codec == Compression.LZ4:
-            return lz4.block.decompress(data, uncompressed_size=raw_size)
-        if codec == Compression.ZSTD:
-            return zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_size)
-        if codec == Compression.ZLIB:
-            return zlib.decompress(data, bufsize=raw_size)
+            out = lz4.block.decompress(data, uncompressed_size=raw_size)
+        elif codec == Compression.ZSTD:
+            declared = zstandard.frame_content_size(data)
+            if declared not in (-1, raw_size):
+                raise CorruptBatchError(
+                    f"zstd frame says {declared} bytes uncompressed, the batch {raw_size}"
+                )
+            out = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_size)
+        elif codec == Compression.ZLIB:
+            d = zlib.decompressobj()
+            out = d.decompress(data, raw_size)
+            if not d.eof:
+                raise CorruptBatchError(
+                    f"zlib stream does not end within the batch's raw_size of {raw_size} bytes"
+                )
+        else:
+            raise CorruptBatchError(f"unknown compression codec {codec} in batch attributes")
+    except CorruptBatchError:
+        raise
     except Exception as exc:  # every codec raises its own type; all mean the same here
         raise CorruptBatchError(f"records section does not decompress: {exc}") from exc
-    raise CorruptBatchError(f"unknown compression codec {codec} in batch attributes")
+    if len(out) != raw_size:
+        raise CorruptBatchError(
+            f"records decompress to {len(out)} bytes, the batch says {raw_size}"
+        )
+    return out
 
 
 @dataclass(slots=True)
@@ -521,8 +579,9 @@ class BatchView:
     # -- header accessors --------------------------------------------------------------------
     @property
     def topic(self) -> str:
+        """The topic; CorruptBatchError when its bytes are not UTF-8."""
         s = self.pos + STORE_HEADER_SIZE
-        return bytes(self.buf[s : s + self.topic_len]).decode()
+        return decode_utf8(self.buf[s : s + self.topic_len], "topic")
 
     @property
     def topic_bytes(self) -> bytes:
@@ -555,8 +614,14 @@ class BatchView:
         return INDEX_ENTRY.unpack_from(self.buf, self.pos + self.index_start + i * 12)[0]
 
     def keys(self) -> dict[int, str]:
-        """message index -> keys string, for messages that have keys."""
-        out: dict[int, str] = {}
+        """message index -> keys string, for messages that have keys; CorruptBatchError for a
+        malformed keys section or keys that are not UTF-8."""
+        return {i: decode_utf8(raw, f"keys of message {i}") for i, raw in self.raw_keys().items()}
+
+    def raw_keys(self) -> dict[int, memoryview]:
+        """message index -> the keys bytes as stored (not decoded); CorruptBatchError when the
+        keys section's framing is broken."""
+        out: dict[int, memoryview] = {}
         if not self.keys_size:
             return out
         mv = self.buf
@@ -569,29 +634,36 @@ class BatchView:
             q += 6
             if q + n > end or i >= self.count:
                 raise CorruptBatchError("keys section entry points outside the batch")
-            out[i] = bytes(mv[q : q + n]).decode()
+            out[i] = mv[q : q + n]
             q += n
         return out
 
     def unique_id(self, i: int) -> str:
         return unique_id(self.producer_id, self.base_seq + i)
 
-    def raw_records(self) -> memoryview:
-        """The records section, decompressed if needed (zero-copy when not compressed)."""
+    def raw_records(self, limit: int = DEFAULT_MAX_RAW_SIZE) -> memoryview:
+        """The records section, decompressed if needed (zero-copy when not compressed); a
+        compressed section over ``limit`` bytes uncompressed is CorruptBatchError (see
+        :func:`_decompress`)."""
         s = self.pos + self.records_start
         data = self.buf[s : s + self.records_size]
         codec = self.compression
         if codec == Compression.NONE:
             return data
-        raw = _decompress(codec, data, self.raw_size)
-        if len(raw) != self.raw_size:
-            raise CorruptBatchError("decompressed records size differs from raw_size")
-        return memoryview(raw)
+        return memoryview(_decompress(codec, data, self.raw_size, limit))
 
-    def messages(self, start: int = 0) -> Iterator[StoredMessage]:
-        """Decode messages ``start..count-1`` (``start`` is the first wanted message)."""
-        raw = self.raw_records()
-        keys = self.keys()
+    def messages(
+        self, start: int = 0, limit: int = DEFAULT_MAX_RAW_SIZE
+    ) -> Iterator[StoredMessage]:
+        """Decode messages ``start..count-1`` (``start`` is the first wanted message).
+
+        Lazily, message by message: CorruptBatchError is raised when the message about to be
+        yielded cannot be decoded (record sizes, a tag, key or property that is not UTF-8), so
+        a reader that wants one message is not stopped by another. The batch-wide parts --
+        the records section (decompressed up to ``limit`` bytes), the keys section's framing,
+        the topic -- raise before the first message."""
+        raw = self.raw_records(limit)
+        keys = self.raw_keys()
         topic = self.topic
         born_host = unpack_host(self.born_host_raw)
         store_host = unpack_host(self.store_host_raw)
@@ -606,14 +678,19 @@ class BatchView:
             q = rel + RECORD_HEADER_SIZE
             if size + 4 != RECORD_HEADER_SIZE + tl + pl + bl or q + tl + pl + bl > rlen:
                 raise CorruptBatchError(f"message {i} record sizes are inconsistent")
-            tags = bytes(raw[q : q + tl]).decode() if tl else None
+            tags = decode_utf8(raw[q : q + tl], f"tags of message {i}") if tl else None
             q += tl
-            props = decode_properties(raw[q : q + pl]) if pl else {}
+            try:
+                props = decode_properties(raw[q : q + pl]) if pl else {}
+            except CorruptBatchError as exc:
+                raise CorruptBatchError(f"message {i} {exc.message}") from None
             q += pl
+            kraw = keys.get(i)
             yield StoredMessage(
                 topic=topic, queue_id=self.queue_id, queue_offset=self.queue_offset + i,
                 phys_offset=self.phys_offset, index=i, body=bytes(raw[q : q + bl]), tags=tags,
-                keys=keys.get(i), properties=props, flag=flag, born_ts=born_ts,
+                keys=decode_utf8(kraw, f"keys of message {i}") if kraw is not None else None,
+                properties=props, flag=flag, born_ts=born_ts,
                 store_ts=self.store_ts, born_host=born_host, store_host=store_host,
                 reconsume_times=self.reconsume_times,
                 msg_id=unique_id(self.producer_id, self.base_seq + i), delay_level=delay,

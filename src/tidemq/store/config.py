@@ -34,6 +34,10 @@ class StoreConfig:
     #: Index file hash slots and entries per file (RocketMQ: 5,000,000 and 20,000,000).
     index_slots: int = 5_000_000
     index_max_entries: int = 20_000_000
+    #: An index file (~420 MB with the geometry above, reserved at creation) never takes more
+    #: than this fraction of the free disk space: on a smaller disk both numbers are halved
+    #: until it fits (store/index_file.py), so preallocation never fills a small disk.
+    index_max_free_ratio: float = 0.05
     #: Index message keys and unique ids (ST4).
     index_enabled: bool = True
     #: Largest batch accepted (SPEC BR1: batch 4 MiB), headers included.
@@ -46,8 +50,14 @@ class StoreConfig:
     delete_when_hour: int = 4
     #: ... or at once when disk use passes this ratio (diskMaxUsedSpaceRatio 75 %).
     disk_max_used_ratio: float = 0.75
-    #: Past this, delete the oldest segments even if not expired (cleanForcibly, 85 %).
+    #: Past this, delete the oldest segment even if not expired -- when everything in it was
+    #: consumed, or with ``clean_file_forcibly`` (RocketMQ cleanForcibly, 85 %).
     disk_clean_forcibly_ratio: float = 0.85
+    #: Under that pressure, delete unexpired segments that still hold unconsumed messages too
+    #: (RocketMQ cleanFileForciblyEnable, whose default is true). Off by default, a deliberate
+    #: change: the store refuses writes (DISK_FULL) rather than silently drop messages nobody
+    #: has read; what a forced deletion drops is logged per queue (store/retention.py).
+    clean_file_forcibly: bool = False
     #: Past this, refuse writes with DiskFullError (diskSpaceWarningLevelRatio, 90 %).
     disk_refuse_writes_ratio: float = 0.90
     retention_check_interval_ms: int = 10_000

@@ -36,14 +36,22 @@ it is full *or* when an entry's store time is more than 2**31 - 1 ms (24.8 days)
 ``begin_ts``, so the difference always fits. A store time before ``begin_ts`` (clock stepped
 back) is recorded as ``time_diff`` 0, as RocketMQ does.
 
-The geometry (``slots``, ``max_entries``) is configuration, not stored: a file whose length
-does not match the configured geometry is reported and dropped (rebuilt from the CommitLog).
+The geometry (``slots``, ``max_entries``) is configuration, not stored -- with one twist, so
+that preallocation never dominates a small disk: a new file takes at most
+``max_free_ratio`` (5 %) of the disk's free space at its creation. RocketMQ's geometry (5,000,000
+slots, 20,000,000 entries: ~420 MB, reserved at once) is kept when ~8.4 GB or more are free;
+below that both numbers are halved (k times, the smallest k that fits, never below
+``MIN_SCALED_ENTRIES`` entries). The file's length says which k it was made with
+(:func:`geometry_of_length`); a file whose length matches neither the configured geometry nor a
+halving of it is reported and dropped (rebuilt from the CommitLog).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import shutil
 import struct
 from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
@@ -77,6 +85,45 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _NAME_MS_MAX = 253_402_300_799_999  # 9999-12-31 23:59:59.999 UTC, the last 17-digit name
 
 _crc32c = _crc32c_mod.crc32c
+log = logging.getLogger(__name__)
+
+
+#: Disk-size scaling never makes an index file hold fewer entries than this.
+MIN_SCALED_ENTRIES = 4096
+
+
+def scaled_geometry(slots: int, max_entries: int, k: int) -> tuple[int, int]:
+    """The configured geometry halved ``k`` times."""
+    return max(1, slots >> k), max(1, max_entries >> k)
+
+
+def geometry_for_space(
+    slots: int, max_entries: int, free_bytes: int, max_free_ratio: float
+) -> tuple[int, int]:
+    """The geometry of a new index file: the configured one halved the fewest times so that
+    the file is at most ``max_free_ratio * free_bytes`` bytes (or holds MIN_SCALED_ENTRIES
+    entries, if even that is more)."""
+    budget = max_free_ratio * free_bytes
+    k = 0
+    while True:
+        s, e = scaled_geometry(slots, max_entries, k)
+        if (IndexFile.file_size(s, e) <= budget or (max_entries >> (k + 1)) < MIN_SCALED_ENTRIES
+                or (s, e) == (1, 1)):
+            return s, e
+        k += 1
+
+
+def geometry_of_length(length: int, slots: int, max_entries: int) -> tuple[int, int] | None:
+    """The geometry (the configured one halved k >= 0 times) of an index file ``length`` bytes
+    long; None when no halving matches."""
+    for k in range(64):
+        s, e = scaled_geometry(slots, max_entries, k)
+        size = IndexFile.file_size(s, e)
+        if size == length:
+            return s, e
+        if size < length or (s, e) == (1, 1):
+            return None
+    return None
 
 
 def key_hash(key: str) -> int:
@@ -345,13 +392,17 @@ class IndexService:
     """
 
     def __init__(
-        self, root: str | os.PathLike[str], slots: int = 5_000_000, max_entries: int = 20_000_000
+        self, root: str | os.PathLike[str], slots: int = 5_000_000, max_entries: int = 20_000_000,
+        max_free_ratio: float = 1.0,
     ) -> None:
         if not 1 <= slots <= _I32_MAX or not 1 <= max_entries <= _I32_MAX:
             raise ValueError(f"slots and max_entries must be 1..{_I32_MAX}")
+        if not 0 < max_free_ratio <= 1:
+            raise ValueError(f"max_free_ratio must be in (0, 1], got {max_free_ratio}")
         self.root = os.fspath(root)
         self.slots = slots
         self.max_entries = max_entries
+        self.max_free_ratio = max_free_ratio
         self.load_errors: list[str] = []
         self._files: list[IndexFile] = []  # oldest first; replaced, never mutated
         self._dir_dirty = False
@@ -367,7 +418,10 @@ class IndexService:
             path = os.path.join(self.root, name)
             try:
                 _ms_of(name)  # a 17-digit name that is no date is as bad as a bad header
-                f = IndexFile.load(path, self.slots, self.max_entries)
+                geometry = geometry_of_length(os.path.getsize(path), self.slots,
+                                              self.max_entries)
+                # no match: load with the configured geometry, which words the length error
+                f = IndexFile.load(path, *(geometry or (self.slots, self.max_entries)))
                 if files and f.index_count and f.begin_phys < files[-1].end_phys:
                     f.mf.close()
                     raise StoreError(
@@ -479,7 +533,14 @@ class IndexService:
         while os.path.exists(os.path.join(self.root, name)):
             ms += 1
             name = _name_for(ms)
-        f = IndexFile.create(os.path.join(self.root, name), self.slots, self.max_entries)
+        slots, entries = self.slots, self.max_entries
+        free = shutil.disk_usage(self.root).free
+        if self.max_free_ratio < 1 or IndexFile.file_size(slots, entries) > free:
+            slots, entries = geometry_for_space(slots, entries, free, self.max_free_ratio)
+            if entries != self.max_entries:
+                log.info("index file %s: %d slots, %d entries (%d bytes; %d bytes free on the "
+                         "disk)", name, slots, entries, IndexFile.file_size(slots, entries), free)
+        f = IndexFile.create(os.path.join(self.root, name), slots, entries)
         self._files = [*files, f]
         self._dir_dirty = True
         return f

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import (
     CorruptBatchError,
     DiskFullError,
@@ -59,6 +60,7 @@ from tidemq.protocol.record import (
     BatchView,
     StoredMessage,
     crc32c,
+    decode_utf8,
     pack_host,
     parse_unique_id,
     stored_span,
@@ -210,6 +212,9 @@ class MessageStore:
         self.quarantine: dict[int, str] = {}  # phys offset -> reason (never served)
         self.disk_full = False
         self._id_hashes: dict[tuple[int, int], int] = {}
+        #: records readers of the store skipped as undecodable (index building, queries,
+        #: recovery); the broker adds its own readers' counts next to these
+        self.corrupt = CorruptRecords(log)
         self._put_batches = self._put_messages = self._put_bytes = self._get_messages = 0
         try:
             self.recovery_report = self._open()
@@ -272,7 +277,8 @@ class MessageStore:
         report.problems += self.commitlog.open_segments()
         self.cqs = ConsumeQueueTable(self.dir / "consumequeue", cfg.cq_units_per_file)
         self.cqs.load()
-        self.index = IndexService(self.dir / "index", cfg.index_slots, cfg.index_max_entries)
+        self.index = IndexService(self.dir / "index", cfg.index_slots, cfg.index_max_entries,
+                                  cfg.index_max_free_ratio)
         report.problems += self.index.load_errors
         cl_min = self.commitlog.min_offset
         start = self._trusted_start(cp, report)
@@ -284,7 +290,8 @@ class MessageStore:
             shutil.rmtree(self.dir / "index", ignore_errors=True)
             self.cqs = ConsumeQueueTable(self.dir / "consumequeue", cfg.cq_units_per_file)
             self.cqs.load()
-            self.index = IndexService(self.dir / "index", cfg.index_slots, cfg.index_max_entries)
+            self.index = IndexService(self.dir / "index", cfg.index_slots,
+                                      cfg.index_max_entries, cfg.index_max_free_ratio)
             start = cl_min
         start = max(start, cl_min)
         report.scanned_from = start
@@ -401,9 +408,11 @@ class MessageStore:
                 "send fewer or smaller messages per batch"
             )
         if self.disk_full:
+            blocked = self.retention.blocked
             raise DiskFullError(
                 f"disk holding {self.dir} is over {self.config.disk_refuse_writes_ratio:.0%} "
                 "full; writes are refused until retention frees space"
+                + (f": {blocked}" if blocked else "")
             )
         v = BatchView(data) if view is None else view  # the broker passes the view it parsed
         if v.total_size != size:
@@ -504,10 +513,13 @@ class MessageStore:
         block (2**ID_BLOCK_BITS sequence ids) the batch's unique ids fall in."""
         out: list[int] = []
         if v.keys_size:
-            out = [
-                key_hash(key_index_key(topic, k))
-                for ks in v.keys().values() for k in ks.split() if k
-            ]
+            try:
+                out = [
+                    key_hash(key_index_key(topic, k))
+                    for ks in v.keys().values() for k in ks.split() if k
+                ]
+            except CorruptBatchError:
+                out = self._decodable_key_hashes(v, topic)
         pid = v.producer_id
         if pid:
             first = v.base_seq >> ID_BLOCK_BITS
@@ -517,6 +529,28 @@ class MessageStore:
                 out.append(h if h is not None else self._id_block_hash(pid, first))
             else:
                 out += [key_hash(id_block_key(pid, b)) for b in range(first, last + 1)]
+        return out
+
+    def _decodable_key_hashes(self, v: BatchView, topic: str) -> list[int]:
+        """Index hashes of the keys of ``v`` that decode: keys that are not UTF-8 (or a keys
+        section whose framing is broken) are left out of the index -- no key string could
+        find them anyway -- counted and logged, and the batch is stored and dispatched as
+        usual (recovery and delivery of held batches must never fail on a message's keys)."""
+        where = (f"topic {topic} queue {v.queue_id} batch of producer {v.producer_id:016X} "
+                 f"seq {v.base_seq}")
+        try:
+            raw = v.raw_keys()
+        except CorruptBatchError as exc:
+            self.corrupt.skipped("index", where, f"keys not indexed: {exc.message}", v.count)
+            return []
+        out: list[int] = []
+        for i, kb in raw.items():
+            try:
+                ks = decode_utf8(kb, f"keys of message {i}")
+            except CorruptBatchError as exc:
+                self.corrupt.skipped("index", where, f"not indexed: {exc.message}")
+                continue
+            out += [key_hash(key_index_key(topic, k)) for k in ks.split() if k]
         return out
 
     def _id_block_hash(self, producer_id: int, block: int) -> int:
@@ -722,14 +756,28 @@ class MessageStore:
     ) -> list[StoredMessage]:
         """Messages of ``topic`` carrying ``key`` stored within [begin_ts, end_ts], newest first."""
         out: list[StoredMessage] = []
+        limit = self._max_batch_bytes
         for phys in self.index.query(key_index_key(topic, key), begin_ts, end_ts, max_num):
             v = self._readable(phys)
-            if v is None or v.topic != topic:
+            if v is None or v.topic_bytes != topic.encode():
                 continue
-            wanted = [i for i, ks in v.keys().items() if key in ks.split()]
-            if wanted:
-                out.extend(m for m in v.messages(wanted[0]) if m.index in wanted)
+            try:
+                raw = v.raw_keys()
+            except CorruptBatchError as exc:
+                self._skip_query(phys, exc)
+                continue
+            for i, kb in raw.items():
+                # A message whose keys or record do not decode is skipped (it cannot carry a
+                # key given as a string, or cannot be returned); the others are found.
+                try:
+                    if key in decode_utf8(kb, f"keys of message {i}").split():
+                        out.append(next(v.messages(i, limit)))
+                except CorruptBatchError as exc:
+                    self._skip_query(phys, exc)
         return out[:max_num]
+
+    def _skip_query(self, phys: int, exc: CorruptBatchError) -> None:
+        self.corrupt.skipped("query", f"batch at CommitLog offset {phys}", exc.message)
 
     def get_by_id(
         self, msg_id: str, begin_ts: int = 0, end_ts: int = 2**62
@@ -742,7 +790,10 @@ class MessageStore:
             if v is None or v.producer_id != producer_id:
                 continue
             if v.base_seq <= seq < v.base_seq + v.count:
-                return next(v.messages(seq - v.base_seq))
+                try:
+                    return next(v.messages(seq - v.base_seq, self._max_batch_bytes))
+                except CorruptBatchError as exc:
+                    self._skip_query(phys, exc)
         return None
 
     def _readable(self, phys: int) -> BatchView | None:

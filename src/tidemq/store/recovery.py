@@ -9,6 +9,9 @@ and returns where valid data ends. How a bad batch is treated depends on where i
   searching for the next batch magic whose CRCs check, else at the next segment): damage in the
   middle of the log, e.g. a bit flip. The batch is quarantined and reported (file, position,
   reason), never served, and the scan resumes after it. Nothing after it is lost.
+- CRC-valid but undecodable by the dispatch (its topic is not UTF-8): quarantined the same
+  way, so a restart never fails because of what a batch holds. (Keys that are not UTF-8 are
+  only left out of the key index: see ``MessageStore._decodable_key_hashes``.)
 - with nothing valid after it: a torn tail (a write cut short by a crash). The log ends there;
   the caller truncates from that position and reports file, position and bytes dropped. When the
   batch lay below ``durable_end`` (it had been fsynced, so the damage came later) the report
@@ -119,7 +122,19 @@ def scan(
             break  # the end of written data
         v = _valid_at(mv, rel) if magic == BATCH_MAGIC else None
         if v is not None:
-            dispatch(v, pos)
+            try:
+                dispatch(v, pos)
+            except CorruptBatchError as exc:
+                # CRC-valid but undecodable (a topic that is not UTF-8: stored by a bug or an
+                # older version): never a reason not to start. Quarantined like a damaged
+                # batch, never served; everything after it is kept.
+                reason = f"undecodable batch: {exc.message}"
+                report.quarantined.append(
+                    Quarantined(str(seg.path), rel, pos, v.total_size, reason))
+                log.error("corrupt batch in %s at position %d (%s); quarantined", seg.path, rel,
+                          reason)
+                pos += v.total_size
+                continue
             report.batches_dispatched += 1
             pos += v.total_size
             continue
