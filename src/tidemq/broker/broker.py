@@ -44,6 +44,7 @@ from tidemq.broker.consumer_manager import DLQ_PREFIX, RETRY_PREFIX, ConsumerMan
 from tidemq.broker.consumer_offsets import ConsumerOffsetManager
 from tidemq.broker.dedup import MessageDeduplication
 from tidemq.broker.errors import RequestRejected
+from tidemq.broker.ha.service import HAService
 from tidemq.broker.long_polling import PullRequestHoldService
 from tidemq.broker.metrics import MetricsServer
 from tidemq.broker.non_persistent import NonPersistentTopics
@@ -126,6 +127,11 @@ class Broker:
             max_pending_bytes=config.non_persistent_max_pending_bytes,
         )
         self.registration: NamesrvRegistration | None = None
+        #: Replication: this broker's role in its group (docs/cluster.md).
+        self.ha = HAService(self)
+        #: The delay, timer and transaction services run (a master's; a slave starts them
+        #: when it is promoted).
+        self.services_started = False
         self.metrics: MetricsServer | None = None
         self.hold: PullRequestHoldService | None = None
         self._server: asyncio.Server | None = None
@@ -159,6 +165,7 @@ class Broker:
         # SYNC_FLUSH: a group commit's callbacks reach the loop in one wake-up (store/flush.py)
         self.store.flush_service.complete_on(handoff_to(loop.call_soon_threadsafe))
         os.makedirs(cfg.config_path, exist_ok=True)
+        self.ha.load()
         self.topics.load()
         self.offsets.load()
         self.subscription_groups.load()
@@ -190,9 +197,8 @@ class Broker:
         self.transactions = TransactionService(
             self, os.path.join(cfg.config_path, "transaction_progress.json")
         )
-        self.schedule.start(loop)
-        self.timers.start(loop)
-        self.transactions.start(loop)
+        if self.ha.is_master:
+            self.start_services()
         self.send_processor = SendProcessor(self)
         self.pull_processor = PullProcessor(self)
         self.admin_processor = AdminProcessor(self)
@@ -214,6 +220,9 @@ class Broker:
         self._handlers[RequestCode.HEART_BEAT] = self.transactions.wrap_heartbeat(
             self._handlers.get(RequestCode.HEART_BEAT)
         )
+        self._handlers.update(self.ha.handlers())
+        self.ha.guard(self._handlers)  # a slave refuses writes
+        await self.ha.start()
         self.started_at = time.time()
         await self._server.start_serving()
         self._tasks = [
@@ -232,14 +241,28 @@ class Broker:
                 self._register_header,
                 interval_s=cfg.register_interval_ms / 1000,
                 timeout_s=cfg.register_timeout_ms / 1000,
+                on_response=self.ha.on_register_response,
             )
             # The first registration is awaited so routes exist when start() returns.
             await self.registration.register_all()
             self._tasks.append(loop.create_task(self.registration.run(), name="registration"))
         log.info(
-            "broker %s (cluster %s) serving on %s, data in %s, flush %s",
-            cfg.broker_name, cfg.cluster_name, self.addr, cfg.data_path, cfg.flush_mode,
+            "broker %s id %d (%s, cluster %s) serving on %s, data in %s, flush %s",
+            cfg.broker_name, self.ha.broker_id, self.ha.role, cfg.cluster_name, self.addr,
+            cfg.data_path, cfg.flush_mode,
         )
+
+    def start_services(self, *, timer_done_before: int | None = None) -> None:
+        """The delay, timer and transaction services: a master's only (on a slave they would
+        deliver what its master delivers). A promoted slave starts them with the timer
+        progress its master last sent (TimerMessageService.start)."""
+        if self.services_started:
+            return
+        self.services_started = True
+        loop = self.loop
+        self.schedule.start(loop)
+        self.timers.start(loop, done_before=timer_done_before)
+        self.transactions.start(loop)
 
     async def stop(self) -> None:
         if self._stopped:
@@ -260,6 +283,7 @@ class Broker:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.ha.stop()
         if self.hold is not None:
             self.hold.close()
         for conn in list(self.connections):
@@ -277,7 +301,7 @@ class Broker:
                 log.error("persisting offsets/topics at shutdown failed: %s", exc)
         if self.store is not None and self._loaded:
             try:
-                if getattr(self, "transactions", None) is not None:
+                if self.services_started:
                     await self.transactions.stop()
                     self.schedule.close()
                     await self.timers.stop()
@@ -505,11 +529,13 @@ class Broker:
         return RegisterBrokerRequestHeader(
             cluster_name=cfg.cluster_name,
             broker_name=cfg.broker_name,
-            broker_id=cfg.broker_id,
+            broker_id=self.ha.broker_id,
             broker_addr=self.addr,
+            ha_server_addr=self.ha.ha_addr,
             heartbeat_timeout_millis=cfg.heartbeat_timeout_ms,
             data_version=self.topics.data_version,
             topics=self.topics.all(),
+            epoch=self.ha.epoch if self.ha.is_master else 0,
         )
 
     def _unregister_header(self) -> UnregisterBrokerRequestHeader:
@@ -517,7 +543,7 @@ class Broker:
         return UnregisterBrokerRequestHeader(
             cluster_name=cfg.cluster_name,
             broker_name=cfg.broker_name,
-            broker_id=cfg.broker_id,
+            broker_id=self.ha.broker_id,
             broker_addr=self.addr,
         )
 
@@ -640,6 +666,7 @@ class Broker:
         info["corrupt_skipped"] = sum(corrupt.values())
         info.update({f"corrupt_skipped_{r.replace('-', '_')}": n for r, n in corrupt.items()})
         info["quarantined_batches"] = len(store.quarantine)
+        info.update(self.ha.runtime_info())
         return info
 
 

@@ -27,7 +27,8 @@ class BrokerConfig:
     # -- identity and network -----------------------------------------------------------------
     broker_name: str = "broker-a"
     cluster_name: str = "DefaultCluster"
-    broker_id: int = 0  # 0 = master (the only role tidemq has so far)
+    #: 0 = the master of the group, 1, 2, ... = its slaves (RocketMQ brokerId).
+    broker_id: int = 0
     listen_host: str = "127.0.0.1"
     listen_port: int = 10911
     #: Address clients are told to use; empty = listen_host (127.0.0.1 when listening on 0.0.0.0).
@@ -119,6 +120,42 @@ class BrokerConfig:
     #: A half message older than this is dropped unchecked (fileReservedTime: 72 h).
     transaction_skip_ms: int = 72 * 3_600_000
 
+    # -- replication (SPEC BR15; docs/cluster.md) ---------------------------------------------
+    #: SYNC_MASTER (a send is acknowledged once min_in_sync_replicas slaves hold it),
+    #: ASYNC_MASTER (at once; slaves copy behind) or SLAVE (RocketMQ brokerRole).
+    broker_role: str = "ASYNC_MASTER"
+    #: A master's replication port (RocketMQ haListenPort): -1 = listen_port + 1 (any free port
+    #: when listen_port is 0), 0 = any free port. Slaves learn it from the name servers.
+    ha_port: int = -1
+    #: A slave's master, "host:port" of its replication port (RocketMQ haMasterAddress);
+    #: empty = the name servers say who the master of the group is.
+    ha_master_addr: str = ""
+    #: Slaves that must hold a SYNC_MASTER send before it is acknowledged.
+    min_in_sync_replicas: int = 1
+    #: A slave further behind than this is not in sync (RocketMQ haMaxGapNotInSync: 256 MiB) ...
+    ha_max_gap_bytes: int = 256 * MiB
+    #: ... nor one that has not caught up with the master within this (RocketMQ 5
+    #: haMaxTimeSlaveNotCatchup: 15 s).
+    ha_max_catchup_ms: int = 15_000
+    #: Most CommitLog bytes in one transfer to a slave (RocketMQ haTransferBatchSize: 32 KiB).
+    ha_transfer_batch_bytes: int = 1 * MiB
+    #: Heartbeat and acknowledgement period of an idle link (haSendHeartbeatInterval: 5 s).
+    ha_heartbeat_interval_ms: int = 5000
+    #: A link silent this long is closed and re-established (haHousekeepingInterval: 20 s).
+    ha_housekeeping_interval_ms: int = 20_000
+    #: How often a slave copies topics, groups, offsets and delay/transaction progress from its
+    #: master (RocketMQ: 10 s); it also does at once when the master's topics or groups change.
+    ha_sync_metadata_interval_ms: int = 10_000
+    #: A slave cuts a tail its new master never had (written under an older master) instead
+    #: of refusing to follow.
+    ha_truncate_divergent: bool = True
+    #: Pull responses suggest a slave to a consumer that is far behind (RocketMQ
+    #: slaveReadEnable); consumers read from a slave anyway when the master is down.
+    slave_read_enable: bool = False
+    #: "Far behind": more than this percentage of the machine's memory between what a pull
+    #: returned and the CommitLog's end (RocketMQ accessMessageInMemoryMaxRatio: 40).
+    access_message_in_memory_max_ratio: float = 40.0
+
     # -- files under data_dir -----------------------------------------------------------------
     config_dir_name: str = "config"
 
@@ -174,6 +211,36 @@ class BrokerConfig:
                 raise ValueError(f"broker setting {name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.listen_port <= 65535:
             raise ValueError(f"listen_port must be 0..65535, got {self.listen_port}")
+        self.broker_role = self.broker_role.upper().replace("-", "_")
+        if self.broker_role not in ("SYNC_MASTER", "ASYNC_MASTER", "SLAVE"):
+            raise ValueError(
+                f"broker_role must be SYNC_MASTER, ASYNC_MASTER or SLAVE, got {self.broker_role!r}"
+            )
+        if self.broker_role == "SLAVE":
+            if self.broker_id < 1:
+                raise ValueError(
+                    "a SLAVE needs a broker_id of 1 or more (0 is the master of the group); "
+                    "give --broker-id 1"
+                )
+            if not self.namesrv_addrs and not self.ha_master_addr:
+                raise ValueError(
+                    "a SLAVE needs its master: give --namesrv (the name servers name the master "
+                    "of its group) or -o ha_master_addr=HOST:PORT (the master's replication port)"
+                )
+        elif self.broker_id != 0:
+            raise ValueError(
+                f"a master ({self.broker_role}) has broker_id 0, got {self.broker_id}; slaves "
+                "take 1, 2, ... (--role SLAVE)"
+            )
+        if not -1 <= self.ha_port <= 65535:
+            raise ValueError(f"ha_port must be -1..65535, got {self.ha_port}")
+        for name in ("min_in_sync_replicas", "ha_max_gap_bytes", "ha_max_catchup_ms",
+                     "ha_transfer_batch_bytes", "ha_heartbeat_interval_ms",
+                     "ha_housekeeping_interval_ms", "ha_sync_metadata_interval_ms"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"broker setting {name} must be > 0, got {getattr(self, name)}")
+        if self.access_message_in_memory_max_ratio < 0:
+            raise ValueError("access_message_in_memory_max_ratio must be >= 0 (a percentage)")
 
 
 def _convert(text: str, like: object, name: str) -> object:

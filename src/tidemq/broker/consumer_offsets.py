@@ -41,6 +41,9 @@ class ConsumerOffsetManager:
         self.path = path
         self._table: dict[str, dict[int, int]] = {}
         self.dirty = False
+        #: A slave's own commits since they last reached its master (None on a master): they
+        #: flow back when the master is reachable (docs/cluster.md), the larger offset wins.
+        self.local_commits: dict[str, dict[int, int]] | None = None
 
     def load(self) -> None:
         raw = read_file(self.path)
@@ -71,6 +74,8 @@ class ConsumerOffsetManager:
         if queues.get(queue_id) != offset:
             queues[queue_id] = offset
             self.dirty = True
+            if self.local_commits is not None:
+                self.local_commits.setdefault(key, {})[queue_id] = offset
 
     def query(self, group: str, topic: str, queue_id: int) -> int:
         """The committed offset, or NO_OFFSET (-1) when the group has none for this queue."""
@@ -107,3 +112,50 @@ class ConsumerOffsetManager:
         for key in [k for k in self._table if k.startswith(prefix)]:
             del self._table[key]
             self.dirty = True
+
+    # -- replication (docs/cluster.md) ------------------------------------------------------------
+    def table(self) -> dict[str, dict[int, int]]:
+        """A copy of the whole table ("topic@group" -> queue id -> offset)."""
+        return {k: dict(v) for k, v in self._table.items()}
+
+    def merge_max(self, table: dict[str, dict[int, int]]) -> int:
+        """Take every offset of ``table`` that is larger than ours (offsets a slave took while
+        this master was away); returns how many moved."""
+        moved = 0
+        for key, queues in table.items():
+            mine = self._table.setdefault(key, {})
+            for qid, off in queues.items():
+                if off > mine.get(qid, NO_OFFSET):
+                    mine[qid] = off
+                    moved += 1
+        if moved:
+            self.dirty = True
+        return moved
+
+    def adopt(self, master: dict[str, dict[int, int]]) -> None:
+        """A slave takes its master's table, keeping its own commits the master has not
+        received yet where they are larger."""
+        new = {k: dict(v) for k, v in master.items()}
+        for key, queues in (self.local_commits or {}).items():
+            mine = new.setdefault(key, {})
+            for qid, off in queues.items():
+                if off > mine.get(qid, NO_OFFSET):
+                    mine[qid] = off
+        if new != self._table:
+            self._table = new
+            self.dirty = True
+
+    def delivered_back(self, sent: dict[str, dict[int, int]]) -> None:
+        """The master took ``sent``: forget the local commits that have not changed since."""
+        local = self.local_commits
+        if local is None:
+            return
+        for key, queues in sent.items():
+            mine = local.get(key)
+            if mine is None:
+                continue
+            for qid, off in queues.items():
+                if mine.get(qid) == off:
+                    del mine[qid]
+            if not mine:
+                del local[key]

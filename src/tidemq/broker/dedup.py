@@ -114,6 +114,10 @@ class MessageDeduplication:
         self.replayed_batches = 0
         self.replay_seconds = 0.0
         self._pending: tuple[int, bytes] | None = None  # (covered offset, snapshot bytes)
+        #: CommitLog offset the replay reached (a slave's table follows its replicated log)
+        self.replayed_to = 0
+        #: a slave: the table is folded from the replicated CommitLog before every snapshot
+        self.follow_store = False
         self._writing: asyncio.Future[None] | None = None
 
     # -- the send path -------------------------------------------------------------------------
@@ -224,7 +228,32 @@ class MessageDeduplication:
             stored_ms = int.from_bytes(mm[rel + _STORE_TS_OFFSET : rel + _STORE_TS_OFFSET + 8],
                                        "little")
             last_seen[pid] = max(last_seen.get(pid, 0.0), stored_ms / 1000)
+        self.replayed_to = end
         return n
+
+    def catch_up(self, store: MessageStore) -> int:
+        """A slave's table follows the CommitLog its master streams (the slave stores no
+        sends of its own): fold the batches stored since the last replay; returns how many.
+        After a promotion the table is then exactly what the old master's would be."""
+        start = max(self.replayed_to, store.min_phys_offset)
+        if store.max_phys_offset <= start:
+            return 0
+        n = self._replay(store, start)
+        pushed = self.pushed
+        for pid, hi in self.persisted.items():
+            if hi > pushed.get(pid, -1):
+                pushed[pid] = hi
+        return n
+
+    def rebuild(self, store: MessageStore) -> None:
+        """Forget everything and replay the whole CommitLog (a slave whose log was cut or
+        restarted: sequences of batches it no longer holds must not count as stored)."""
+        self.pushed = {}
+        self.persisted = {}
+        self.last_seen = {}
+        self._pending = None
+        self.replayed_to = 0
+        self.catch_up(store)
 
     # -- snapshots -----------------------------------------------------------------------------
     def expire_inactive(self) -> int:
@@ -245,6 +274,8 @@ class MessageDeduplication:
     def _take(self, store: MessageStore) -> tuple[int, bytes]:
         """The table and the CommitLog offset it covers (every put so far is in the table:
         both change only on the event loop)."""
+        if self.follow_store:
+            self.catch_up(store)  # a slave: the table covers what was replicated so far
         self.expire_inactive()
         offset = store.max_phys_offset
         seen = self.last_seen

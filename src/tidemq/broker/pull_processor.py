@@ -39,7 +39,9 @@ Threads: the broker's event loop only.
 
 from __future__ import annotations
 
+import os
 import re
+import struct
 from typing import TYPE_CHECKING
 
 from tidemq.broker.connection import decode_request
@@ -47,6 +49,7 @@ from tidemq.broker.errors import RequestRejected
 from tidemq.broker.long_polling import HeldPull
 from tidemq.protocol.codes import DLQ_PREFIX, TOOLS_CONSUMER_GROUP, ResponseCode
 from tidemq.protocol.headers import (
+    MASTER_ID,
     Perm,
     PullMessageRequestHeader,
     PullMessageResponseHeader,
@@ -61,6 +64,15 @@ if TYPE_CHECKING:
     from tidemq.protocol.frame import Frame
 
 __all__ = ["PullProcessor", "parse_tag_expression", "response_code_for", "GROUP_NAME"]
+
+_PHYS = struct.Struct("<Q")  # a stored batch's phys_offset, at byte 12 of its header
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not Linux
+        return 8 << 30
 
 GROUP_NAME = re.compile(r"^[%|a-zA-Z0-9_-]{1,255}$")
 
@@ -118,6 +130,9 @@ class PullProcessor:
         self.config = broker.config
         self.hold = broker.hold
         self._subscriptions: dict[str, frozenset[int] | None] = {}
+        cfg = self.config
+        #: a consumer further behind than this reads from a slave when slave reads are on
+        self.slow_backlog = int(_memory_bytes() * cfg.access_message_in_memory_max_ratio / 100)
 
     def _tag_hashes(self, h: PullMessageRequestHeader) -> frozenset[int] | None:
         if h.expression_type.upper() != "TAG":
@@ -179,7 +194,9 @@ class PullProcessor:
                 f"{broker_name}",
             )
         tags = self._tag_hashes(h)
-        if h.sys_flag & PullSysFlag.COMMIT_OFFSET:
+        if h.sys_flag & PullSysFlag.COMMIT_OFFSET and not self.broker.ha.is_slave:
+            # A slave stores offsets only when a consumer commits them explicitly (RocketMQ:
+            # a pull's commit offset counts on the master only).
             self.offsets.commit(group, h.topic, h.queue_id, h.commit_offset)
         self.process(conn, frame.opaque, h, tags, allow_suspend=True)
 
@@ -203,16 +220,14 @@ class PullProcessor:
             for b in bodies:
                 n += len(b)
             self.stats.record_get(h.consumer_group, h.topic, r.message_count, n)
-            conn.respond(
-                opaque,
-                ResponseCode.SUCCESS,
-                PullMessageResponseHeader(
-                    next_begin_offset=r.next_begin_offset,
-                    min_offset=r.min_offset,
-                    max_offset=r.max_offset,
-                ),
-                bodies,
+            header = PullMessageResponseHeader(
+                next_begin_offset=r.next_begin_offset,
+                min_offset=r.min_offset,
+                max_offset=r.max_offset,
             )
+            if self.config.slave_read_enable and src is self.store:
+                header.suggest_which_broker_id = self._suggest(h.consumer_group, bodies[-1])
+            conn.respond(opaque, ResponseCode.SUCCESS, header, bodies)
             return
         code = response_code_for(status, h.queue_offset)
         suspend = allow_suspend and h.sys_flag & PullSysFlag.SUSPEND
@@ -235,6 +250,17 @@ class PullProcessor:
                 max_offset=r.max_offset,
             ),
         )
+
+    def _suggest(self, group: str, last: memoryview) -> int:
+        """Seed 004 / RocketMQ's suggestWhichBrokerId: a consumer more than
+        ``access_message_in_memory_max_ratio`` % of memory behind the CommitLog's end reads
+        from the group's ``which_broker_when_consume_slowly`` (a slave, 1 by default); one
+        that caught up goes back to the master."""
+        behind = self.store.max_phys_offset - (_PHYS.unpack_from(last, 12)[0] + len(last))
+        if behind > self.slow_backlog:
+            sg = self.broker.subscription_groups.get(group)
+            return sg.which_broker_when_consume_slowly if sg is not None else 1
+        return MASTER_ID
 
     def execute_held(self, held: HeldPull) -> None:
         """Re-execute a held pull (woken or timed out): answer whatever is there now."""

@@ -107,8 +107,11 @@ class NamesrvRegistration:
         *,
         interval_s: float,
         timeout_s: float,
+        on_response: Callable[[str, Frame], None] | None = None,
     ) -> None:
         self.links = [NamesrvLink(a, timeout_s) for a in addrs]
+        #: sees every answer (a slave learns its master from it; a refused master fences)
+        self.on_response = on_response
         self.make_header = make_header
         self.interval_s = interval_s
         self._changed = asyncio.Event()
@@ -139,6 +142,11 @@ class NamesrvRegistration:
                 str(exc) or type(exc).__name__,
             )
             return False
+        if self.on_response is not None:
+            try:
+                self.on_response(link.addr, resp)
+            except Exception:
+                log.exception("handling the answer of name server %s failed", link.addr)
         if resp.code != ResponseCode.SUCCESS:
             msg = resp.header.message if isinstance(resp.header, ErrorResponseHeader) else ""
             log.warning(

@@ -23,6 +23,12 @@ durable within ``sync_flush_timeout_ms`` is answered FLUSH_DISK_TIMEOUT (stored,
 disk -- not retryable, a resend would store it twice). One-way sends are stored the same way and
 never answered, errors included.
 
+SYNC_MASTER (docs/cluster.md): the answer also waits until ``min_in_sync_replicas`` slaves hold
+the batch -- the HA service completes the waiting sends of a whole acknowledgement round in one
+loop wake-up (``HAService.expect_replicas``), and SYNC_FLUSH + SYNC_MASTER answers when both
+hold. Too few slaves in sync: SLAVE_NOT_AVAILABLE at once; not replicated within
+``sync_flush_timeout_ms``: FLUSH_SLAVE_TIMEOUT. Both mean "stored on the master only".
+
 Threads: the broker's event loop only (the durability callback hops onto it).
 """
 
@@ -75,9 +81,13 @@ def _ignore_durability(err: object) -> None:
 
 
 class _PendingSend:
-    """A SYNC_FLUSH send between its put and its response."""
+    """A SYNC_FLUSH or SYNC_MASTER send between its put and its response: answered once the
+    fsync covering it is done (``durable``) and, under SYNC_MASTER, once the in-sync slaves
+    hold it (``replica``: None = not waited for, False = waiting, True = replicated, or the
+    response code that says why not -- SLAVE_NOT_AVAILABLE)."""
 
-    __slots__ = ("waiters", "conn", "opaque", "header", "durable", "error", "answered", "dedup")
+    __slots__ = ("waiters", "conn", "opaque", "header", "durable", "error", "answered", "dedup",
+                 "replica")
 
     def __init__(self, waiters: _DurabilityWaiters, conn: BrokerConnection, opaque: int) -> None:
         self.waiters = waiters
@@ -89,6 +99,7 @@ class _PendingSend:
         self.answered = False
         # (MessageDeduplication, producer id, highest sequence) of a deduplicated batch
         self.dedup: tuple[MessageDeduplication, int, int] | None = None
+        self.replica: bool | int | None = None
 
     def __call__(self, err: object) -> None:  # the store's on_durable, any thread
         self.waiters.arrive(self, err)
@@ -96,7 +107,7 @@ class _PendingSend:
     def stored(self, header: SendMessageResponseHeader) -> None:
         """The put returned (loop thread)."""
         self.header = header
-        if self.durable:
+        if self.durable and self.replica is not False:
             self._answer()
         else:
             self.waiters.expect(self)
@@ -111,26 +122,40 @@ class _PendingSend:
                 dedup.persisted_up_to(pid, highest)
             else:
                 dedup.failed(pid)
-        if self.header is not None:
+        if self.header is not None and self.replica is not False:
+            self._answer()
+
+    def replicated(self, code: int | None) -> None:
+        """SYNC_MASTER: the in-sync slaves hold the batch (None), or they cannot (a response
+        code); loop thread."""
+        self.replica = True if code is None else code
+        if self.header is not None and self.durable:
             self._answer()
 
     def time_out(self) -> None:
-        """Not durable within the sync flush timeout (loop thread)."""
+        """Not durable, or not replicated, within the sync flush timeout (loop thread)."""
         if not self.answered:
             self.answered = True
-            log.warning("send to %s not durable within the sync flush timeout", self.conn.peer)
-            self.conn.respond(self.opaque, ResponseCode.FLUSH_DISK_TIMEOUT, self.header)
+            if not self.durable:
+                log.warning("send to %s not durable within the sync flush timeout", self.conn.peer)
+                self.conn.respond(self.opaque, ResponseCode.FLUSH_DISK_TIMEOUT, self.header)
+            else:
+                log.warning("send to %s not replicated within the sync flush timeout",
+                            self.conn.peer)
+                self.conn.respond(self.opaque, ResponseCode.FLUSH_SLAVE_TIMEOUT, self.header)
 
     def _answer(self) -> None:
         if self.answered:
             return
         self.answered = True
-        if self.error is None:
-            self.conn.respond(self.opaque, ResponseCode.SUCCESS, self.header)
-        else:
+        if self.error is not None:
             # Stored, but the fsync failed or the store closed: durability is unknown.
             log.error("flush after a send failed: %s", self.error)
             self.conn.respond(self.opaque, ResponseCode.FLUSH_DISK_TIMEOUT, self.header)
+        elif self.replica is None or self.replica is True:
+            self.conn.respond(self.opaque, ResponseCode.SUCCESS, self.header)
+        else:  # stored here, but not on the slaves: the code says why (SLAVE_NOT_AVAILABLE)
+            self.conn.respond(self.opaque, self.replica, self.header)
 
 
 class _DurabilityWaiters:
@@ -208,6 +233,9 @@ class SendProcessor:
         self.stats = broker.stats
         cfg = self.config = broker.config
         self.sync_flush = cfg.flush is FlushMode.SYNC
+        #: SYNC_MASTER: answer once min_in_sync_replicas slaves hold the batch (the HA service
+        #: sets it, also when a promotion changes the role)
+        self.sync_master = False
         self.max_batch = cfg.max_message_size + cfg.batch_overhead_allowance
         self.waiters = _DurabilityWaiters(
             broker.loop, self.store.config.sync_flush_timeout_ms / 1000.0
@@ -318,6 +346,7 @@ class SendProcessor:
         if dedup is not None and not self._dedup_admits(dedup, conn, frame.opaque, oneway, v):
             return
         t0 = time.perf_counter()
+        sync_master = self.sync_master
         try:
             if self.sync_flush:
                 if oneway:
@@ -326,7 +355,14 @@ class SendProcessor:
                     pending = _PendingSend(self.waiters, conn, frame.opaque)
                     if dedup is not None:
                         pending.dedup = (dedup, pid, v.base_seq + v.count - 1)
+                    if sync_master:
+                        pending.replica = False
                     r = self._put(h, conn, body, qid, v, on_durable=pending)
+            elif sync_master and not oneway:
+                pending = _PendingSend(self.waiters, conn, frame.opaque)
+                pending.durable = True  # ASYNC_FLUSH: only the slaves are waited for
+                pending.replica = False
+                r = self._put(h, conn, body, qid, v)
             else:
                 r = self._put(h, conn, body, qid, v)
         except TidemqError as exc:
@@ -350,6 +386,8 @@ class SendProcessor:
             header.commit_log_offset = r.phys_offset
             header.transaction_id = header.msg_id
         if pending is not None:
+            if pending.replica is False:
+                self.broker.ha.expect_replicas(pending, r.phys_offset + r.size)
             pending.stored(header)
         elif r.status is PutStatus.PUT_OK:
             conn.respond(frame.opaque, ResponseCode.SUCCESS, header)

@@ -51,6 +51,8 @@ class SubscriptionGroupManager:
         self.auto_create = auto_create
         self._groups: dict[str, SubscriptionGroupConfig] = {}
         self.dirty = False
+        #: grows with every change (a master's slaves copy the table when it moves)
+        self.version = 0
 
     def load(self) -> None:
         raw = read_file(self.path)
@@ -101,6 +103,7 @@ class SubscriptionGroupManager:
             if self.auto_create:
                 self._groups[group] = cfg
                 self.dirty = True
+                self.version += 1
                 log.info("subscription group %s created", group)
         return cfg
 
@@ -108,4 +111,15 @@ class SubscriptionGroupManager:
         if self._groups.get(cfg.group_name) != cfg:
             self._groups[cfg.group_name] = cfg
             self.dirty = True
+            self.version += 1
             log.info("subscription group %s updated: %s", cfg.group_name, cfg)
+
+    def adopt(self, groups: dict[str, SubscriptionGroupConfig]) -> bool:
+        """A slave takes its master's table (groups only it knows stay); True if it changed."""
+        merged = {**self._groups, **groups}
+        if merged == self._groups:
+            return False
+        self._groups = merged
+        self.dirty = True
+        self.version += 1
+        return True

@@ -86,11 +86,32 @@ class TimerMessageService:
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+    def start(
+        self, loop: asyncio.AbstractEventLoop, *, done_before: int | None = None
+    ) -> None:
+        """Open the index, re-index what it lacks, settle what is due, arm the timer.
+
+        ``done_before``: a slave promoted to master (docs/cluster.md) built its index from the
+        replicated timer queue, without the old master's DONE and CANCEL marks; the old master
+        had delivered (or cancelled) everything due before this time (it sent it with its
+        metadata), so those entries are marked DONE unread, and every later due entry is
+        checked against the id index before it is delivered."""
         self._loop = loop
         self.index = idx = TimerLog(self.dir, self.bucket_ms)
         self._reindex()
         horizon = idx.heartbeat_ms + 2 * self.checkpoint_ms + 1000 if idx.heartbeat_ms else 0
+        if done_before is not None:
+            settled = 0
+            while done_before > 0:
+                batch = idx.pop_due(min(_now_ms(), done_before - 1), 4096)
+                if not batch:
+                    break
+                for d, phys, size in batch:
+                    idx.done(d, phys, size)
+                settled += len(batch)
+            if settled:
+                log.info("timer: %d entries were settled by the old master", settled)
+            horizon = _now_ms()
         # Due entries the crash may have delivered without their DONE mark reaching the file.
         # Nothing here may keep the broker from starting: an entry whose delivery fails (the
         # store refuses it for now) is given back and retried by the loop's timer.
@@ -321,6 +342,15 @@ class TimerMessageService:
             return False  # _deliver_one reads it again and drops what it cannot deliver
         return delivered_copy_exists(self.store, inner.producer_id, inner.base_seq,
                                      real_topic, env.store_ts, inner.reconsume_times)
+
+    def done_before(self) -> int:
+        """Every entry due before this (ms since the epoch) is delivered or cancelled: the
+        earliest pending due time, or now when nothing is pending (a slave keeps it for its
+        promotion, see :meth:`start`)."""
+        idx = self.index
+        nd = idx.next_due() if idx is not None else None
+        now = _now_ms()
+        return min(nd, now) if nd is not None else now
 
     def stats(self) -> dict[str, int]:
         idx = self.index

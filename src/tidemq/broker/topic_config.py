@@ -142,3 +142,11 @@ class TopicConfigManager:
         self.data_version += 1
         log.info("topic %s deleted", topic)
         return True
+
+    def adopt(self, topics: dict[str, TopicConfig], data_version: int) -> bool:
+        """A slave takes its master's topic table as it is; True if it changed."""
+        if topics == self._topics and data_version == self.data_version:
+            return False
+        self._topics = dict(topics)
+        self.data_version = data_version
+        return True

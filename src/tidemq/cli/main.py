@@ -8,6 +8,7 @@ import click
 
 from tidemq.cli.admin import register as register_admin
 from tidemq.cli.bench_types import register as register_bench_types
+from tidemq.cli.cluster import register as register_cluster
 from tidemq.cli.demo import demo
 from tidemq.cli.output import emit_result
 from tidemq.cli.servers import register as register_servers
@@ -85,6 +86,7 @@ register_servers(cli)
 register_admin(cli)
 register_bench_types(cli)
 register_spark_bench(cli)
+register_cluster(cli)
 
 
 def main() -> None:  # pragma: no cover - console entry

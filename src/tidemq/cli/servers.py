@@ -103,7 +103,8 @@ async def _serve(
 
 
 def _broker_config(
-    *, namesrv, host, port, data_dir, name, cluster, flush, auto_create, long_polling, options
+    *, namesrv, host, port, data_dir, name, cluster, flush, auto_create, long_polling, options,
+    role=None, broker_id=None, ha_port=None,
 ):
     from tidemq.broker.config import BrokerConfig, apply_overrides
 
@@ -116,6 +117,14 @@ def _broker_config(
         flush_mode=flush,
         namesrv_addrs=[a for a in (namesrv or "").replace(";", ",").split(",") if a],
     )
+    if role is not None:
+        cfg.broker_role = role.upper()
+    if broker_id is not None:
+        cfg.broker_id = broker_id
+    elif role is not None and role.upper() == "SLAVE":
+        cfg.broker_id = 1
+    if ha_port is not None:
+        cfg.ha_port = ha_port
     if auto_create is not None:
         cfg.auto_create_topic = auto_create
     if long_polling is not None:
@@ -166,6 +175,11 @@ _metrics_port = click.option(
 def _metrics_suffix(broker) -> str:
     return f" metrics=http://{broker.addr.rsplit(':', 1)[0]}:{broker.metrics.port}/metrics" \
         if broker.metrics is not None else ""
+
+
+def _ha_suffix(broker) -> str:
+    ha = broker.ha
+    return f" role={ha.role} id={ha.broker_id}" + (f" ha={ha.ha_addr}" if ha.ha_addr else "")
 
 
 _flush = click.option(
@@ -224,6 +238,20 @@ def namesrv_cmd(host, port, scan_interval_ms, broker_expire_ms, log_level) -> No
 )
 @click.option("--name", default="broker-a", show_default=True, help="Broker name.")
 @click.option("--cluster", default="DefaultCluster", show_default=True, help="Cluster name.")
+@click.option(
+    "--role",
+    type=click.Choice(["ASYNC_MASTER", "SYNC_MASTER", "SLAVE"], case_sensitive=False),
+    default=None,
+    help="Replication role in its group (broker_role) [ASYNC_MASTER]; see docs/cluster.md.",
+)
+@click.option(
+    "--broker-id", type=int, default=None,
+    help="0 = the master of the group, 1, 2, ... = slaves [0; 1 with --role SLAVE].",
+)
+@click.option(
+    "--ha-port", type=int, default=None,
+    help="A master's replication port (0 = any free port) [--port + 1; any when --port is 0].",
+)
 @_flush
 @click.option(
     "--auto-create/--no-auto-create", default=None, help="Create unknown topics on send [on]."
@@ -233,8 +261,8 @@ def namesrv_cmd(host, port, scan_interval_ms, broker_expire_ms, log_level) -> No
 @_options
 @_log_level
 def broker_cmd(
-    namesrv, host, port, data_dir, name, cluster, flush, auto_create, long_polling, metrics_port,
-    options, log_level,
+    namesrv, host, port, data_dir, name, cluster, role, broker_id, ha_port, flush, auto_create,
+    long_polling, metrics_port, options, log_level,
 ) -> None:
     """Run a broker: stores messages and serves producers and consumers."""
     _setup_logging(log_level)
@@ -242,6 +270,7 @@ def broker_cmd(
     cfg = _broker_config(
         namesrv=namesrv, host=host, port=port, data_dir=data_dir, name=name, cluster=cluster,
         flush=flush, auto_create=auto_create, long_polling=long_polling, options=options,
+        role=role, broker_id=broker_id, ha_port=ha_port,
     )
     if metrics_port is not None:
         cfg.metrics_port = metrics_port
@@ -251,7 +280,7 @@ def broker_cmd(
     _fail_on_start_errors(
         lambda: _run(
             lambda: _serve(broker.start, broker.stop, lambda: f"tidemq broker ready {broker.addr}"
-                           + _metrics_suffix(broker))
+                           + _metrics_suffix(broker) + _ha_suffix(broker))
         )
     )
 

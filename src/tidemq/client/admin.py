@@ -34,19 +34,23 @@ from tidemq.protocol.codes import (
     pull_status,
 )
 from tidemq.protocol.corrupt import CorruptRecords
-from tidemq.protocol.errors import BrokerError
+from tidemq.protocol.errors import BrokerError, TidemqError
 from tidemq.protocol.frame import Frame
 from tidemq.protocol.headers import (
     MASTER_ID,
+    BrokerRuntimeInfo,
     ClusterInfo,
     ConsumerGroupRequestHeader,
     ConsumeStats,
     DeleteTopicRequestHeader,
+    EmptyHeader,
     FoundMessagesHeader,
     GetConsumeStatsRequestHeader,
     GetTopicStatsRequestHeader,
     GroupInfoResponseHeader,
     Perm,
+    PromoteRequestHeader,
+    PromoteResponseHeader,
     PullMessageRequestHeader,
     QueryMessageRequestHeader,
     QueueConsumeStats,
@@ -185,6 +189,45 @@ class Admin:
             raise NoRouteError(f"broker {broker!r} is not registered with the name server "
                                f"(known: {', '.join(known) or 'none'})")
         return known[broker]
+
+    async def runtime_info(self, addr: str) -> dict[str, Any]:
+        """GET_BROKER_RUNTIME_INFO of the broker at ``addr``: counters, role, epoch, offsets,
+        replication lag (docs/operations.md, docs/cluster.md)."""
+        f = await self._broker(addr, RequestCode.GET_BROKER_RUNTIME_INFO, EmptyHeader())
+        return dict(_header(f, BrokerRuntimeInfo).table)
+
+    async def cluster_status(self) -> list[dict[str, Any]]:
+        """Every broker the name servers know (masters and slaves), with its runtime info
+        (``error`` instead when it does not answer), ordered by cluster, name and id."""
+        info = await self.cluster_info()
+        names = {n: c for c, ns in info.cluster_addr_table.items() for n in ns}
+        rows: list[dict[str, Any]] = []
+
+        async def one(name: str, bid: int, addr: str) -> None:
+            row: dict[str, Any] = {"cluster": names.get(name, ""), "broker_name": name,
+                                   "broker_id": int(bid), "addr": addr}
+            try:
+                row.update(await self.runtime_info(addr))
+            except TidemqError as exc:
+                row["error"] = str(exc)
+            rows.append(row)
+
+        await asyncio.gather(*(
+            one(name, bid, addr)
+            for name, bd in info.broker_addr_table.items()
+            for bid, addr in bd.broker_addrs.items()
+        ))
+        rows.sort(key=lambda r: (r["cluster"], r["broker_name"], r["broker_id"]))
+        return rows
+
+    async def promote(self, addr: str, *, role: str = "", force: bool = False,
+                      timeout: float = 30.0) -> PromoteResponseHeader:
+        """Make the slave at ``addr`` the master of its group (``tidemq cluster promote``;
+        docs/cluster.md): a new epoch from its CommitLog's end. ``force`` even while it still
+        hears from its master (two masters would take writes)."""
+        f = await self.pool.request(addr, RequestCode.PROMOTE_TO_MASTER,
+                                    PromoteRequestHeader(role=role, force=force), timeout=timeout)
+        return _header(f, PromoteResponseHeader)  # type: ignore[no-any-return]
 
     # -- topics ----------------------------------------------------------------------------------
     async def create_topic(

@@ -362,6 +362,16 @@ class Admin(_Facade):
     def brokers(self, cluster: str | None = None) -> dict[str, str]:
         return _run(self._aio.brokers(cluster))
 
+    def runtime_info(self, addr: str) -> dict[str, Any]:
+        return _run(self._aio.runtime_info(addr))
+
+    def cluster_status(self) -> list[dict[str, Any]]:
+        return _run(self._aio.cluster_status())
+
+    def promote(self, addr: str, *, role: str = "", force: bool = False,
+                timeout: float = 30.0) -> Any:
+        return _run(self._aio.promote(addr, role=role, force=force, timeout=timeout))
+
     def create_topic(self, topic: str, queues: int = 8, **options: Any) -> list[str]:
         return _run(self._aio.create_topic(topic, queues, **options))
 

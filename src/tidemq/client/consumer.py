@@ -55,8 +55,9 @@ from tidemq.client.message import ConsumeFrom, MessageExt, MessageQueue
 from tidemq.client.route import RouteCache
 from tidemq.protocol.codes import PullStatus, RequestCode, pull_status
 from tidemq.protocol.corrupt import CorruptRecords
-from tidemq.protocol.errors import TidemqError
+from tidemq.protocol.errors import BrokerError, TidemqError
 from tidemq.protocol.headers import (
+    MASTER_ID,
     PullMessageRequestHeader,
     PullMessageResponseHeader,
     PullSysFlag,
@@ -73,7 +74,7 @@ class _Queue:
 
     __slots__ = (
         "mq", "pull_offset", "consume_offset", "committed", "chunks", "buffered", "task",
-        "paused", "space", "ready", "assembler",
+        "paused", "space", "ready", "assembler", "broker_id",
     )
 
     def __init__(self, mq: MessageQueue) -> None:
@@ -90,6 +91,7 @@ class _Queue:
         self.space.set()
         self.ready: asyncio.Future[None] | None = None  # resolved once the start offset is known
         self.assembler: ChunkAssembler | None = None  # created at the first chunk seen
+        self.broker_id = MASTER_ID  # which broker of the group to pull from (the suggestion)
 
 
 class PullConsumer:
@@ -318,7 +320,7 @@ class PullConsumer:
         if not self._started:
             await self.start()
         q = self._state(mq)
-        addr = await self.routes.addr_of(mq)
+        addr = await self.routes.addr_for_admin(mq)
         lo = await offsets.min_offset(self.pool, addr, mq, timeout=self.request_timeout)
         hi = await offsets.max_offset(self.pool, addr, mq, timeout=self.request_timeout)
         if not lo <= offset <= hi:
@@ -329,7 +331,7 @@ class PullConsumer:
         if not self._started:
             await self.start()
         q = self._state(mq)
-        addr = await self.routes.addr_of(mq)
+        addr = await self.routes.addr_for_admin(mq)
         await self._reset(q, await offsets.min_offset(self.pool, addr, mq,
                                                       timeout=self.request_timeout))
 
@@ -337,7 +339,7 @@ class PullConsumer:
         if not self._started:
             await self.start()
         q = self._state(mq)
-        addr = await self.routes.addr_of(mq)
+        addr = await self.routes.addr_for_admin(mq)
         await self._reset(q, await offsets.max_offset(self.pool, addr, mq,
                                                       timeout=self.request_timeout))
 
@@ -346,7 +348,7 @@ class PullConsumer:
         if not self._started:
             await self.start()
         q = self._state(mq)
-        addr = await self.routes.addr_of(mq)
+        addr = await self.routes.addr_for_admin(mq)
         await self._reset(q, await offsets.search_offset(self.pool, addr, mq, timestamp_ms,
                                                          timeout=self.request_timeout))
 
@@ -367,7 +369,7 @@ class PullConsumer:
 
     async def committed(self, mq: MessageQueue) -> int | None:
         """The group's offset of ``mq`` on the broker, None when it has none."""
-        addr = await self.routes.addr_of(mq)
+        addr = await self.routes.addr_for_admin(mq)
         return await offsets.query_consumer_offset(self.pool, addr, self.group, mq,
                                                    timeout=self.request_timeout)
 
@@ -404,7 +406,7 @@ class PullConsumer:
         async def one(q: _Queue) -> None:
             off = q.consume_offset
             assert off is not None
-            addr = await self.routes.addr_of(q.mq)
+            addr = await self.routes.addr_for_admin(q.mq)
             await offsets.update_consumer_offset(self.pool, addr, self.group, q.mq, off,
                                                  timeout=self.request_timeout)
             q.committed = off
@@ -507,10 +509,11 @@ class PullConsumer:
         suspend_ms = int(self.suspend_timeout * 1000)
         timeout = self.suspend_timeout + max(self.request_timeout, 10.0)
         while True:
+            addr = ""
             try:
-                addr = await self.routes.addr_of(mq)
                 if q.pull_offset is None:
-                    off, committed = await self._start_offset(mq, addr)
+                    off, committed = await self._start_offset(
+                        mq, await self.routes.addr_for_admin(mq))
                     q.pull_offset = q.consume_offset = off
                     # A start chosen by consume_from is committed too, so a restart before
                     # the first poll does not skip what arrived in between.
@@ -519,6 +522,7 @@ class PullConsumer:
                     q.space.clear()
                     await q.space.wait()
                     continue
+                addr, _slave = await self.routes.addr_for_read(mq, q.broker_id)
                 conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
                 offset = q.pull_offset
                 header = PullMessageRequestHeader(
@@ -533,6 +537,7 @@ class PullConsumer:
                     raise_for_error(frame)
                 h = frame.header
                 assert isinstance(h, PullMessageResponseHeader)
+                q.broker_id = h.suggest_which_broker_id
                 if status is PullStatus.FOUND:
                     msgs, end = decode_pull_body(
                         frame.body, from_offset=offset, broker_name=mq.broker_name, tags=tags,
@@ -554,8 +559,15 @@ class PullConsumer:
             except asyncio.CancelledError:
                 raise
             except TidemqError as exc:
-                log.warning("pull of %s failed: %s; retrying in 1 s", mq, exc)
-                await asyncio.sleep(1.0)
+                delay = 1.0
+                if addr and not isinstance(exc, BrokerError):
+                    # unreachable: the next pull tries another broker of the group at once
+                    self.routes.mark_down(addr, mq.topic)
+                    if self.routes.group_size(mq.broker_name) > 1:
+                        delay = 0.2
+                log.warning("pull of %s from %s failed: %s; retrying in %g s", mq, addr or "?",
+                            exc, delay)
+                await asyncio.sleep(delay)
             except Exception:  # a bug must not silently stop a queue forever
                 log.exception("pull of %s failed unexpectedly; retrying in 1 s", mq)
                 await asyncio.sleep(1.0)

@@ -85,7 +85,7 @@ class RemoteOffsetStore(_MemoryTable):
 
     async def read_from_store(self, mq: MessageQueue) -> int:
         """The broker's offset (also kept in memory); -1 when the group has none."""
-        addr = await self.routes.addr_of(mq)
+        addr = await self.routes.addr_for_admin(mq)
         off = await offsets.query_consumer_offset(self.pool, addr, self.group, mq,
                                                   timeout=self.timeout)
         if off is None:
@@ -97,7 +97,7 @@ class RemoteOffsetStore(_MemoryTable):
         off = self.table.get(mq)
         if off is None:
             return
-        addr = await self.routes.addr_of(mq)
+        addr = await self.routes.addr_for_admin(mq)
         await offsets.update_consumer_offset(self.pool, addr, self.group, mq, off,
                                              timeout=self.timeout)
         self._sent[mq] = off

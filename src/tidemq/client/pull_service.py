@@ -31,6 +31,13 @@ Pull statuses, as seed 004 §4.3.3:
 Messages of the retry topic ``%RETRY%<group>`` get their original topic back (property
 ``RETRY_TOPIC``) before the listener sees them.
 
+Which broker of the queue's group (seed 004, RocketMQ's pullFromWhichNodeTable): the broker id
+the last pull response suggested (``suggest_which_broker_id``: a slave while this consumer is
+far behind and the group reads from slaves, the master again once it caught up), else the
+master, else a slave when the master is down. A pull to a slave carries no commit offset (a
+slave keeps only explicitly committed offsets). A pull that cannot reach its broker marks the
+address down for a few seconds, so the next one goes to another broker of the group.
+
 Threads: the consumer's event loop only.
 """
 
@@ -48,8 +55,8 @@ from tidemq.client.process_queue import ProcessQueue
 from tidemq.client.rebalance import RETRY_PREFIX
 from tidemq.protocol.codes import PullStatus, RequestCode, pull_status
 from tidemq.protocol.corrupt import CorruptRecords
-from tidemq.protocol.errors import TidemqError
-from tidemq.protocol.headers import PullMessageRequestHeader, PullSysFlag
+from tidemq.protocol.errors import BrokerError, TidemqError
+from tidemq.protocol.headers import MASTER_ID, PullMessageRequestHeader, PullSysFlag
 
 if TYPE_CHECKING:
     from tidemq.client.push_consumer import PushConsumer
@@ -65,12 +72,13 @@ OFFSET_ILLEGAL_DELAY = 10.0
 
 
 class PullRequest:
-    __slots__ = ("mq", "pq", "next_offset")
+    __slots__ = ("mq", "pq", "next_offset", "broker_id")
 
     def __init__(self, mq: MessageQueue, pq: ProcessQueue, next_offset: int) -> None:
         self.mq = mq
         self.pq = pq
         self.next_offset = next_offset
+        self.broker_id = MASTER_ID  # which broker of the group to pull from (the suggestion)
 
 
 def restore_retry_topic(msgs: list[MessageExt]) -> None:
@@ -174,13 +182,14 @@ class PullService:
         if tags is not None:
             flags |= PullSysFlag.SUBSCRIPTION
         commit = 0
-        if not c.broadcasting:
-            off = c.offset_store.read(mq)
-            if off > 0:
-                flags |= PullSysFlag.COMMIT_OFFSET
-                commit = off
+        addr = ""
         try:
-            addr = await c.routes.addr_of(mq)
+            addr, slave = await c.routes.addr_for_read(mq, req.broker_id)
+            if not c.broadcasting and not slave:
+                off = c.offset_store.read(mq)
+                if off > 0:
+                    flags |= PullSysFlag.COMMIT_OFFSET
+                    commit = off
             conn = c.pool.get_nowait(addr) or await c.pool.get(addr)
             header = PullMessageRequestHeader(
                 consumer_group=c.group, topic=mq.topic, queue_id=mq.queue_id,
@@ -195,6 +204,7 @@ class PullService:
             if status is None:
                 raise_for_error(frame)
             h: Any = frame.header
+            req.broker_id = h.suggest_which_broker_id
             if pq.dropped:
                 return
             if status is PullStatus.FOUND:
@@ -229,9 +239,16 @@ class PullService:
         except asyncio.CancelledError:
             raise
         except TidemqError as exc:
+            delay = ERROR_DELAY
+            if addr and not isinstance(exc, BrokerError):
+                # unreachable: the next pull tries another broker of the group at once
+                c.routes.mark_down(addr, mq.topic)
+                if c.routes.group_size(mq.broker_name) > 1:
+                    delay = FLOW_CONTROL_DELAY * 4
             if not self._closed:
-                log.warning("pull of %s failed: %s; retrying in %g s", mq, exc, ERROR_DELAY)
-            self.execute_later(req, ERROR_DELAY)
+                log.warning("pull of %s from %s failed: %s; retrying in %g s", mq, addr or "?",
+                            exc, delay)
+            self.execute_later(req, delay)
         except Exception:  # a bug must not silently stop a queue forever
             log.exception("pull of %s failed unexpectedly; retrying in %g s", mq, ERROR_DELAY)
             self.execute_later(req, ERROR_DELAY)

@@ -329,13 +329,18 @@ class PushConsumer:
         return HeartbeatRequestHeader(client_id=self.client_id, consumers=[cd])
 
     async def _brokers(self) -> dict[str, str]:
+        """Every broker of the subscribed topics' groups, slaves included (RocketMQ sends a
+        consumer's heartbeats to all of them: a slave serves the group when its master is
+        down), keyed by "name/id"."""
         addrs: dict[str, str] = {}
         for topic in list(self.subscriptions):
             try:
                 route = await self.routes.get(topic)
             except NoRouteError:
                 continue
-            addrs.update(route.broker_addrs)
+            for name, ids in route.group_addrs.items():
+                for bid, addr in ids.items():
+                    addrs[f"{name}/{bid}"] = addr
         return addrs
 
     async def send_heartbeat(self) -> None:

@@ -173,7 +173,7 @@ class Rebalance:
         if c.broadcasting:
             mine = mqs
         else:
-            cids = await self.find_consumer_ids(route.broker_addrs)
+            cids = await self.find_consumer_ids(route.read_addrs)
             if not cids:
                 log.info("group %s has no member on the brokers of %s yet", c.group, topic)
                 return
@@ -239,7 +239,7 @@ class Rebalance:
         off = await store.read_from_store(mq)
         if off >= 0:
             return off
-        addr = await c.routes.addr_of(mq)
+        addr = await c.routes.addr_for_admin(mq)
         t = c.request_timeout
         if mq.topic.startswith(RETRY_PREFIX) or c.consume_from is ConsumeFrom.FIRST:
             return await offsets.min_offset(c.pool, addr, mq, timeout=t)

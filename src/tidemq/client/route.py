@@ -7,6 +7,14 @@ name server addresses may be given; a request goes to the one that last answered
 the next when it cannot connect or times out (every name server knows every broker, so any one
 will do).
 
+Broker groups (docs/cluster.md): a route lists every address of every group by broker id (0 is
+the master). Sends go to masters only (a group without a master has no writable queue here);
+reads go to the broker id a pull response suggested, else the master, else a slave
+(:meth:`RouteCache.addr_for_read`, RocketMQ's findBrokerAddressInSubscribe); offsets to the
+master, else a slave (:meth:`RouteCache.addr_for_admin`). An address a request could not reach
+is skipped for a few seconds (:meth:`RouteCache.mark_down`) and the topic's route is fetched
+again, so consumers move to a slave within a pull or two of their master's death.
+
 Threading: event loop only.
 """
 
@@ -56,35 +64,55 @@ def parse_namesrv(namesrv: str | Sequence[str]) -> list[str]:
 class TopicRoute:
     """One topic's route: its master brokers and the queues on each, sorted."""
 
-    __slots__ = ("topic", "data", "broker_addrs", "write_queues", "read_queues", "fetched_at")
+    __slots__ = ("topic", "data", "broker_addrs", "group_addrs", "write_queues", "read_queues",
+                 "fetched_at")
 
     def __init__(self, topic: str, data: TopicRouteData) -> None:
         self.topic = topic
         self.data = data
+        #: broker name -> its master's address (sends)
         self.broker_addrs: dict[str, str] = {}
+        #: broker name -> {broker id -> address}, masters and slaves (reads)
+        self.group_addrs: dict[str, dict[int, str]] = {}
         for bd in data.broker_datas:
-            addr = bd.broker_addrs.get(MASTER_ID)
+            addrs = {int(k): a for k, a in bd.broker_addrs.items() if a}
+            if addrs:
+                self.group_addrs[bd.broker_name] = addrs
+            addr = addrs.get(MASTER_ID)
             if addr:
                 self.broker_addrs[bd.broker_name] = addr
         write: list[MessageQueue] = []
         read: list[MessageQueue] = []
         for qd in sorted(data.queue_datas, key=lambda q: q.broker_name):
-            if qd.broker_name not in self.broker_addrs:
-                continue  # no master: RocketMQ skips such brokers for sends and pulls
             name = qd.broker_name
-            if qd.perm & Perm.WRITE:
+            if name not in self.group_addrs:
+                continue  # nobody of the group is up
+            if qd.perm & Perm.WRITE and name in self.broker_addrs:
+                # no master: RocketMQ skips such groups for sends ...
                 write += [MessageQueue(topic, name, i) for i in range(qd.write_queue_nums)]
             if qd.perm & Perm.READ:
+                # ... but their slaves serve pulls
                 read += [MessageQueue(topic, name, i) for i in range(qd.read_queue_nums)]
         self.write_queues = write
         self.read_queues = read
         self.fetched_at = time.monotonic()
+
+    @property
+    def read_addrs(self) -> dict[str, str]:
+        """Broker name -> the address to ask about the group: its master, else a slave."""
+        return {name: _pick(addrs, MASTER_ID) for name, addrs in self.group_addrs.items()}
 
     def __repr__(self) -> str:
         return (
             f"TopicRoute({self.topic!r}, brokers={self.broker_addrs}, "
             f"write={len(self.write_queues)}, read={len(self.read_queues)})"
         )
+
+
+def _pick(addrs: dict[int, str], broker_id: int) -> str:
+    """``addrs[broker_id]``, else the master's, else the lowest id's."""
+    addr = addrs.get(broker_id) or addrs.get(MASTER_ID)
+    return addr if addr else addrs[min(addrs)]
 
 
 class RouteCache:
@@ -105,6 +133,9 @@ class RouteCache:
         self._current = 0  # index of the name server that answered last
         self._routes: dict[str, TopicRoute] = {}
         self._broker_addrs: dict[str, str] = {}  # every broker name seen -> master address
+        self._group_addrs: dict[str, dict[int, str]] = {}  # broker name -> id -> address
+        self._down: dict[str, float] = {}  # address -> monotonic time until it is skipped
+        self._refreshing: set[str] = set()
         self._fetching: dict[str, asyncio.Task[TopicRoute]] = {}
         self._task: asyncio.Task[None] | None = None
 
@@ -177,6 +208,15 @@ class RouteCache:
         route = TopicRoute(topic, data)
         self._routes[topic] = route
         self._broker_addrs.update(route.broker_addrs)
+        for bd in data.broker_datas:
+            name = bd.broker_name
+            if name not in route.broker_addrs:
+                self._broker_addrs.pop(name, None)  # the group has no master now
+            addrs = route.group_addrs.get(name)
+            if addrs:
+                self._group_addrs[name] = addrs
+            else:
+                self._group_addrs.pop(name, None)
         return route
 
     def broker_addr(self, broker_name: str) -> str:
@@ -199,6 +239,59 @@ class RouteCache:
                     f"{mq.topic!r}"
                 )
         return addr
+
+    async def addr_for_read(
+        self, mq: MessageQueue, broker_id: int = MASTER_ID
+    ) -> tuple[str, bool]:
+        """(address, is a slave) to pull ``mq`` from: broker ``broker_id`` of its group (a
+        pull response's suggestion), else the master, else a slave; an address marked down is
+        skipped while another is known. NoRouteError when nobody of the group is known."""
+        addrs = self._group_addrs.get(mq.broker_name)
+        if not addrs:
+            await self.get(mq.topic, refresh=True)
+            addrs = self._group_addrs.get(mq.broker_name)
+            if not addrs:
+                raise NoRouteError(
+                    f"no broker of group {mq.broker_name!r} (queue {mq}) is in the route of "
+                    f"{mq.topic!r}"
+                )
+        down = self._down
+        if down:
+            now = time.monotonic()
+            up = {i: a for i, a in addrs.items() if down.get(a, 0.0) <= now}
+            if up:
+                addrs = up
+        addr = _pick(addrs, broker_id)
+        return addr, addrs.get(MASTER_ID) != addr
+
+    async def addr_for_admin(self, mq: MessageQueue) -> str:
+        """Where ``mq``'s offsets are read and committed: the master, else a slave (RocketMQ's
+        findBrokerAddressInAdmin; a slave's offsets flow back to the master later)."""
+        return (await self.addr_for_read(mq, MASTER_ID))[0]
+
+    def group_size(self, broker_name: str) -> int:
+        """Addresses known for a broker group (master and slaves)."""
+        return len(self._group_addrs.get(broker_name, ()))
+
+    def mark_down(self, addr: str, topic: str | None = None, seconds: float = 5.0) -> None:
+        """A request to ``addr`` failed (connect, timeout): skip it for reads for ``seconds``
+        and fetch ``topic``'s route again in the background (at most one fetch at a time)."""
+        self._down[addr] = time.monotonic() + seconds
+        if len(self._down) > 64:
+            now = time.monotonic()
+            self._down = {a: t for a, t in self._down.items() if t > now}
+        if topic is not None and topic not in self._refreshing:
+            self._refreshing.add(topic)
+
+            async def refresh() -> None:
+                try:
+                    await self.get(topic, refresh=True)
+                except Exception as exc:  # the periodic refresh tries again
+                    log.debug("refreshing the route of %r failed: %s", topic, exc)
+                finally:
+                    self._refreshing.discard(topic)
+
+            asyncio.get_running_loop().create_task(refresh())
 
     def forget(self, topic: str) -> None:
         self._routes.pop(topic, None)

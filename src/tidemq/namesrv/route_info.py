@@ -36,7 +36,7 @@ from tidemq.protocol.headers import (
     TopicRouteData,
 )
 
-__all__ = ["RouteInfoManager", "BrokerLive"]
+__all__ = ["RouteInfoManager", "BrokerLive", "RegistrationRefused"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,12 @@ class BrokerLive:
     timeout_s: float
     data_version: int
     conn: object = None  # the connection it registered over (dropped when that closes)
+    ha_server_addr: str = ""  # a master's replication address (its slaves connect there)
+    epoch: int = 0  # a master's epoch
+
+
+class RegistrationRefused(Exception):
+    """A registration the name server does not take (the message says why)."""
 
 
 class RouteInfoManager:
@@ -66,10 +72,25 @@ class RouteInfoManager:
         self._clock = clock
 
     # -- registration ----------------------------------------------------------------------------
-    def register_broker(self, h: RegisterBrokerRequestHeader, conn: object = None) -> None:
+    def register_broker(
+        self, h: RegisterBrokerRequestHeader, conn: object = None
+    ) -> tuple[str, str]:
+        """Take a registration; returns the group's master (client address, replication
+        address), for a slave to follow. RegistrationRefused when another live master of the
+        group has a higher epoch (this one was replaced by a promotion: it must not serve)."""
         addr = h.broker_addr
-        self.cluster_addr_table.setdefault(h.cluster_name, set()).add(h.broker_name)
         bd = self.broker_addr_table.get(h.broker_name)
+        if h.broker_id == MASTER_ID and bd is not None and bd.cluster == h.cluster_name:
+            cur = bd.broker_addrs.get(MASTER_ID)
+            live = self.broker_live_table.get(cur) if cur else None
+            if cur != addr and live is not None and live.epoch > h.epoch:
+                raise RegistrationRefused(
+                    f"broker {h.broker_name} already has master {cur} at epoch {live.epoch}; "
+                    f"this broker ({addr}, epoch {h.epoch}) was replaced by a promotion and must "
+                    "not serve as master: restart it as a slave (--role SLAVE --broker-id N); "
+                    "it cuts whatever the new master lacks"
+                )
+        self.cluster_addr_table.setdefault(h.cluster_name, set()).add(h.broker_name)
         if bd is None or bd.cluster != h.cluster_name:
             bd = BrokerData(cluster=h.cluster_name, broker_name=h.broker_name, broker_addrs={})
             self.broker_addr_table[h.broker_name] = bd
@@ -93,15 +114,23 @@ class RouteInfoManager:
         live.last_update = self._clock()
         live.timeout_s = timeout
         live.conn = conn
-        if h.broker_id == MASTER_ID:
+        live.broker_id = h.broker_id
+        live.ha_server_addr = h.ha_server_addr
+        live.epoch = h.epoch
+        if h.broker_id == MASTER_ID or MASTER_ID not in bd.broker_addrs:
             # Every registration carries the whole topic set; replacing is cheap and exact.
+            # A slave's topics (copied from its master) count while the group has no master,
+            # so its queues stay readable when the name server restarts meanwhile.
             self._replace_topics(h)
         live.data_version = h.data_version
         if first:
             log.info(
-                "broker %s (%s, cluster %s) registered with %d topics",
-                h.broker_name, addr, h.cluster_name, len(h.topics),
+                "broker %s id %d (%s, cluster %s) registered with %d topics",
+                h.broker_name, h.broker_id, addr, h.cluster_name, len(h.topics),
             )
+        master = bd.broker_addrs.get(MASTER_ID, "")
+        mlive = self.broker_live_table.get(master) if master else None
+        return master, (mlive.ha_server_addr if mlive is not None else "")
 
     def _replace_topics(self, h: RegisterBrokerRequestHeader) -> None:
         name = h.broker_name
@@ -143,8 +172,10 @@ class RouteInfoManager:
                 names.discard(broker_name)
                 if not names:
                     del self.cluster_addr_table[cluster_name]
-        if broker_id == MASTER_ID or removed_name:
-            # Without its master the broker's queues cannot be written: drop them from routes.
+        if removed_name:
+            # Nobody of the group is left: its queues leave the routes. While a slave lives
+            # they stay (RocketMQ): consumers read them there; producers skip a group whose
+            # route has no master.
             for topic in [t for t, q in self.topic_queue_table.items() if broker_name in q]:
                 self._remove_topic_of(topic, broker_name)
         if live is not None:

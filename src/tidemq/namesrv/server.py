@@ -31,7 +31,7 @@ from typing import Any
 
 import msgspec
 
-from tidemq.namesrv.route_info import RouteInfoManager
+from tidemq.namesrv.route_info import RegistrationRefused, RouteInfoManager
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import RemoteProtocolError
 from tidemq.protocol.frame import (
@@ -242,8 +242,12 @@ class NameServer:
                 ResponseCode.INVALID_ARGUMENT,
                 "a registration needs cluster_name, broker_name and broker_addr",
             )
-        self.routes.register_broker(h, conn)
-        return RegisterBrokerResponseHeader()
+        try:
+            master, ha = self.routes.register_broker(h, conn)
+        except RegistrationRefused as exc:
+            log.warning("registration of %s refused: %s", h.broker_addr, exc)
+            raise _Rejected(ResponseCode.NO_PERMISSION, str(exc)) from None
+        return RegisterBrokerResponseHeader(ha_server_addr=ha, master_addr=master)
 
     def _unregister_broker(self, conn: _NamesrvConnection, frame: Frame) -> Any:
         h: UnregisterBrokerRequestHeader = _decode(frame, UnregisterBrokerRequestHeader)

@@ -74,6 +74,10 @@ class RequestCode(IntEnum):
     SEND_BATCH = 320  # RocketMQ SEND_BATCH_MESSAGE
     GET_LAST_SEQUENCE = 330  # tidemq: highest persisted sequence of a producer name (BR12)
     CANCEL_TIMER_MESSAGE = 340  # tidemq: cancel a deliver_at message by its id (BR8)
+    # -- replication (BR15): slave <-> master and operator -> slave ------------------------
+    GET_BROKER_METADATA = 350  # tidemq: topics, groups, offsets, delay/txn progress (slave sync)
+    MERGE_CONSUMER_OFFSETS = 351  # tidemq: offsets committed on a slave flow back (max wins)
+    PROMOTE_TO_MASTER = 352  # tidemq: make this slave the master of its group (new epoch)
 
 
 class ResponseCode(IntEnum):

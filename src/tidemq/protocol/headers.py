@@ -98,6 +98,10 @@ __all__ = [
     "EndTransactionRequestHeader",
     "CheckTransactionStateRequestHeader",
     "CancelTimerMessageRequestHeader",
+    "BrokerMetadata",
+    "OffsetTable",
+    "PromoteRequestHeader",
+    "PromoteResponseHeader",
     "REQUEST_HEADER_TYPES",
     "RESPONSE_HEADER_TYPES",
     "request_header_type",
@@ -251,13 +255,18 @@ class RegisterBrokerRequestHeader(Header):
     broker_name: str
     broker_id: NonNeg  # 0 = master
     broker_addr: str  # "host:port" clients connect to
-    ha_server_addr: str = ""
+    ha_server_addr: str = ""  # a master's replication address ("host:port"); slaves connect
     heartbeat_timeout_millis: Positive = 120_000
     data_version: NonNeg = 0  # bumps when the topic set changes
     topics: dict[str, TopicConfig] = {}
+    #: the master's epoch (replication, docs/cluster.md); a name server keeps the master of
+    #: the highest epoch when two addresses claim id 0 of one broker name
+    epoch: NonNeg = 0
 
 
 class RegisterBrokerResponseHeader(Header):
+    """The master of the group, for a slave: its replication and client addresses."""
+
     ha_server_addr: str = ""
     master_addr: str = ""
 
@@ -596,6 +605,49 @@ def is_dedup_producer(producer_id: int) -> bool:
     return producer_id >= DEDUP_PRODUCER_BIT
 
 
+# -- replication (SPEC BR15; docs/cluster.md) --------------------------------------------------
+
+
+class BrokerMetadata(Header):
+    """Response header of GET_BROKER_METADATA: the state a slave copies from its master (every
+    ``ha_sync_metadata_interval_ms`` and when ``meta_version`` changes). The delay and
+    transaction progress are the master's files, byte for byte."""
+
+    topics: dict[str, TopicConfig] = {}
+    topics_version: NonNeg = 0
+    subscription_groups: dict[str, SubscriptionGroupConfig] = {}
+    offset_table: dict[str, dict[int, int]] = {}  # "topic@group" -> queue id -> offset
+    delay_offsets: bytes = b""
+    transaction_progress: bytes = b""
+    #: every timed message due before this (ms since the epoch) is delivered or cancelled
+    timer_done_before: int = 0
+    meta_version: NonNeg = 0
+
+
+class OffsetTable(Header):
+    """MERGE_CONSUMER_OFFSETS: offsets a slave took while its master was away; the master
+    keeps, per queue, the larger of its own and these."""
+
+    offset_table: dict[str, dict[int, int]] = {}
+
+
+class PromoteRequestHeader(Header):
+    """PROMOTE_TO_MASTER, sent by an operator (``tidemq cluster promote``) to a slave."""
+
+    role: str = ""  # SYNC_MASTER / ASYNC_MASTER; empty: the role of the master it followed
+    force: bool = False  # promote even though the slave still hears from its master
+
+
+class PromoteResponseHeader(Header):
+    broker_name: str
+    epoch: NonNeg
+    start_offset: NonNeg  # the new epoch starts here: the promoted slave's CommitLog end
+    role: str
+    #: bytes the old master had written (as last heard) that this slave never received
+    unreplicated_bytes: NonNeg = 0
+    previous_master: str = ""
+
+
 # -- which header for which frame ---------------------------------------------------------------
 
 # -- delayed and transactional messages (SPEC BR8, BR9; docs/delayed-and-transactional.md) ------
@@ -671,6 +723,9 @@ REQUEST_HEADER_TYPES: dict[int, type[Header]] = {
     RequestCode.GET_CONSUMER_CONNECTION_LIST: ConsumerGroupRequestHeader,
     RequestCode.UPDATE_AND_CREATE_SUBSCRIPTION_GROUP: SubscriptionGroupConfig,
     RequestCode.GET_LAST_SEQUENCE: LastSequenceRequestHeader,
+    RequestCode.GET_BROKER_METADATA: EmptyHeader,
+    RequestCode.MERGE_CONSUMER_OFFSETS: OffsetTable,
+    RequestCode.PROMOTE_TO_MASTER: PromoteRequestHeader,
 }
 
 RESPONSE_HEADER_TYPES: dict[int, type[Header]] = {
@@ -706,6 +761,9 @@ RESPONSE_HEADER_TYPES: dict[int, type[Header]] = {
     RequestCode.GET_CONSUMER_CONNECTION_LIST: GroupInfoResponseHeader,
     RequestCode.UPDATE_AND_CREATE_SUBSCRIPTION_GROUP: EmptyHeader,
     RequestCode.GET_LAST_SEQUENCE: LastSequenceResponseHeader,
+    RequestCode.GET_BROKER_METADATA: BrokerMetadata,
+    RequestCode.MERGE_CONSUMER_OFFSETS: EmptyHeader,
+    RequestCode.PROMOTE_TO_MASTER: PromoteResponseHeader,
 }
 
 _SEND_OUTCOMES = frozenset(

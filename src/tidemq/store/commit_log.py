@@ -158,6 +158,22 @@ class CommitLog:
             seg, rel = nxt, 0
         return seg, rel
 
+    def replica_position(self) -> tuple[Segment, int]:
+        """Segment and relative position of the write position, for a slave copying the
+        master's bytes verbatim (MessageStore.append_replicated): rolls a new segment when the
+        write position is at the end of the last one (or the log is empty). Unlike
+        :meth:`reserve` it never writes a filler: the master's fillers arrive as data."""
+        pos = self.write_pos
+        segs = self.segments
+        if segs and segs[-1].start <= pos < segs[-1].end:
+            return segs[-1], pos - segs[-1].start
+        if pos % self.segment_size:
+            raise StoreWriteError(
+                f"replicated data at {pos} does not start a segment of {self.segment_size} "
+                "bytes (master and slave must use the same store.segment_size)"
+            )
+        return self._roll(pos), 0
+
     def pwrite(self, seg: Segment, rel: int, parts: tuple[bytes | bytearray | memoryview, ...],
                size: int) -> None:
         """Write ``parts`` (``size`` bytes in all) at ``rel`` in ``seg`` with one pwritev
@@ -292,6 +308,41 @@ class CommitLog:
         self.write_pos = end
         self.flushed_pos = min(self.flushed_pos, end)
         return removed
+
+    def truncate_live(self, end: int) -> list[str]:
+        """:meth:`truncate` while the store is open (a slave cutting a divergent tail): holds
+        the flush lock so the flush thread never syncs a segment being removed. Bytes past
+        the write position are zeros already, so only [end, write_pos) is zeroed."""
+        with self._flush_lock:
+            dirty_end = self.write_pos
+            removed = self.truncate(end, max(end, dirty_end))
+            self._trimmed_at = min(self._trimmed_at, end)
+            return removed
+
+    def reset(self, offset: int) -> None:
+        """Drop every segment and continue empty at ``offset`` (a multiple of the segment
+        size): a slave whose data the master no longer has, or whose disk was wiped, starts
+        over at the master's oldest retained offset. Prepared segments are dropped too."""
+        if offset % self.segment_size:
+            raise StoreWriteError(
+                f"a CommitLog can only restart at a segment boundary, not at {offset}"
+            )
+        with self._flush_lock:
+            self._allocator.close()
+            self._allocator = SegmentAllocator(
+                enabled=self._preallocate, warm_bytes=self._warm_window
+            )
+            segs, self.segments = self.segments, []
+            for seg in segs:
+                try:
+                    os.unlink(seg.path)
+                except OSError as exc:
+                    raise StoreError(f"cannot delete segment {seg.path}: {exc}") from exc
+                if not seg.close():
+                    self._zombies.append(seg)
+            self.write_pos = self.flushed_pos = offset
+            self._trimmed_at = offset
+        self._allocator.prepare(self.dir / segment_name(offset), offset, self.segment_size)
 
     def warm_active(self) -> None:
         """After start-up: keep the pages ahead of the writer warm, prepare the next segment."""

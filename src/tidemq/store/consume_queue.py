@@ -314,6 +314,31 @@ class ConsumeQueue:
         self._max_phys = phys_offset + size
         self._max_offset = queue_offset + 1  # publish last, as append_batch does
 
+    def start_at(self, queue_offset: int) -> None:
+        """Make an empty queue begin at ``queue_offset``: a store whose CommitLog starts after
+        offset 0 (a slave that copied from the master's oldest retained segment, or indexes
+        rebuilt after retention) first sees this queue's batches at a queue offset above 0.
+        Units before it in its file are written as blanks (RocketMQ's fillPreBlank): phys 0,
+        size 1 -- below any real CommitLog start, so readers skip them and the load-time
+        ``correct_min_offset`` moves ``min_offset`` past them."""
+        if self._max_offset or self._files or queue_offset <= 0:
+            return
+        if self._closed:
+            raise StoreClosedError(f"consume queue {self.topic}/{self.queue_id} is closed")
+        base = (queue_offset // self.units_per_file) * self.units_per_file
+        mf = self._new_file(base)
+        if queue_offset > base:
+            n = queue_offset - base
+            mf.ensure_allocated(n * UNIT_SIZE)
+            blank = np.zeros(n, UNIT_DTYPE)
+            blank["size"] = 1
+            mf.mm[: n * UNIT_SIZE] = blank.tobytes()
+            mf.dirty = True
+        self._max_phys = 1 if queue_offset > base else -1
+        self._min_offset = queue_offset
+        self._max_offset = queue_offset
+        self._tail = None
+
     def make_room(self, queue_offset: int, count: int) -> None:
         """Create the files and reserve the disk blocks that units [queue_offset, queue_offset
         + count) will need, so that appending them cannot fail for want of space. The store

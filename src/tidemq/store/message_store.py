@@ -50,7 +50,9 @@ from tidemq.protocol.errors import (
     StoreLockedError,
 )
 from tidemq.protocol.record import (
+    BATCH_MAGIC,
     CRC_FIELD,
+    FILLER_MAGIC,
     INDEX_ENTRY_SIZE,
     STORE_CRC_FROM,
     STORE_CRC_OFFSET,
@@ -215,6 +217,8 @@ class MessageStore:
         #: records readers of the store skipped as undecodable (index building, queries,
         #: recovery); the broker adds its own readers' counts next to these
         self.corrupt = CorruptRecords(log)
+        #: (phys, size) of the last replicated batch that failed its checks (a slave's copy)
+        self._copied_bad: tuple[int, int] | None = None
         self._put_batches = self._put_messages = self._put_bytes = self._get_messages = 0
         try:
             self.recovery_report = self._open()
@@ -476,6 +480,168 @@ class MessageStore:
             on_durable(None)
         return result
 
+    # -- replication (a slave's side; the broker's HA service drives it) ---------------------
+    def append_replicated(self, data: bytes | bytearray | memoryview) -> int:
+        """Append bytes copied from the master's CommitLog, which held them at
+        ``max_phys_offset``: batches and fillers, byte for byte, at the same physical offsets.
+        Only whole records are taken; returns the new ``max_phys_offset`` (the caller keeps the
+        bytes after ``new - old`` for the next call -- after a filler the write position jumps
+        to the next segment, past bytes that may not have arrived yet: they are the filler's
+        zeros, already zero here).
+
+        Every batch is checked (framing and both CRCs) before anything is written; a batch
+        that fails is copied anyway (the logs stay identical), quarantined and never served,
+        as recovery treats a damaged batch. Then each batch is dispatched exactly as recovery
+        re-dispatches (consume queue units and index entries from the stored header), and the
+        dispatch listeners run. Raises StoreError when the bytes are not CommitLog records
+        (a broken stream: the caller reconnects) or the disk is full."""
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+        if self.disk_full:
+            raise DiskFullError(
+                f"disk holding {self.dir} is over {self.config.disk_refuse_writes_ratio:.0%} "
+                "full; replication pauses until retention frees space"
+            )
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        with self._put_lock:
+            cl = self.commitlog
+            if n < TOTAL_SIZE_MAGIC.size:
+                return cl.write_pos
+            seg, rel = cl.replica_position()
+            left = seg.size - rel
+            batches: list[tuple[int, BatchView | None, str]] = []
+            filler = False
+            pos = 0
+            while pos + TOTAL_SIZE_MAGIC.size <= n:
+                total, magic = TOTAL_SIZE_MAGIC.unpack_from(mv, pos)
+                if magic == FILLER_MAGIC:
+                    if total != left - pos:
+                        raise StoreError(
+                            f"replicated filler at {seg.start + rel + pos} says {total} bytes "
+                            f"but {left - pos} are left in the segment (segment sizes differ?)"
+                        )
+                    filler = True
+                    break
+                if magic != BATCH_MAGIC or not 0 < total <= left - pos:
+                    raise StoreError(
+                        f"replicated bytes at {seg.start + rel + pos} are not a CommitLog "
+                        f"record (size {total}, magic 0x{magic:04X})"
+                    )
+                if pos + total > n:
+                    break  # the rest of this batch has not arrived yet
+                try:
+                    v: BatchView | None = BatchView(mv, pos)
+                    v.verify()  # type: ignore[union-attr]
+                    why = ""
+                except CorruptBatchError as exc:
+                    v, why = None, exc.message
+                batches.append((pos, v, why))
+                pos += total
+            if pos:
+                cl.pwrite(seg, rel, (mv[:pos],), pos)
+                cl.advance(pos)
+                base = seg.start + rel
+                for p, v, why in batches:
+                    try:
+                        self._dispatch_copied(v, base + p, why, mv, p)
+                    except BaseException:
+                        # never leave a stored batch without its units: cut it off again
+                        for cq in self.cqs.all():
+                            cq.truncate_dirty(base + p)
+                        self.index.truncate_dirty(base + p)
+                        cl.truncate_live(base + p)
+                        raise
+            if filler:
+                # The filler's header is all that matters: the rest of the segment is zeros
+                # here already (segments are created zero-filled and written in order).
+                TOTAL_SIZE_MAGIC.pack_into(seg.mm, rel + pos, left - pos, FILLER_MAGIC)
+                cl.advance(left - pos)
+            return cl.write_pos
+
+    def _dispatch_copied(
+        self, v: BatchView | None, phys: int, why: str, mv: memoryview, p: int
+    ) -> None:
+        """Consume queue units, index entries and listeners of one replicated batch (put lock
+        held). ``v`` is None for a batch that failed its checks: quarantined, and the queue
+        offsets it held are filled with units pointing at it (readers skip it), as recovery
+        does."""
+        if v is None:
+            total = TOTAL_SIZE_MAGIC.unpack_from(mv, p)[0]
+            self.quarantine[phys] = why
+            self._copied_bad = (phys, total)
+            log.error("replicated batch at CommitLog offset %d is damaged (%s); quarantined, "
+                      "never served", phys, why)
+            return
+        key = (v.topic, v.queue_id)
+        qoff = v.queue_offset
+        count = v.count
+        cq = self.cqs.get_or_create(*key)
+        if qoff and not cq.max_offset:
+            cq.start_at(qoff)
+        expected = cq.max_offset
+        bad = self._copied_bad
+        if qoff > expected and bad is not None:
+            gap = qoff - expected
+            cq.make_room(expected, gap)
+            cq.append_batch(expected, bad[0], bad[1], bytes(INDEX_ENTRY_SIZE * gap))
+        hashes = self._index_hashes(v, key[0]) if self._index_enabled else None
+        ts = v.store_ts
+        cq.make_room(qoff, count)
+        if hashes:
+            self.index.make_room(ts, len(hashes))
+        self._write_dispatch(v, cq, hashes, phys, qoff, v.total_size, ts)
+        self._queue_offsets[key] = qoff + count
+        self._put_batches += 1
+        self._put_messages += count
+        self._put_bytes += v.total_size
+        if self._listeners:
+            for cb in self._listeners:
+                cb(key[0], key[1], qoff + count, v)
+
+    def truncate_to(self, end: int) -> None:
+        """Cut the CommitLog back to ``end`` (a record boundary) with everything dispatched from
+        past it: a slave whose tail the master does not have (written under an older master
+        that the new one never received). Consume queues and the index are cut at ``end``;
+        queue offsets continue from what remains."""
+        with self._checkpoint_lock, self._put_lock:
+            cl = self.commitlog
+            if end >= cl.write_pos:
+                return
+            end = max(end, cl.min_offset)
+            log.warning("truncating the CommitLog from %d back to %d (%d bytes)",
+                        cl.write_pos, end, cl.write_pos - end)
+            for cq in self.cqs.all():
+                cq.truncate_dirty(end)
+            self.index.truncate_dirty(end)
+            cl.truncate_live(end)
+            self._queue_offsets = {(cq.topic, cq.queue_id): cq.max_offset for cq in self.cqs.all()}
+            for phys in [q for q in self.quarantine if q >= end]:
+                del self.quarantine[phys]
+            self._copied_bad = None
+        self._save_checkpoint()
+
+    def reset_to(self, offset: int) -> None:
+        """Drop everything stored and continue, empty, at CommitLog ``offset`` (a segment
+        boundary): a slave whose data the master no longer has starts over at the master's
+        oldest retained offset. Consume queues and the index are rebuilt from what follows."""
+        cfg = self.config
+        with self._checkpoint_lock, self._put_lock:
+            log.warning("dropping the stored CommitLog [%d, %d); continuing empty at %d",
+                        self.commitlog.min_offset, self.commitlog.write_pos, offset)
+            self.cqs.close_all()
+            self.index.close()
+            shutil.rmtree(self.dir / "consumequeue", ignore_errors=True)
+            shutil.rmtree(self.dir / "index", ignore_errors=True)
+            self.cqs = ConsumeQueueTable(self.dir / "consumequeue", cfg.cq_units_per_file)
+            self.cqs.load()
+            self.index = IndexService(self.dir / "index", cfg.index_slots, cfg.index_max_entries)
+            self.commitlog.reset(offset)
+            self._queue_offsets = {}
+            self.quarantine.clear()
+            self._copied_bad = None
+        self._save_checkpoint()
+
     def when_durable(self, callback: FlushCallback) -> None:
         """Call ``callback(None)`` (or the flush error) once everything put so far is
         durable: SYNC_FLUSH, after the group commit covering it (through the flush service's
@@ -491,7 +657,12 @@ class MessageStore:
         """Build the consume queue units and index entries of one batch (re-dispatch from
         the CommitLog at recovery; ``put`` does the same in two steps around its write)."""
         hashes = self._index_hashes(v, key[0]) if self._index_enabled else None
-        self._write_dispatch(v, self.cqs.get_or_create(*key), hashes, phys, qoff, size, ts)
+        cq = self.cqs.get_or_create(*key)
+        if qoff and not cq.max_offset:
+            # The CommitLog starts after this queue's first batches (retention, or a slave
+            # that copied from the master's oldest segment): the queue starts here.
+            cq.start_at(qoff)
+        self._write_dispatch(v, cq, hashes, phys, qoff, size, ts)
 
     def _write_dispatch(
         self, v: BatchView, cq: ConsumeQueue, hashes: list[int] | None, phys: int, qoff: int,

@@ -1,0 +1,328 @@
+"""A whole tidemq cluster on this machine, as separate processes on loopback: name servers and
+broker groups (a master and its slaves). What ``tidemq cluster up|down`` runs, and what the
+cluster tests and benchmarks start (one launcher for all of them).
+
+::
+
+    c = LocalCluster("/tmp/c").up(groups=2, slaves=1)   # 2 name servers, broker-a/b + slaves
+    c.namesrv                                            # "127.0.0.1:P1;127.0.0.1:P2"
+    m = c.broker("broker-a", 0); c.kill9(m); c.restart(m)
+    c.down()
+
+Every process is a ``python -m tidemq.cli.main namesrv|broker ...`` child in its own session
+(so it outlives ``tidemq cluster up``), stdout in ``<root>/logs/<name>.out`` (its ready line),
+stderr in ``<root>/logs/<name>.log``; brokers keep their data in ``<root>/<broker>-<id>``.
+``<root>/cluster.json`` records every process (pid and its start time, so ``down`` never
+signals a process that merely reused the pid), address and arguments.
+
+Threads: one caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+__all__ = ["LocalCluster", "Proc"]
+
+STATE = "cluster.json"
+
+
+@dataclass
+class Proc:
+    kind: str  # "namesrv" or "broker"
+    name: str  # unique in the cluster: namesrv-0, broker-a-0 (broker name and id)
+    args: list[str]
+    broker_name: str = ""
+    broker_id: int = 0
+    role: str = ""
+    data_dir: str = ""
+    pid: int = 0
+    started: int = 0  # the process's start time (/proc/<pid>/stat field 22)
+    addr: str = ""
+    ha: str = ""
+    popen: subprocess.Popen | None = field(default=None, repr=False, compare=False)
+
+    def alive(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is None
+        return _same_process(self.pid, self.started)
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "popen"}
+
+
+def _start_time(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _same_process(pid: int, started: int) -> bool:
+    return pid > 0 and started > 0 and _start_time(pid) == started
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        log_level: str = "info",
+        broker_options: tuple[str, ...] = (),
+        python: str = sys.executable,
+    ) -> None:
+        self.root = Path(root).resolve()
+        self.log_level = log_level
+        self.broker_options = tuple(broker_options)
+        self.python = python
+        self.procs: list[Proc] = []
+
+    # -- state -----------------------------------------------------------------------------
+    @property
+    def namesrv_addrs(self) -> list[str]:
+        return [p.addr for p in self.procs if p.kind == "namesrv" and p.addr]
+
+    @property
+    def namesrv(self) -> str:
+        return ";".join(self.namesrv_addrs)
+
+    def brokers(self, name: str | None = None) -> list[Proc]:
+        return [p for p in self.procs if p.kind == "broker"
+                and (name is None or p.broker_name == name)]
+
+    def broker(self, name: str, broker_id: int) -> Proc:
+        for p in self.brokers(name):
+            if p.broker_id == broker_id:
+                return p
+        raise KeyError(f"no broker {name} id {broker_id} in this cluster")
+
+    def save(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        data = {"root": str(self.root), "processes": [p.to_json() for p in self.procs]}
+        tmp = self.root / (STATE + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, self.root / STATE)
+
+    @classmethod
+    def load(cls, root: str | os.PathLike[str]) -> LocalCluster:
+        c = cls(root)
+        path = c.root / STATE
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{path} does not exist: no cluster was started in {c.root} "
+                "(tidemq cluster up --dir DIR)"
+            ) from None
+        c.procs = [Proc(**p) for p in data["processes"]]
+        return c
+
+    def ready_line(self) -> str:
+        brokers = ",".join(
+            f"{p.broker_name}/{p.broker_id}={p.addr}" for p in self.brokers() if p.addr
+        )
+        return f"tidemq cluster ready namesrv={self.namesrv} brokers={brokers}"
+
+    # -- starting ----------------------------------------------------------------------------
+    def _spawn(self, p: Proc) -> None:
+        logs = self.root / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        out = logs / f"{p.name}.out"
+        out.write_bytes(b"")
+        with open(out, "wb") as o, open(logs / f"{p.name}.log", "ab") as e:
+            p.popen = subprocess.Popen(
+                [self.python, "-m", "tidemq.cli.main", *p.args, "--log-level", self.log_level],
+                stdout=o, stderr=e, stdin=subprocess.DEVNULL, start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        p.pid = p.popen.pid
+        p.started = _start_time(p.pid)
+        p.addr = p.ha = ""
+
+    def _await_ready(self, p: Proc, timeout: float) -> None:
+        out = self.root / "logs" / f"{p.name}.out"
+        deadline = time.monotonic() + timeout
+        while True:
+            line = out.read_text().strip()
+            if "ready" in line:
+                break
+            if not p.alive() or time.monotonic() > deadline:
+                log_tail = (self.root / "logs" / f"{p.name}.log").read_text()[-3000:]
+                if p.alive():
+                    self._signal(p, signal.SIGKILL)
+                raise RuntimeError(f"{p.name} did not start ({line!r}):\n{log_tail}")
+            time.sleep(0.02)
+        parts = line.split()
+        p.addr = parts[3]
+        for part in parts[4:]:
+            k, _, v = part.partition("=")
+            if k == "ha":
+                p.ha = v
+            elif k == "role":
+                p.role = v
+        if not p.started:
+            p.started = _start_time(p.pid)
+
+    def start_namesrvs(self, n: int = 2, timeout: float = 30.0) -> list[Proc]:
+        base = sum(1 for p in self.procs if p.kind == "namesrv")
+        new = [Proc("namesrv", f"namesrv-{base + i}", ["namesrv", "--port", "0"])
+               for i in range(n)]
+        for p in new:
+            self._spawn(p)
+            self.procs.append(p)
+        try:
+            for p in new:
+                self._await_ready(p, timeout)
+        finally:
+            self.save()
+        return new
+
+    def add_broker(
+        self, name: str, broker_id: int = 0, role: str = "ASYNC_MASTER", *,
+        options: tuple[str, ...] = (), flush: str = "async", data_dir: str | None = None,
+    ) -> Proc:
+        """Describe a broker (not started: :meth:`start` / :meth:`restart`)."""
+        data = data_dir or str(self.root / f"{name}-{broker_id}")
+        args = ["broker", "--namesrv", ",".join(self.namesrv_addrs), "--port", "0",
+                "--ha-port", "0", "--name", name, "--role", role, "--broker-id",
+                str(broker_id), "--data-dir", data, "--flush", flush]
+        for o in (*self.broker_options, *options):
+            args += ["-o", o]
+        p = Proc("broker", f"{name}-{broker_id}", args, broker_name=name, broker_id=broker_id,
+                 role=role, data_dir=data)
+        self.procs.append(p)
+        return p
+
+    def start(self, *procs: Proc, timeout: float = 60.0) -> None:
+        for p in procs:
+            self._spawn(p)
+        try:
+            for p in procs:
+                self._await_ready(p, timeout)
+        finally:
+            self.save()
+
+    def start_broker(self, name: str, broker_id: int = 0, role: str = "ASYNC_MASTER",
+                     **kw) -> Proc:  # noqa: ANN003
+        p = self.add_broker(name, broker_id, role, **kw)
+        self.start(p)
+        return p
+
+    def up(
+        self, *, namesrvs: int = 2, groups: int = 2, slaves: int = 1,
+        role: str = "ASYNC_MASTER", flush: str = "async", options: tuple[str, ...] = (),
+        timeout: float = 60.0,
+    ) -> LocalCluster:
+        """Name servers, then ``groups`` broker groups (broker-a, broker-b, ...) of one master
+        (``role``) and ``slaves`` slaves each."""
+        try:
+            if namesrvs:
+                self.start_namesrvs(namesrvs, timeout)
+        except BaseException:
+            self.down(5)
+            raise
+        new = []
+        for g in range(groups):
+            name = f"broker-{chr(ord('a') + g)}"
+            new.append(self.add_broker(name, 0, role, options=options, flush=flush))
+            for i in range(1, slaves + 1):
+                new.append(self.add_broker(name, i, "SLAVE", options=options, flush=flush))
+        try:
+            self.start(*new, timeout=timeout)
+        except BaseException:
+            self.down(5)
+            raise
+        return self
+
+    # -- faults and stopping -------------------------------------------------------------------
+    def _signal(self, p: Proc, sig: int) -> None:
+        if p.popen is not None:
+            if p.popen.poll() is None:
+                p.popen.send_signal(sig)
+        elif _same_process(p.pid, p.started):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, sig)
+
+    def _wait(self, p: Proc, timeout: float) -> bool:
+        if p.popen is not None:
+            try:
+                p.popen.wait(timeout)
+                return True
+            except subprocess.TimeoutExpired:
+                return False
+        deadline = time.monotonic() + timeout
+        while _same_process(p.pid, p.started):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def kill9(self, p: Proc) -> None:
+        self._signal(p, signal.SIGKILL)
+        self._wait(p, 10)
+
+    def pause(self, p: Proc) -> None:
+        self._signal(p, signal.SIGSTOP)
+
+    def resume(self, p: Proc) -> None:
+        self._signal(p, signal.SIGCONT)
+
+    def stop(self, p: Proc, timeout: float = 20.0) -> None:
+        """SIGTERM (a clean stop), SIGKILL after ``timeout``."""
+        self._signal(p, signal.SIGTERM)
+        if not self._wait(p, timeout):
+            self._signal(p, signal.SIGKILL)
+            self._wait(p, 10)
+
+    def restart(self, p: Proc, timeout: float = 60.0) -> None:
+        """Start ``p`` again (a stopped or killed broker: same data, a new port)."""
+        if p.alive():
+            self.stop(p)
+        self.start(p, timeout=timeout)
+
+    def wipe(self, p: Proc) -> None:
+        """Remove a (stopped) broker's data directory: a lost disk."""
+        if p.alive():
+            raise RuntimeError(f"{p.name} is running; stop it before wiping its disk")
+        shutil.rmtree(p.data_dir, ignore_errors=True)
+
+    def down(self, timeout: float = 20.0) -> list[str]:
+        """Stop every process (brokers first, then name servers); names of those stopped."""
+        stopped = []
+        order = [p for p in self.procs if p.kind == "broker"] + \
+                [p for p in self.procs if p.kind == "namesrv"]
+        live = [p for p in order if p.alive()]
+        for p in live:
+            if p.kind == "broker":
+                self._signal(p, signal.SIGCONT)  # a paused one could not stop
+                self._signal(p, signal.SIGTERM)
+        for p in live:
+            if p.kind == "broker" and not self._wait(p, timeout):
+                self._signal(p, signal.SIGKILL)
+                self._wait(p, 10)
+        for p in live:
+            if p.kind == "namesrv":
+                self._signal(p, signal.SIGTERM)
+                if not self._wait(p, timeout):
+                    self._signal(p, signal.SIGKILL)
+                    self._wait(p, 10)
+        stopped = [p.name for p in live]
+        if (self.root / STATE).exists():
+            self.save()
+        return stopped
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down(10)

@@ -1,0 +1,121 @@
+"""SYNC_MASTER sends waiting for their slaves (the group-commit idea again; docs/cluster.md).
+
+A SYNC_MASTER send is stored, then waits until ``min_in_sync_replicas`` in-sync slaves have
+acknowledged a CommitLog offset at or past its end. Sends wait in one queue in CommitLog order;
+each acknowledgement round (one ACK frame of one slave, covering every byte it stored since its
+last) moves the replicated offset once, and one loop wake-up then answers every send it covers
+-- never one round trip per send. The timeout (``store.sync_flush_timeout_ms``, FLUSH_SLAVE_TIMEOUT)
+is the send processor's sweep, shared with SYNC_FLUSH.
+
+Threads: :meth:`expect` and the drain on the broker's event loop; :meth:`acked` on the HA
+threads (it only reads the queue's head and schedules the drain, at most one pending wake-up).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from tidemq.protocol.codes import ResponseCode
+
+__all__ = ["ReplicaWaiters"]
+
+log = logging.getLogger(__name__)
+
+
+class _Waiting(Protocol):
+    answered: bool
+
+    def replicated(self, code: int | None) -> None: ...
+
+
+class ReplicaWaiters:
+    def __init__(
+        self,
+        schedule: Callable[[Callable[[], None]], Any],
+        replicated_offset: Callable[[], int],
+        in_sync: Callable[[], int],
+        min_replicas: int,
+    ) -> None:
+        self._schedule = schedule  # loop.call_soon_threadsafe
+        self._replicated_offset = replicated_offset
+        self._in_sync = in_sync
+        self.min_replicas = min_replicas
+        #: the replicated offset as last computed (by an acknowledgement or the drain)
+        self.replicated = -1
+        self.in_sync_count = 0
+        self._q: collections.deque[tuple[int, _Waiting]] = collections.deque()
+        self._scheduled = False
+        self.not_available = 0
+        self.rounds = 0
+
+    def refresh(self) -> None:
+        """Recompute the in-sync set and the replicated offset (any thread)."""
+        self.in_sync_count = self._in_sync()
+        self.replicated = self._replicated_offset()
+
+    def expect(self, pending: _Waiting, end: int) -> None:
+        """``pending`` is answered once the slaves hold CommitLog offset ``end`` (loop)."""
+        if self.in_sync_count < self.min_replicas:
+            self.refresh()
+            if self.in_sync_count < self.min_replicas:
+                self.not_available += 1
+                pending.replicated(ResponseCode.SLAVE_NOT_AVAILABLE)
+                return
+        if self.replicated >= end and not self._q:
+            pending.replicated(None)
+            return
+        self._q.append((end, pending))
+        # An acknowledgement may have moved the offset between the check and the append;
+        # it then saw an empty queue, so look again (the other side of acked()'s check).
+        if self.replicated >= end:
+            self._drain()
+
+    def acked(self) -> None:
+        """An acknowledgement arrived (HA thread): wake the loop if it answers a waiter."""
+        self.refresh()
+        q = self._q
+        if q and not self._scheduled and self.replicated >= q[0][0]:
+            self._scheduled = True
+            try:
+                self._schedule(self._drain)
+            except RuntimeError:  # the loop is closed
+                self._scheduled = False
+
+    def _drain(self) -> None:
+        self._scheduled = False
+        rep = self.replicated
+        q = self._q
+        n = 0
+        while q:
+            end, pending = q[0]
+            if end > rep and not pending.answered:
+                break
+            q.popleft()
+            if not pending.answered:
+                pending.replicated(None)
+                n += 1
+        if n:
+            self.rounds += 1
+
+    def sweep(self) -> None:
+        """Drop answered (timed-out) waiters from the head; recompute the in-sync set (loop,
+        every second)."""
+        self.refresh()
+        q = self._q
+        while q and q[0][1].answered:
+            q.popleft()
+        if q and self.replicated >= q[0][0]:
+            self._drain()
+
+    def fail_all(self, code: int) -> None:
+        """The broker stops being a master: nobody will replicate what waits (loop)."""
+        q, self._q = self._q, collections.deque()
+        for _end, pending in q:
+            if not pending.answered:
+                pending.replicated(code)
+
+    def __len__(self) -> int:
+        return len(self._q)
