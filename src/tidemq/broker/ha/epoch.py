@@ -48,7 +48,7 @@ def consistent_offset(
             continue
         s_end = slave[i + 1][1] if i + 1 < len(slave) else slave_end
         m_end = master[j + 1][1] if j + 1 < len(master) else master_end
-        return max(start, min(s_end, m_end))
+        return min(s_end, m_end)
     return None
 
 

@@ -393,7 +393,7 @@ class HAService:
         if (link is not None and not link.connected and not self.cfg.ha_master_addr
                 and b.registration is not None):
             now = time.monotonic()
-            if now - self._last_register_kick >= 2.0:
+            if now - self._last_register_kick >= 1.0:
                 # ask the name servers who the master is now (the registration answer says)
                 self._last_register_kick = now
                 b.registration.changed()
@@ -572,6 +572,8 @@ class HAService:
                 info["ha_replicated_offset"] = w.replicated
                 info["ha_waiting_sends"] = len(w)
                 info["ha_slave_not_available"] = w.not_available
+                info["ha_wait_rounds"] = w.rounds
+                info["ha_waited_sends"] = w.waited
             if self.promoted_at:
                 info["ha_promoted_at"] = int(self.promoted_at * 1000)
                 info["ha_unreplicated_at_promotion"] = self.unreplicated_at_promotion

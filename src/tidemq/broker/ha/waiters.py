@@ -49,7 +49,8 @@ class ReplicaWaiters:
         self._q: collections.deque[tuple[int, _Waiting]] = collections.deque()
         self._scheduled = False
         self.not_available = 0
-        self.rounds = 0
+        self.rounds = 0  # loop wake-ups that answered waiting sends
+        self.waited = 0  # sends that had to wait for an acknowledgement
 
     def refresh(self) -> None:
         """Recompute the in-sync set and the replicated offset (any thread)."""
@@ -68,6 +69,7 @@ class ReplicaWaiters:
             pending.replicated(None)
             return
         self._q.append((end, pending))
+        self.waited += 1
         # An acknowledgement may have moved the offset between the check and the append;
         # it then saw an empty queue, so look again (the other side of acked()'s check).
         if self.replicated >= end:
