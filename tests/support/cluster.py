@@ -25,6 +25,11 @@ TEST_OPTIONS = (
     "ha_sync_metadata_interval_ms=1000",
     "ha_max_catchup_ms=3000",
     "offset_persist_interval_ms=500",
+    # the machine's disk is shared with other test runs: retention must not delete segments
+    # (or refuse writes) because of disk space the tests do not use
+    "store.disk_max_used_ratio=0.97",
+    "store.disk_clean_forcibly_ratio=0.98",
+    "store.disk_refuse_writes_ratio=0.99",
 )
 
 

@@ -139,6 +139,9 @@ class BrokerConfig:
     ha_max_catchup_ms: int = 15_000
     #: Most CommitLog bytes in one transfer to a slave (RocketMQ haTransferBatchSize: 32 KiB).
     ha_transfer_batch_bytes: int = 1 * MiB
+    #: A slave this far behind is sent whole runs of segment with os.sendfile from a worker
+    #: thread (catch-up); closer to the tail the loop writes from the mapping; 0 = never.
+    ha_sendfile_min_bytes: int = 8 * MiB
     #: Heartbeat and acknowledgement period of an idle link (haSendHeartbeatInterval: 5 s).
     ha_heartbeat_interval_ms: int = 5000
     #: A link silent this long is closed and re-established (haHousekeepingInterval: 20 s).
@@ -232,6 +235,8 @@ class BrokerConfig:
                 f"a master ({self.broker_role}) has broker_id 0, got {self.broker_id}; slaves "
                 "take 1, 2, ... (--role SLAVE)"
             )
+        if self.ha_sendfile_min_bytes < 0:
+            raise ValueError("ha_sendfile_min_bytes must be >= 0 (0 = never use sendfile)")
         if not -1 <= self.ha_port <= 65535:
             raise ValueError(f"ha_port must be -1..65535, got {self.ha_port}")
         for name in ("min_in_sync_replicas", "ha_max_gap_bytes", "ha_max_catchup_ms",

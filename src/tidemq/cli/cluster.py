@@ -210,5 +210,68 @@ def promote_cmd(namesrv: str | None, directory: str | None, broker_name: str,
     sys.stdout.flush()
 
 
+@click.command("replication")
+@click.option("--mode", type=click.Choice(["batched", "single"]), default="batched",
+              show_default=True,
+              help="batched: SYNC_MASTER vs a lone broker, both ASYNC_FLUSH; single: one "
+                   "message per send from 64 senders, SYNC_MASTER vs a lone SYNC_FLUSH broker.")
+@click.option("--size", default=1024, show_default=True, help="Body bytes per message.")
+@click.option("--count", default=0, help="Messages per run [batched 300000, single 40000].")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="Where the brokers' data goes (default: a temp dir).")
+@click.option("--json", "as_json", is_flag=True)
+def bench_replication_cmd(mode: str, size: int, count: int, data_dir: str | None,
+                          as_json: bool) -> None:
+    """Produce against a lone broker, then against a master + slave group: the ratio."""
+    from tidemq.bench.cluster_bench import bench_replication
+    from tidemq.cli.output import emit_result
+
+    n = count or (300_000 if mode == "batched" else 40_000)
+    with click.progressbar(length=2 * n, label=f"producing ({mode})", file=sys.stderr) as bar:
+        r = bench_replication(mode=mode, size=size, count=count, data_dir=data_dir,
+                              progress=bar.update)
+    emit_result(r, as_json)
+
+
+@click.command("replication-lag")
+@click.option("--rate", default=100_000, show_default=True, help="Messages per second.")
+@click.option("--seconds", default=10.0, show_default=True)
+@click.option("--size", default=100, show_default=True, help="Body bytes per message.")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--json", "as_json", is_flag=True)
+def bench_lag_cmd(rate: int, seconds: float, size: int, data_dir: str | None,
+                  as_json: bool) -> None:
+    """ASYNC_MASTER + slave at RATE msgs/s: the replication lag's p50/p99/max."""
+    from tidemq.bench.cluster_bench import bench_replication_lag
+    from tidemq.cli.output import emit_result
+
+    with click.progressbar(length=int(rate * seconds), label="producing",
+                           file=sys.stderr) as bar:
+        r = bench_replication_lag(rate=rate, seconds=seconds, size=size, data_dir=data_dir,
+                                  progress=bar.update)
+    emit_result(r, as_json)
+
+
+@click.command("failover")
+@click.option("--seconds", default=6.0, show_default=True, help="Length of the send loop.")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--json", "as_json", is_flag=True)
+def bench_failover_cmd(seconds: float, data_dir: str | None, as_json: bool) -> None:
+    """Two groups; kill -9 broker-a's master under a send loop: the measured gap."""
+    from tidemq.bench.cluster_bench import bench_failover
+    from tidemq.cli.output import emit_result
+
+    with click.progressbar(length=1, label="sending through a master kill",
+                           file=sys.stderr) as bar:
+        r = bench_failover(seconds=seconds, data_dir=data_dir)
+        bar.update(1)
+    emit_result(r, as_json)
+
+
 def register(cli: click.Group) -> None:
     cli.add_command(cluster_group)
+    bench = cli.commands.get("bench")
+    if isinstance(bench, click.Group):
+        bench.add_command(bench_replication_cmd)
+        bench.add_command(bench_lag_cmd)
+        bench.add_command(bench_failover_cmd)

@@ -3,20 +3,27 @@ HAService / HAConnection; SPEC BR15; the wire format is ``protocol/ha.py``).
 
 ::
 
-    slave --connect--> HAServer (accept thread)
-                          | one SlaveLink per slave, two threads:
-                          |   writer: hello -> welcome, then TRANSFER frames: the bytes of one
-                          |           segment from where the slave is, up to the write position
-                          |           (os.sendfile from the segment file: no copy through Python)
-                          |   reader: ACK frames -> acked offset, caught-up time, lag samples
+    slave --connect--> HAServer (the broker's event loop)
+                          | one SlaveLink (asyncio.Protocol) per slave:
+                          |   hello -> welcome, then TRANSFER frames: the bytes of one segment
+                          |   from where the slave is up to the write position
+                          |   ACK frames in -> acked offset, caught-up time, lag samples
                           v
                        in-sync set -> replicated offset -> SYNC_MASTER sends answered
 
-Per transfer, not per message: the writer sends whatever is new in one frame (at most
-``ha_transfer_batch_bytes``), so a burst of puts costs one frame. It sleeps when the slave has
-everything and is woken by the store's dispatch listener (:meth:`HAServer.on_put`: one flag test
-per put, a wake-up only when a writer sleeps), and sends a heartbeat frame when idle for
-``ha_heartbeat_interval_ms``.
+Per transfer, not per message: every put the loop makes marks the links dirty, and once per
+loop iteration (``call_soon``) each link sends everything new in one frame of at most
+``ha_transfer_batch_bytes``, written straight from the segment's mapping (one writev of header
+and bytes; the transport keeps what the socket does not take, and ``pause_writing`` stops the
+pump until it drained). An idle link sends a heartbeat frame every ``ha_heartbeat_interval_ms``.
+
+Why the loop and not a thread per slave, as RocketMQ: on a busy broker a Python thread woken by
+its socket waits for the GIL up to the interpreter's switch interval (5 ms), twice per SYNC_MASTER
+round (a writer woken by a put, a reader woken by the acknowledgement). On the loop the round
+costs no hand-off: the acknowledgement is read where the waiting sends are answered. A slave far
+behind (a new or wiped one copying gigabytes) is different: there the bytes are sent with
+``os.sendfile`` from the segment file in a worker thread, ``ha_sendfile_min_bytes`` at a time
+(no copy through the process, the loop keeps serving), until it is near the tail again.
 
 In sync (RocketMQ 4.9's haMaxGapNotInSync, RocketMQ 5's haMaxTimeSlaveNotCatchup): a slave
 counts for SYNC_MASTER while it is connected, acknowledged within
@@ -24,13 +31,13 @@ counts for SYNC_MASTER while it is connected, acknowledged within
 master had at some moment within the last ``ha_max_catchup_ms``. The replicated offset is the
 ``min_in_sync_replicas``-th highest acknowledged offset among those.
 
-Threads: the accept thread, two per slave, and the callers: :meth:`on_put` on the putting
-thread, the rest (status, replicated offset) from the broker's event loop. Shared fields are
-single values written by one thread (the GIL makes each read and write whole).
+Threads: the broker's event loop; :meth:`HAServer.on_put` may be called on another putting
+thread (it hops); the bulk sends run in the default executor.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import logging
@@ -62,16 +69,13 @@ if TYPE_CHECKING:
     from tidemq.broker.config import BrokerConfig
     from tidemq.store.message_store import MessageStore
 
-__all__ = ["HAServer", "SlaveLink", "plan_welcome", "recv_exact"]
+__all__ = ["HAServer", "SlaveLink", "plan_welcome", "read_message", "recv_exact"]
 
 log = logging.getLogger(__name__)
 
-#: Below this, a transfer is sent with one sendmsg of header + bytes (one syscall); above it,
-#: the header then os.sendfile from the segment file (no copy through the process).
-_SENDMSG_MAX = 64 * 1024
-
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes from a blocking socket (the slave's handshake)."""
     buf = bytearray(n)
     mv = memoryview(buf)
     got = 0
@@ -128,13 +132,13 @@ def plan_welcome(
     return action, end, ""
 
 
-class SlaveLink:
-    """One connected slave (see the module doc for its two threads)."""
+class SlaveLink(asyncio.Protocol):
+    """One connected slave (see the module doc)."""
 
-    def __init__(self, server: HAServer, sock: socket.socket, peer: str) -> None:
+    def __init__(self, server: HAServer) -> None:
         self.server = server
-        self.sock = sock
-        self.peer = peer
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
         self.hello: HaHello | None = None
         self.acked = -1
         self.start_offset = -1
@@ -142,67 +146,84 @@ class SlaveLink:
         self.last_ack_at = self.connected_at
         self.caught_up_at = 0.0
         self.sent_bytes = 0
+        self.sendfile_bytes = 0
         self.transfers = 0
         self.next = 0
+        self.streaming = False
+        self.closed = False
+        self._paused = False
+        self._bulk = False
+        self._last_send = 0.0
+        self._buf = bytearray()
         #: (master write position a transfer was read up to, when): acked ones are dropped
         self._rounds: collections.deque[tuple[int, float]] = collections.deque()
-        self.wake = threading.Event()
-        self.waiting = False
-        self.closed = False
-        self._reader: threading.Thread | None = None
-        self._writer = threading.Thread(target=self._serve, name=f"ha-send-{peer}", daemon=True)
-
-    def start(self) -> None:
-        self._writer.start()
+        self._timer: asyncio.TimerHandle | None = None
 
     @property
     def name(self) -> str:
         h = self.hello
         return f"{h.broker_name}/{h.broker_id} ({self.peer})" if h else self.peer
 
-    def close(self, why: str = "") -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if why:
-            log.warning("replication to slave %s stopped: %s", self.name, why)
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(OSError):
-            self.sock.close()
-        self.wake.set()
-        self.server._forget(self)
+    # -- asyncio.Protocol ----------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        if peer:
+            self.peer = f"{peer[0]}:{peer[1]}"
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.server._add(self)
+        self._timer = self.server.loop.call_later(self.server.housekeeping_s, self._tick)
 
-    def join(self, timeout: float) -> None:
-        for t in (self._writer, self._reader):
-            if t is not None and t is not threading.current_thread() and t.is_alive():
-                t.join(timeout)
-
-    # -- writer ----------------------------------------------------------------------------
-    def _serve(self) -> None:
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
         try:
-            self._handshake()
-            if self.closed:
-                return
-            self._reader = threading.Thread(
-                target=self._read_acks, name=f"ha-ack-{self.peer}", daemon=True
-            )
-            self._reader.start()
-            self._stream()
-        except (OSError, TidemqError, ValueError) as exc:
-            self.close("" if self.closed or self.server.stopping else f"{exc}")
-        except Exception:  # never let the thread die silently
-            log.exception("replication to slave %s failed", self.name)
-            self.close()
+            if not self.streaming:
+                if len(buf) < MESSAGE_PREFIX.size:
+                    return
+                length, magic = MESSAGE_PREFIX.unpack_from(buf)
+                if not 4 <= length <= MAX_MESSAGE:
+                    raise RemoteProtocolError(f"a hello of {length} bytes is not plausible")
+                if len(buf) < 4 + length:
+                    return
+                hello = decode_message(magic, bytes(buf[8 : 4 + length]))
+                del buf[: 4 + length]
+                if not isinstance(hello, HaHello):
+                    raise RemoteProtocolError("a slave must start with a hello")
+                self._handshake(hello)
+                if not self.streaming:
+                    return
+            n = len(buf) - len(buf) % ACK.size
+            if n:
+                acked = -1
+                for pos in range(0, n, ACK.size):
+                    acked = max(acked, decode_ack(buf, pos)[0])
+                del buf[:n]
+                self._acked(acked)
+        except (TidemqError, ValueError) as exc:
+            self.close(str(exc))
 
-    def _handshake(self) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed and not self.server.stopping:
+            log.warning("replication to slave %s stopped: %s", self.name,
+                        exc or "the slave closed the connection")
+        self._closed()
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self.pump()
+
+    # -- handshake and stream ------------------------------------------------------------------
+    def _handshake(self, hello: HaHello) -> None:
         srv = self.server
-        self.sock.settimeout(srv.housekeeping_s)
-        hello = read_message(self.sock)
-        if not isinstance(hello, HaHello):
-            raise RemoteProtocolError("a slave must start with a hello")
-        self.hello = hello
         store = srv.store
+        self.hello = hello
         action, offset, error = plan_welcome(
             hello, broker_name=srv.broker_name, segment_size=store.config.segment_size,
             epochs=srv.epochs.entries, master_min=store.min_phys_offset,
@@ -213,134 +234,103 @@ class SlaveLink:
             master_role=srv.role(), master_addr=srv.broker_addr,
             master_min=store.min_phys_offset, master_max=store.max_phys_offset,
         )
-        self.sock.sendall(encode_welcome(welcome))
+        assert self.transport is not None
+        self.transport.write(encode_welcome(welcome))
         if error:
             log.error("refused slave %s: %s", self.name, error)
-            self.close()
+            self.transport.close()
+            self.closed = True
             return
         self.next = self.start_offset = offset
+        self.streaming = True
         log.info("slave %s joined: %s, streaming from %d (master at %d)", self.name,
                  action.value, offset, store.max_phys_offset)
+        self.pump()
 
-    def _stream(self) -> None:
+    def pump(self) -> None:
+        """Send what is new (loop thread): one frame per segment piece, until the transport
+        asks to pause or the slave has everything."""
+        if not self.streaming or self.closed or self._paused or self._bulk:
+            return
         srv = self.server
-        store = srv.store
-        cl = store.commitlog
-        sock = self.sock
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        cl = srv.store.commitlog
+        transport = self.transport
+        assert transport is not None
         batch = srv.transfer_batch
-        heartbeat = srv.heartbeat_s
-        last_send = 0.0
-        while not self.closed:
+        while not self._paused:
             end = cl.write_pos
             nxt = self.next
+            if nxt >= end:
+                return
+            try:
+                seg = cl.segment_for(nxt)
+            except OffsetOutOfRangeError:
+                self.close(
+                    f"it needs CommitLog offset {nxt}, which this master no longer holds "
+                    f"(oldest {srv.store.min_phys_offset}); it starts over when it reconnects"
+                )
+                return
             now = time.monotonic()
-            if nxt < end:
-                try:
-                    seg = cl.segment_for(nxt)
-                except OffsetOutOfRangeError:
-                    self.close(
-                        f"it needs CommitLog offset {nxt}, which this master no longer holds "
-                        f"(oldest {store.min_phys_offset}); it starts over when it reconnects"
-                    )
-                    return
-                n = min(end, seg.end, nxt + batch) - nxt
-                self._rounds.append((nxt + n, now))
-                self._send(seg, nxt, n, end)
-                self.next = nxt + n
-                last_send = now
-                continue
-            if now - last_send >= heartbeat:
-                self._send(None, nxt, 0, end)
-                last_send = now
-                continue
-            self.waiting = True
-            if cl.write_pos > nxt or self.closed:  # a put landed since we looked
-                self.waiting = False
-                continue
-            self.wake.wait(min(1.0, heartbeat - (now - last_send)))
-            self.wake.clear()
-            self.waiting = False
+            left = min(end, seg.end) - nxt
+            if (srv.sendfile_min and left >= srv.sendfile_min
+                    and transport.get_write_buffer_size() == 0):
+                self._start_bulk(seg, nxt, left, end)
+                return
+            n = min(left, batch)
+            rel = nxt - seg.start
+            header = self._header(n, nxt, end)
+            try:
+                view = memoryview(seg.mm)[rel : rel + n]
+            except ValueError:  # unmapped by retention meanwhile
+                self.close(f"segment {seg.path} was removed while sending")
+                return
+            self._rounds.append((nxt + n, now))
+            # the transport may keep the view until the socket took it (it pins the mapping)
+            transport.writelines((header, view))
+            self.next = nxt + n
+            self.sent_bytes += n
+            self.transfers += 1
+            self._last_send = now
 
-    def _send(self, seg: Any, phys: int, n: int, end: int) -> None:
+    def _header(self, n: int, phys: int, end: int) -> bytes:
         srv = self.server
-        header = encode_transfer(Transfer(
+        return encode_transfer(Transfer(
             n, phys, end, srv.epochs.last_epoch, srv.meta_version(), srv.epochs.last_start,
             time.time_ns() // 1_000_000,
         ))
-        sock = self.sock
-        if seg is None:
-            sock.sendall(header)
+
+    # -- bulk catch-up with sendfile ------------------------------------------------------------
+    def _start_bulk(self, seg: Any, phys: int, n: int, end: int) -> None:
+        assert self.transport is not None
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            self.server.sendfile_min = 0  # no socket to sendfile into: always the loop path
+            self.pump()
             return
-        rel = phys - seg.start
-        try:
-            pin = memoryview(seg.mm)  # keeps retention from unmapping and closing it meanwhile
-        except ValueError:
-            raise OffsetOutOfRangeError(f"segment {seg.path} was removed while sending") from None
-        try:
-            if n <= _SENDMSG_MAX or not srv.use_sendfile:
-                parts = [header, pin[rel : rel + n]]
-                total = len(header) + n
-                sent = sock.sendmsg(parts)
-                if sent < total:  # rare: the socket buffer was full
-                    sock.sendall(b"".join(bytes(p) for p in parts)[sent:])
-            else:
-                sock.sendall(header)
-                off, left = rel, n
-                fd = sock.fileno()
-                while left:
-                    try:
-                        k = os.sendfile(fd, seg.fd, off, left)
-                    except BlockingIOError:  # the socket has a timeout, so it is non-blocking
-                        if not select.select([], [sock], [], srv.housekeeping_s)[1]:
-                            raise TimeoutError("the slave stopped reading") from None
-                        continue
-                    if not k:
-                        raise ConnectionError("the slave stopped reading")
-                    off += k
-                    left -= k
-        finally:
-            pin.release()
-        self.sent_bytes += n
-        self.transfers += 1
+        self._bulk = True
+        self._rounds.append((phys + n, time.monotonic()))
+        header = self._header(n, phys, end)
+        fut = self.server.loop.run_in_executor(
+            None, _sendfile, sock.fileno(), header, seg, phys - seg.start, n,
+            self.server.housekeeping_s,
+        )
 
-    # -- reader ----------------------------------------------------------------------------
-    def _read_acks(self) -> None:
-        srv = self.server
-        sock = self.sock
-        buf = bytearray(ACK.size * 256)
-        mv = memoryview(buf)
-        have = 0
-        try:
-            while not self.closed:
-                try:
-                    k = sock.recv_into(mv[have:])
-                except TimeoutError:
-                    self.close(
-                        f"no acknowledgement for {srv.housekeeping_s:g} s "
-                        "(ha_housekeeping_interval_ms)"
-                    )
-                    return
-                if not k:
-                    self.close("" if self.closed else "the slave closed the connection")
-                    return
-                have += k
-                last = None
-                pos = 0
-                while have - pos >= ACK.size:
-                    last = decode_ack(buf, pos)
-                    pos += ACK.size
-                if pos:
-                    buf[: have - pos] = buf[pos:have]
-                    have -= pos
-                if last is not None:
-                    self._acked(last[0])
-        except (OSError, TidemqError) as exc:
-            self.close("" if self.closed or srv.stopping else str(exc))
-        except Exception:
-            log.exception("reading acknowledgements of slave %s failed", self.name)
-            self.close()
+        def done(f: asyncio.Future[None]) -> None:
+            self._bulk = False
+            exc = f.exception()
+            if exc is not None:
+                self.close(f"sending {n} bytes with sendfile failed: {exc}")
+                return
+            self.next = phys + n
+            self.sent_bytes += n
+            self.sendfile_bytes += n
+            self.transfers += 1
+            self._last_send = time.monotonic()
+            self.pump()
 
+        fut.add_done_callback(done)
+
+    # -- acknowledgements ----------------------------------------------------------------------
     def _acked(self, acked: int) -> None:
         srv = self.server
         now = time.monotonic()
@@ -357,10 +347,45 @@ class SlaveLink:
         if t is not None and t > self.caught_up_at:
             self.caught_up_at = t
         if prev >= 0 and acked > prev:
-            srv.record_lag(prev, now)
+            srv.record_lag(prev)
         srv.acked_changed()
 
-    # -- state -------------------------------------------------------------------------------
+    def _tick(self) -> None:
+        """Heartbeat when idle; give up a slave silent for the housekeeping interval."""
+        srv = self.server
+        if self.closed:
+            return
+        now = time.monotonic()
+        if now - self.last_ack_at > srv.housekeeping_s and not self._bulk:
+            self.close(f"no acknowledgement for {srv.housekeeping_s:g} s "
+                       "(ha_housekeeping_interval_ms)")
+            return
+        if (self.streaming and not self._bulk and not self._paused
+                and now - self._last_send >= srv.heartbeat_s and self.transport is not None):
+            self.transport.write(self._header(0, self.next, srv.store.max_phys_offset))
+            self._last_send = now
+        self.pump()
+        self._timer = srv.loop.call_later(min(srv.heartbeat_s, 1.0), self._tick)
+
+    # -- state ---------------------------------------------------------------------------------
+    def close(self, why: str = "") -> None:
+        if self.closed:
+            return
+        if why:
+            log.warning("replication to slave %s stopped: %s", self.name, why)
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+        self._closed()
+
+    def _closed(self) -> None:
+        self.closed = True
+        self.streaming = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.server._forget(self)
+
     def in_sync(self, now: float, write_pos: int) -> bool:
         srv = self.server
         return (
@@ -381,6 +406,39 @@ class SlaveLink:
         return max(0, time.time_ns() // 1_000_000 - ts) if ts else -1
 
 
+def _sendfile(fd: int, header: bytes, seg: Any, rel: int, n: int, timeout: float) -> None:
+    """Worker thread: ``header`` then ``n`` bytes of ``seg`` from ``rel`` into the non-blocking
+    socket ``fd`` (the transport's; it writes nothing meanwhile)."""
+    pin = memoryview(seg.mm)  # keeps retention from unmapping and closing the file meanwhile
+    try:
+        view = memoryview(header)
+        while view:
+            try:
+                k = os.write(fd, view)
+            except BlockingIOError:
+                _wait_writable(fd, timeout)
+                continue
+            view = view[k:]
+        off, left = rel, n
+        while left:
+            try:
+                k = os.sendfile(fd, seg.fd, off, left)
+            except BlockingIOError:
+                _wait_writable(fd, timeout)
+                continue
+            if not k:
+                raise ConnectionError("the slave stopped reading")
+            off += k
+            left -= k
+    finally:
+        pin.release()
+
+
+def _wait_writable(fd: int, timeout: float) -> None:
+    if not select.select([], [fd], [], timeout)[1]:
+        raise TimeoutError(f"the slave read nothing for {timeout:g} s")
+
+
 def _store_ts_from(store: MessageStore, phys: int) -> int:
     """Store time of the first batch at or after ``phys`` (skipping a filler), 0 if none."""
     cl = store.commitlog
@@ -398,7 +456,7 @@ def _store_ts_from(store: MessageStore, phys: int) -> int:
 
 
 class HAServer:
-    """Accepts slaves and serves them (see the module doc)."""
+    """Accepts slaves and serves them (see the module doc). Event loop only."""
 
     def __init__(
         self,
@@ -406,6 +464,7 @@ class HAServer:
         cfg: BrokerConfig,
         epochs: EpochFile,
         *,
+        loop: asyncio.AbstractEventLoop,
         role: Callable[[], str],
         meta_version: Callable[[], int],
         broker_addr: str,
@@ -413,68 +472,61 @@ class HAServer:
     ) -> None:
         self.store = store
         self.epochs = epochs
+        self.loop = loop
         self.broker_name = cfg.broker_name
         self.broker_addr = broker_addr
         self.role = role
         self.meta_version = meta_version
         self.on_acked = on_acked
         self.transfer_batch = cfg.ha_transfer_batch_bytes
+        self.sendfile_min = cfg.ha_sendfile_min_bytes
         self.heartbeat_s = cfg.ha_heartbeat_interval_ms / 1000
         self.housekeeping_s = cfg.ha_housekeeping_interval_ms / 1000
         self.max_gap_bytes = cfg.ha_max_gap_bytes
         self.max_catchup_s = cfg.ha_max_catchup_ms / 1000
-        self.use_sendfile = True
-        self.links: list[SlaveLink] = []  # replaced, never mutated (readers iterate freely)
+        self.links: list[SlaveLink] = []
         self.port = 0
         self.stopping = False
         #: recent replication lags (ms from store to acknowledgement), one per acknowledgement
         self.lag_samples: collections.deque[int] = collections.deque(maxlen=20_000)
-        self._sock: socket.socket | None = None
-        self._accept: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._server: asyncio.Server | None = None
+        self._loop_thread = threading.get_ident()
+        self._pump_scheduled = False
 
-    def start(self, host: str, port: int) -> int:
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(16)
-        self._sock = sock
-        self.port = sock.getsockname()[1]
-        self._accept = threading.Thread(target=self._accept_loop, name="ha-accept", daemon=True)
-        self._accept.start()
+    async def start(self, host: str, port: int) -> int:
+        self._loop_thread = threading.get_ident()
+        self._server = await self.loop.create_server(
+            lambda: SlaveLink(self), host, port, reuse_address=True
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
-    def _accept_loop(self) -> None:
-        assert self._sock is not None
-        while not self.stopping:
-            try:
-                conn, peer = self._sock.accept()
-            except OSError:
-                if self.stopping:
-                    return
-                time.sleep(0.1)
-                continue
-            link = SlaveLink(self, conn, f"{peer[0]}:{peer[1]}")
-            with self._lock:
-                self.links = [*self.links, link]
-            link.start()
+    def _add(self, link: SlaveLink) -> None:
+        self.links = [*self.links, link]
 
     def _forget(self, link: SlaveLink) -> None:
-        with self._lock:
+        if link in self.links:
             self.links = [x for x in self.links if x is not link]
-        self.acked_changed()
+            self.acked_changed()
 
     def on_put(self, topic: str, queue_id: int, new_max: int, batch: object) -> None:
-        """Store dispatch listener (the putting thread, inside the put lock): wake sleeping
-        writers. A flag test per slave when they are busy, an Event.set when one sleeps."""
-        for link in self.links:
-            if link.waiting:
-                link.waiting = False
-                link.wake.set()
+        """Store dispatch listener (the putting thread, inside the put lock): every link
+        sends once this loop iteration's puts are done (one transfer for all of them)."""
+        if self._pump_scheduled or not self.links:
+            return
+        self._pump_scheduled = True
+        if threading.get_ident() == self._loop_thread:
+            self.loop.call_soon(self._pump_all)
+        else:
+            try:
+                self.loop.call_soon_threadsafe(self._pump_all)
+            except RuntimeError:  # the loop is closed
+                pass
 
-    def wake_all(self) -> None:
+    def _pump_all(self) -> None:
+        self._pump_scheduled = False
         for link in self.links:
-            link.wake.set()
+            link.pump()
 
     def acked_changed(self) -> None:
         try:
@@ -482,12 +534,12 @@ class HAServer:
         except Exception:
             log.exception("replication acknowledgement callback failed")
 
-    def record_lag(self, prev_acked: int, now: float) -> None:
+    def record_lag(self, prev_acked: int) -> None:
         ts = _store_ts_from(self.store, prev_acked)
         if ts:
             self.lag_samples.append(max(0, time.time_ns() // 1_000_000 - ts))
 
-    # -- queries (event loop) ------------------------------------------------------------------
+    # -- queries -------------------------------------------------------------------------------
     def in_sync_links(self) -> list[SlaveLink]:
         now = time.monotonic()
         wp = self.store.max_phys_offset
@@ -513,6 +565,7 @@ class HAServer:
                 "lag_ms": x.lag_ms(),
                 "in_sync": x.in_sync(now, wp),
                 "sent_bytes": x.sent_bytes,
+                "sendfile_bytes": x.sendfile_bytes,
                 "connected_s": round(now - x.connected_at, 1),
             })
         return out
@@ -524,17 +577,9 @@ class HAServer:
         n = len(s)
         return {"p50": s[n // 2], "p99": s[min(n - 1, (n * 99) // 100)], "max": s[-1]}
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         self.stopping = True
-        if self._sock is not None:
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
-            with contextlib.suppress(OSError):
-                self._sock.close()
-        links = list(self.links)
-        for link in links:
+        if self._server is not None:
+            self._server.close()
+        for link in list(self.links):
             link.close()
-        if self._accept is not None:
-            self._accept.join(2)
-        for link in links:
-            link.join(2)

@@ -167,29 +167,28 @@ class HAService:
         loop = asyncio.get_running_loop()
         self._kick = asyncio.Event()
         if self.is_master:
-            self._start_master()
+            await self._start_master()
         else:
             self._start_slave()
         self._tasks.append(loop.create_task(self._tick_forever(), name="ha-tick"))
 
-    def _start_master(self) -> None:
+    async def _start_master(self) -> None:
         b = self.broker
         cfg = self.cfg
         store = b.store
         if not self.epochs.entries:
             self.epochs.append(1, store.min_phys_offset)
         self.server = srv = HAServer(
-            store, cfg, self.epochs, role=lambda: self.role, meta_version=self.meta_version,
-            broker_addr=b.addr, on_acked=self._acked,
+            store, cfg, self.epochs, loop=b.loop, role=lambda: self.role,
+            meta_version=self.meta_version, broker_addr=b.addr, on_acked=self._acked,
         )
         port = cfg.ha_port
         if port < 0:
             port = cfg.listen_port + 1 if cfg.listen_port else 0
-        srv.start(cfg.listen_host, port)
+        await srv.start(cfg.listen_host, port)
         host = b.addr.rsplit(":", 1)[0]
         self.ha_addr = f"{host}:{srv.port}"
         self.waiters = ReplicaWaiters(
-            b.loop.call_soon_threadsafe,
             lambda: srv.replicated_offset(cfg.min_in_sync_replicas),
             lambda: len(srv.in_sync_links()),
             cfg.min_in_sync_replicas,
@@ -228,7 +227,7 @@ class HAService:
         if self.link is not None:
             await asyncio.to_thread(self.link.stop)
         if self.server is not None:
-            await asyncio.to_thread(self.server.stop)
+            await self.server.stop()
         if self._pool is not None:
             self._pool.close()
 
@@ -315,7 +314,7 @@ class HAService:
             return
         w.expect(pending, end)
 
-    def _acked(self) -> None:  # HA thread
+    def _acked(self) -> None:
         w = self.waiters
         if w is not None:
             w.acked()
@@ -516,6 +515,7 @@ class HAService:
                 t.cancel()
         b.dedup.catch_up(store)
         b.dedup.follow_store = False
+        self._topics_from_queues()
         self.role = role or learned_role or ASYNC_MASTER
         if self.role == SLAVE:
             self.role = ASYNC_MASTER
@@ -529,7 +529,7 @@ class HAService:
         b.offsets.local_commits = None
         self.promoted_at = time.time()
         self.unreplicated_at_promotion = unreplicated
-        self._start_master()
+        await self._start_master()
         self._allow_writes()
         b.start_services(timer_done_before=self.timer_done_before or 0)
         log.warning(
@@ -544,6 +544,28 @@ class HAService:
             broker_name=self.cfg.broker_name, epoch=epoch, start_offset=start, role=self.role,
             unreplicated_bytes=unreplicated, previous_master=previous,
         )
+
+    def _topics_from_queues(self) -> None:
+        """A topic this store has messages of but no config for (its creation had not been
+        synced when the master died) gets one, so its queues stay in the routes."""
+        from tidemq.broker.send_processor import SYSTEM_TOPIC_PREFIXES, SYSTEM_TOPICS
+        from tidemq.protocol.headers import TopicConfig
+
+        b = self.broker
+        widest: dict[str, int] = {}
+        for topic, qid in b.store.queues():
+            widest[topic] = max(widest.get(topic, 0), qid + 1)
+        added = []
+        for topic, n in widest.items():
+            if (b.topics.get(topic) is None and not topic.startswith(SYSTEM_TOPIC_PREFIXES)
+                    and topic not in SYSTEM_TOPICS):
+                b.topics.update(TopicConfig(topic_name=topic, read_queue_nums=n,
+                                            write_queue_nums=n))
+                added.append(topic)
+        if added:
+            log.warning("topics %s had messages here but no config (not synced before the "
+                        "master was lost): created with the queues found", added)
+            b.topics_changed()
 
     # -- status --------------------------------------------------------------------------------
     def runtime_info(self) -> dict[str, Any]:
@@ -590,6 +612,7 @@ class HAService:
             info["ha_sessions"] = link.sessions
             info["ha_received_bytes"] = link.received_bytes
             info["ha_metadata_syncs"] = self.metadata_syncs
+            info["ha_truncated_bytes"] = link.truncated_bytes
             if link.refused:
                 info["ha_refused"] = link.refused
         info["ha_offsets_flowed_back"] = self.offsets_flowed_back

@@ -92,6 +92,8 @@ class MasterLink:
         self.failures = 0
         self.refused = ""
         self.received_bytes = 0
+        #: CommitLog bytes cut because the master never had them (a divergent tail)
+        self.truncated_bytes = 0
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._sock: socket.socket | None = None
@@ -218,6 +220,7 @@ class MasterLink:
                 "cutting the divergent tail [%d, %d) the master does not have (epochs: master "
                 "%s, here %s)", w.offset, store.max_phys_offset, w.epochs, self.epochs.entries,
             )
+            self.truncated_bytes += store.max_phys_offset - w.offset
             store.truncate_to(w.offset)
             self.on_reset("truncate")
             self.epochs.replace([e for e in w.epochs if e[1] <= w.offset])
@@ -279,10 +282,9 @@ class MasterLink:
                 if t.epoch > self.epochs.last_epoch:
                     self.epochs.follow(t.epoch, t.epoch_start)
                 if t.meta_version != self.meta_version:
-                    first = self.meta_version < 0
+                    # the first frame too: the sync at connect time may predate a change
                     self.meta_version = t.meta_version
-                    if not first:
-                        self.on_meta_version(t.meta_version)
+                    self.on_meta_version(t.meta_version)
                 body_left, body_phys = t.body_size, t.phys_offset
             # keep the unparsed tail at the front of the buffer
             if pos == have:

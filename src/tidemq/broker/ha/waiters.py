@@ -7,8 +7,8 @@ last) moves the replicated offset once, and one loop wake-up then answers every 
 -- never one round trip per send. The timeout (``store.sync_flush_timeout_ms``, FLUSH_SLAVE_TIMEOUT)
 is the send processor's sweep, shared with SYNC_FLUSH.
 
-Threads: :meth:`expect` and the drain on the broker's event loop; :meth:`acked` on the HA
-threads (it only reads the queue's head and schedules the drain, at most one pending wake-up).
+Threads: the broker's event loop only (the master's replication links run on it too, so an
+acknowledgement answers the sends it covers without a thread hand-off).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from tidemq.protocol.codes import ResponseCode
 
@@ -34,12 +34,10 @@ class _Waiting(Protocol):
 class ReplicaWaiters:
     def __init__(
         self,
-        schedule: Callable[[Callable[[], None]], Any],
         replicated_offset: Callable[[], int],
         in_sync: Callable[[], int],
         min_replicas: int,
     ) -> None:
-        self._schedule = schedule  # loop.call_soon_threadsafe
         self._replicated_offset = replicated_offset
         self._in_sync = in_sync
         self.min_replicas = min_replicas
@@ -47,13 +45,12 @@ class ReplicaWaiters:
         self.replicated = -1
         self.in_sync_count = 0
         self._q: collections.deque[tuple[int, _Waiting]] = collections.deque()
-        self._scheduled = False
         self.not_available = 0
         self.rounds = 0  # loop wake-ups that answered waiting sends
         self.waited = 0  # sends that had to wait for an acknowledgement
 
     def refresh(self) -> None:
-        """Recompute the in-sync set and the replicated offset (any thread)."""
+        """Recompute the in-sync set and the replicated offset."""
         self.in_sync_count = self._in_sync()
         self.replicated = self._replicated_offset()
 
@@ -70,24 +67,15 @@ class ReplicaWaiters:
             return
         self._q.append((end, pending))
         self.waited += 1
-        # An acknowledgement may have moved the offset between the check and the append;
-        # it then saw an empty queue, so look again (the other side of acked()'s check).
-        if self.replicated >= end:
-            self._drain()
 
     def acked(self) -> None:
-        """An acknowledgement arrived (HA thread): wake the loop if it answers a waiter."""
+        """An acknowledgement arrived: answer the sends it covers."""
         self.refresh()
         q = self._q
-        if q and not self._scheduled and self.replicated >= q[0][0]:
-            self._scheduled = True
-            try:
-                self._schedule(self._drain)
-            except RuntimeError:  # the loop is closed
-                self._scheduled = False
+        if q and self.replicated >= q[0][0]:
+            self._drain()
 
     def _drain(self) -> None:
-        self._scheduled = False
         rep = self.replicated
         q = self._q
         n = 0
