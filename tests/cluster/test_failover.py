@@ -132,6 +132,13 @@ def test_sync_master_kill_then_promote_loses_no_acknowledged_message(cluster):
         r = p.send(tidemq.Message(TOPIC, b"epoch 2"), queue_id=tidemq.MessageQueue(
             TOPIC, "broker-a", 0))
         assert r.status is SendStatus.SLAVE_NOT_AVAILABLE
+    # ... which a producer may refuse to accept: it sends again to another group (RocketMQ's
+    # retryAnotherBrokerWhenNotStoreOK), so every result is SEND_OK, some on broker-b
+    with tidemq.Producer(c.namesrv, retry_another_broker_when_not_store_ok=True,
+                         latency_fault=False) as p:
+        rs = [p.send(tidemq.Message(TOPIC, b"retried %d" % i)) for i in range(16)]
+    assert {r.status for r in rs} == {SendStatus.SEND_OK}
+    assert {r.broker_name for r in rs} == {"broker-b"}
 
     # 3. the old master comes back as a slave of the promoted one: it cuts what only it had
     #    and copies the rest; SYNC_MASTER sends are acknowledged again

@@ -92,3 +92,51 @@ def test_a_broker_back_on_another_port():
     m.register_broker(reg("b1", "h:9", {"T": 1}))
     assert m.get_route("T").broker_datas[0].broker_addrs == {0: "h:9"}
     assert set(m.broker_live_table) == {"h:9"}
+
+
+def test_a_group_keeps_its_queues_while_a_slave_lives():
+    """RocketMQ: the master's death leaves the group's queues in the routes (consumers read
+    them on the slave); they go when the last broker of the group goes."""
+    m = RouteInfoManager(clock=Clock())
+    cm, cs = object(), object()
+    m.register_broker(reg("b1", "h:1", {"T": 4}), cm)
+    m.register_broker(reg("b1", "h:2", {"T": 4}, bid=1), cs)
+    assert m.get_route("T").broker_datas[0].broker_addrs == {0: "h:1", 1: "h:2"}
+    m.on_connection_closed(cm)
+    route = m.get_route("T")
+    assert route.broker_datas[0].broker_addrs == {1: "h:2"}
+    assert route.queue_datas[0].read_queue_nums == 4
+    m.on_connection_closed(cs)
+    assert m.get_route("T") is None
+
+
+def test_a_slave_learns_its_master_and_a_masterless_group_takes_the_slaves_topics():
+    m = RouteInfoManager(clock=Clock())
+    h = reg("b1", "h:2", {"T": 2}, bid=1)
+    assert m.register_broker(h) == ("", "")  # no master yet; its topics route the group
+    assert m.get_route("T").queue_datas[0].read_queue_nums == 2
+    master = reg("b1", "h:1", {"T": 4})
+    master.ha_server_addr = "h:11"
+    assert m.register_broker(master) == ("h:1", "h:11")
+    assert m.register_broker(reg("b1", "h:2", {"T": 2}, bid=1)) == ("h:1", "h:11")
+    # with a master, a slave's registration does not change the group's topics
+    assert m.get_route("T").queue_datas[0].read_queue_nums == 4
+
+
+def test_a_master_of_an_older_epoch_is_refused():
+    """After a promotion (epoch 2), the old master (epoch 1) must not take the group back."""
+    import pytest
+
+    from tidemq.namesrv.route_info import RegistrationRefused
+
+    m = RouteInfoManager(clock=Clock())
+    old = reg("b1", "h:1", {"T": 1})
+    old.epoch = 1
+    m.register_broker(old, object())
+    new = reg("b1", "h:2", {"T": 1})
+    new.epoch = 2
+    m.register_broker(new, object())  # a newer epoch replaces it
+    assert m.get_route("T").broker_datas[0].broker_addrs == {0: "h:2"}
+    with pytest.raises(RegistrationRefused, match="epoch 2"):
+        m.register_broker(old)
+    assert m.get_route("T").broker_datas[0].broker_addrs == {0: "h:2"}

@@ -217,19 +217,22 @@ def promote_cmd(namesrv: str | None, directory: str | None, broker_name: str,
                    "message per send from 64 senders, SYNC_MASTER vs a lone SYNC_FLUSH broker.")
 @click.option("--size", default=1024, show_default=True, help="Body bytes per message.")
 @click.option("--count", default=0, help="Messages per run [batched 300000, single 40000].")
+@click.option("--rounds", default=3, show_default=True,
+              help="Alternating lone / replicated runs; the ratio is of the medians.")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
               help="Where the brokers' data goes (default: a temp dir).")
 @click.option("--json", "as_json", is_flag=True)
-def bench_replication_cmd(mode: str, size: int, count: int, data_dir: str | None,
+def bench_replication_cmd(mode: str, size: int, count: int, rounds: int, data_dir: str | None,
                           as_json: bool) -> None:
-    """Produce against a lone broker, then against a master + slave group: the ratio."""
+    """Produce against a lone broker and against a master + slave group: the ratio."""
     from tidemq.bench.cluster_bench import bench_replication
     from tidemq.cli.output import emit_result
 
     n = count or (300_000 if mode == "batched" else 40_000)
-    with click.progressbar(length=2 * n, label=f"producing ({mode})", file=sys.stderr) as bar:
-        r = bench_replication(mode=mode, size=size, count=count, data_dir=data_dir,
-                              progress=bar.update)
+    with click.progressbar(length=2 * n * rounds, label=f"producing ({mode})",
+                           file=sys.stderr) as bar:
+        r = bench_replication(mode=mode, size=size, count=count, rounds=rounds,
+                              data_dir=data_dir, progress=bar.update)
     emit_result(r, as_json)
 
 

@@ -96,6 +96,7 @@ _STATUS = {
     int(ResponseCode.SLAVE_NOT_AVAILABLE): SendStatus.SLAVE_NOT_AVAILABLE,
 }
 _SEND_OK_CODES = frozenset(_STATUS)
+_SUCCESS = int(ResponseCode.SUCCESS)
 _SEND_MESSAGE = int(RequestCode.SEND_MESSAGE)
 _SEND_BATCH = int(RequestCode.SEND_BATCH)
 _DUPLICATE = int(ResponseCode.DUPLICATE)
@@ -119,7 +120,17 @@ class Producer:
     (4 MiB per batch, checked before sending), ``compression`` ("none", "lz4", "zstd", "zlib")
     with ``compress_min`` bytes, ``latency_fault`` (True: avoid slow/failed brokers),
     ``route_refresh`` (30 s), ``pool`` (share a ConnectionPool between clients),
-    ``max_pending_messages`` (100 000 unanswered ``send_async`` messages at most).
+    ``max_pending_messages`` (100 000 unanswered ``send_async`` messages at most),
+    ``retry_another_broker_when_not_store_ok`` (False: see below).
+
+    Statuses (docs/cluster.md): only ``SendStatus.SEND_OK`` means the message is where the
+    broker promises (on disk under SYNC_FLUSH, on the in-sync slaves under SYNC_MASTER).
+    FLUSH_DISK_TIMEOUT, FLUSH_SLAVE_TIMEOUT and SLAVE_NOT_AVAILABLE mean "stored on the master,
+    not yet safe": the result says so and the send is not repeated, since a resend would store
+    it twice -- unless ``retry_another_broker_when_not_store_ok`` (RocketMQ's
+    retryAnotherBrokerWhenNotStoreOK), which sends it again to another broker's queue (at most
+    ``retries`` times; pinned sends and deduplicated producers are never moved) and returns the
+    last result: a duplicate rather than a message at risk.
     """
 
     def __init__(
@@ -143,6 +154,7 @@ class Producer:
         route_refresh: float = 30.0,
         pool: ConnectionPool | None = None,
         max_pending_messages: int = 100_000,
+        retry_another_broker_when_not_store_ok: bool = False,
     ) -> None:
         if retries < 0:
             raise ValueError("retries must be >= 0")
@@ -157,6 +169,7 @@ class Producer:
         self.compression = Compression.NAMES[compression]
         self.compress_min = compress_min
         self.latency_fault = latency_fault
+        self.retry_another_broker_when_not_store_ok = retry_another_broker_when_not_store_ok
         self.auto_create_route = auto_create_route
         self.auto_batch = auto_batch
         self.batch_max_messages = batch_max_messages
@@ -687,6 +700,7 @@ class Producer:
         seq = 0
         last_broker: str | None = None
         last_exc: Exception | None = None
+        last_result: SendResult | None = None
         attempts = 1 + self.retries
         dedup = self.producer_name is not None or (
             type(msgs) is Columns and msgs.producer_id is not None
@@ -761,10 +775,23 @@ class Producer:
                 self._faults.update(mq.broker_name, (time.monotonic() - t0) * 1000)
             h = frame.header
             assert isinstance(h, SendMessageResponseHeader)
+            if (fcode != _SUCCESS and self.retry_another_broker_when_not_store_ok
+                    and not pinned and not dedup and attempt + 1 < attempts):
+                log.info("send to %s answered %s; sending it again to another broker", mq,
+                         _STATUS[fcode].value)
+                last_broker = mq.broker_name
+                last_exc = None
+                last_result = SendResult(
+                    _STATUS[fcode], h.msg_id, topic, h.queue_id, h.queue_offset,
+                    h.count, mq.broker_name, self.producer_id, seq, h.commit_log_offset,
+                )
+                continue
             return SendResult(
                 _STATUS[fcode], h.msg_id, topic, h.queue_id, h.queue_offset,
                 h.count, mq.broker_name, self.producer_id, seq, h.commit_log_offset,
             )
+        if last_result is not None:  # stored, not safe: the caller sees which status
+            return last_result
         if last_exc is None:
             raise RequestTimeoutError(f"send to topic {topic!r} timed out after {timeout:g} s")
         raise last_exc

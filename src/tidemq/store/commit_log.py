@@ -352,6 +352,13 @@ class CommitLog:
             nxt = self.segments[-1].end
             self._allocator.prepare(self.dir / segment_name(nxt), nxt, self.segment_size)
 
+    def stop_warming(self) -> None:
+        """No more warm-ahead (a slave copies with pwrite, which allocates its own pages:
+        warming them first only costs CPU); :meth:`warm_active` starts it again."""
+        if self._warmer is not None:
+            self._warmer.close()
+            self._warmer = None
+
     def _active_position(self) -> tuple[Segment, int] | None:
         segs = self.segments
         if not segs:

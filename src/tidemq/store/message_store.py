@@ -642,6 +642,14 @@ class MessageStore:
             self._copied_bad = None
         self._save_checkpoint()
 
+    def warm_ahead(self, enabled: bool) -> None:
+        """Keep the pages ahead of the writer warm (a master: small batches are copied
+        through the mapping) or not (a slave: append_replicated writes with pwrite)."""
+        if enabled:
+            self.commitlog.warm_active()
+        else:
+            self.commitlog.stop_warming()
+
     def when_durable(self, callback: FlushCallback) -> None:
         """Call ``callback(None)`` (or the flush error) once everything put so far is
         durable: SYNC_FLUSH, after the group commit covering it (through the flush service's

@@ -204,6 +204,7 @@ class HAService:
         loop = b.loop
         b.offsets.local_commits = {}
         b.dedup.follow_store = True
+        b.store.warm_ahead(False)
         self.link = MasterLink(
             b.store, cfg, self.epochs, broker_id=lambda: self.broker_id, broker_addr=b.addr,
             master_addr=lambda: cfg.ha_master_addr or self.learned_master_ha,
@@ -515,6 +516,7 @@ class HAService:
                 t.cancel()
         b.dedup.catch_up(store)
         b.dedup.follow_store = False
+        store.warm_ahead(True)
         self._topics_from_queues()
         self.role = role or learned_role or ASYNC_MASTER
         if self.role == SLAVE:
