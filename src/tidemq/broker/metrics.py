@@ -49,6 +49,14 @@ _GAUGES = {
     "delay_pending": "Messages waiting on a delay level.",
     "txn_half_pending": "Half (prepared) transactional messages not yet resolved.",
     "timer_bucket_files": "Timer-index bucket files holding pending timed messages.",
+    "epoch": "Replication epoch of this broker's group (docs/cluster.md).",
+    "ha_slaves": "Slaves connected to this master.",
+    "ha_in_sync_slaves": "Slaves in sync (they count for SYNC_MASTER sends).",
+    "ha_max_lag_bytes": "CommitLog bytes the furthest-behind slave lacks (master).",
+    "ha_max_lag_ms": "Age in ms of the oldest byte a slave lacks (master).",
+    "ha_waiting_sends": "SYNC_MASTER sends waiting for their slaves.",
+    "ha_lag_bytes": "CommitLog bytes this slave lacks, as its master last said (slave).",
+    "ha_last_heard_ms": "Milliseconds since this slave last heard from its master (slave).",
 }
 _COUNTERS = {
     "held_woken_by_arrival": "Held pulls answered because a message arrived.",
@@ -59,6 +67,9 @@ _COUNTERS = {
     "delay_delivered": "Delay-level messages delivered to their real topic.",
     "timer_delivered": "Timed (deliver_at) messages delivered to their real topic.",
     "consumer_notifications": "Group-change notifications sent to consumers.",
+    "ha_slave_not_available": "SYNC_MASTER sends answered SLAVE_NOT_AVAILABLE.",
+    "ha_truncated_bytes": "CommitLog bytes a slave cut because its master never had them.",
+    "ha_offsets_flowed_back": "Consumer offsets a slave took that reached this master.",
 }
 
 

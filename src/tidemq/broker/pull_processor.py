@@ -6,7 +6,8 @@ suspend timeout, subscription). The processor
 1. checks the request (group present, topic exists and is readable, queue id below the topic's
    read queue count, a TAG subscription that parses) -- any failure is an error response;
 2. stores the piggy-backed commit offset (PullSysFlag.COMMIT_OFFSET), only on the first
-   execution, never when a held pull is re-executed (RocketMQ's ``brokerAllowSuspend``);
+   execution, never when a held pull is re-executed (RocketMQ's ``brokerAllowSuspend``), and
+   never on a slave (there only explicit commits count);
 3. reads from the store (``MessageStore.get_messages`` filters whole batches by tag hash) and
    maps its GetStatus to a response code exactly as RocketMQ does::
 
@@ -25,6 +26,10 @@ suspend timeout, subscription). The processor
 5. answers FOUND with the stored batches, unmodified, as the body: the first batch may start
    before the requested offset and the last may run past max_msg_nums; the client skips and
    re-filters by tag string (the broker filters by tag hash only).
+6. suggests the broker to pull from next (``suggest_which_broker_id``, seed 004): with
+   ``slave_read_enable``, a consumer left more than ``access_message_in_memory_max_ratio`` % of
+   memory behind the CommitLog's end is sent to the group's ``which_broker_when_consume_slowly``
+   (a slave), any other to the master (docs/cluster.md).
 
 A write-only topic cannot be pulled, with one exception: a dead-letter topic ``%DLQ%<group>``
 may be read by the admin tools' group ``TOOLS_CONSUMER`` (`tidemq dlq list|resend`).

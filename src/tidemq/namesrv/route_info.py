@@ -15,6 +15,13 @@ leaves the tables when it unregisters, when its connection to the name server cl
 it has not registered for its heartbeat timeout (:meth:`scan_not_active_brokers`, run every
 10 s).
 
+Broker groups (docs/cluster.md): ``broker_addrs`` lists the master (id 0) and the slaves of a
+group; a group keeps its queues in the routes while any of its brokers lives (consumers read from
+a slave when the master is gone; while the group has no master, a slave's registration carries
+its topics). The answer to a registration names the group's master and its replication address
+(a slave follows it). A master whose epoch is lower than that of the live master of its group
+is refused (RegistrationRefused): it was replaced by a promotion.
+
 Routes are answered from these tables only; the name servers do not talk to each other (every
 broker registers with each of them).
 
