@@ -112,6 +112,11 @@ def test_sync_master_kill_then_promote_loses_no_acknowledged_message(cluster):
     missing = acked["broker-a"] - set(seen)
     assert not missing, f"{len(missing)} acknowledged messages are not on the slave"
 
+    # an ordered send pinned to a queue of the masterless group fails, clearly
+    with tidemq.Producer(c.namesrv) as p, pytest.raises(tidemq.TidemqError, match="no master"):
+        p.send(tidemq.Message(TOPIC, b"ordered"),
+               queue_id=tidemq.MessageQueue(TOPIC, "broker-a", 0))
+
     # 2. promote the slave: the same messages, now from the master of epoch 2
     out = json.loads(_tidemq("cluster", "promote", "--namesrv", c.namesrv,
                              "--broker-name", "broker-a", "--json"))

@@ -18,7 +18,9 @@ rest. Entries due before the crash that have no DONE mark are checked against th
 restart neither loses nor doubles due messages.
 
 Cancel: :meth:`cancel` finds the envelope by the message id the producer got back (the id
-index), and appends a CANCEL entry if the entry is still pending.
+index), and appends a CANCEL entry if the entry is still pending -- and a cancellation record
+(a message with ``deliver_at`` 0 naming the envelope) to the timer queue, so a restart's
+re-indexing and a slave's copy of the CommitLog know of it too.
 
 Threads: the broker's event loop only (checkpoints run in a worker thread; see TimerLog).
 """
@@ -26,6 +28,7 @@ Threads: the broker's event loop only (checkpoints run in a worker thread; see T
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -45,7 +48,7 @@ from tidemq.protocol.errors import (
     OffsetOutOfRangeError,
     TidemqError,
 )
-from tidemq.protocol.record import BatchView, parse_unique_id
+from tidemq.protocol.record import BatchView, MessageData, encode_batch, parse_unique_id
 from tidemq.store.message_store import GetStatus, MessageStore, PutResult
 from tidemq.store.timer_log import TimerLog
 
@@ -57,6 +60,11 @@ __all__ = ["TIMER_TOPIC", "TimerMessageService"]
 log = logging.getLogger(__name__)
 
 TIMER_TOPIC = "rmq_sys_wheel_timer"
+#: Properties of a cancellation record on the timer queue: the envelope's CommitLog offset,
+#: due time and size (RocketMQ 5 records a timer deletion as a message too).
+CANCEL_OF = "TIMER_CANCEL_OF"
+CANCEL_AT = "TIMER_CANCEL_AT"
+CANCEL_SIZE = "TIMER_CANCEL_SIZE"
 _BURST = 512
 
 
@@ -155,7 +163,13 @@ class TimerMessageService:
                 break
             for rb in r.batches:
                 v = BatchView(rb.data)
-                idx.add(v.deliver_at, v.phys_offset, v.total_size)
+                if v.deliver_at:
+                    idx.add(v.deliver_at, v.phys_offset, v.total_size)
+                else:  # a cancellation record (deliver_at 0: never held itself)
+                    with contextlib.suppress(KeyError, ValueError, TidemqError):
+                        props = next(v.messages()).properties
+                        idx.cancel(int(props[CANCEL_AT]), int(props[CANCEL_OF]),
+                                   int(props[CANCEL_SIZE]))
                 off = rb.queue_offset + 1
                 added += 1
         idx.indexed = off
@@ -226,6 +240,14 @@ class TimerMessageService:
             v = self.store.read_batch(phys)
             if idx.is_pending(v.deliver_at, phys):
                 idx.cancel(v.deliver_at, phys, v.total_size)
+                # ... and in the CommitLog, the timer queue's write-ahead record: a restart
+                # re-indexes it, a slave copies it (its index would deliver it otherwise)
+                record = encode_batch(TIMER_TOPIC, [MessageData(b"", properties={
+                    CANCEL_OF: str(phys), CANCEL_AT: str(v.deliver_at),
+                    CANCEL_SIZE: str(v.total_size),
+                }, born_ts=_now_ms())], queue_id=0)
+                r = self.store.put(record, queue_id=0, on_durable=_ignore_durable)
+                idx.indexed = max(idx.indexed, r.queue_offset + 1)
                 del m
                 return True
         return False

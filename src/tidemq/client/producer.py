@@ -640,6 +640,13 @@ class Producer:
         if queue_id is not None:
             if isinstance(queue_id, MessageQueue):
                 if queue_id not in queues:
+                    if queue_id.broker_name in route.group_addrs:
+                        raise NoRouteError(
+                            f"queue {queue_id} belongs to broker group "
+                            f"{queue_id.broker_name!r}, which has no master now (only slaves, "
+                            "which take no writes); a send pinned to it is not moved to another "
+                            "queue -- retry once a master is back (`tidemq cluster promote`)"
+                        )
                     raise MessageRejectedError(f"queue {queue_id} is not a writable queue of "
                                                f"topic {route.topic!r}")
                 return queue_id, True
