@@ -73,6 +73,9 @@ __all__ = ["HAServer", "SlaveLink", "plan_welcome", "read_message", "recv_exact"
 
 log = logging.getLogger(__name__)
 
+#: Most bytes one sendfile job sends before the link looks at its state again.
+_BULK_MAX = 64 << 20
+
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
     """``n`` bytes from a blocking socket (the slave's handshake)."""
@@ -274,7 +277,7 @@ class SlaveLink(asyncio.Protocol):
             left = min(end, seg.end) - nxt
             if (srv.sendfile_min and left >= srv.sendfile_min
                     and transport.get_write_buffer_size() == 0):
-                self._start_bulk(seg, nxt, left, end)
+                self._start_bulk(seg, nxt, min(left, _BULK_MAX), end)
                 return
             n = min(left, batch)
             rel = nxt - seg.start
