@@ -316,6 +316,8 @@ def dev_cmd(
     )
     if metrics_port is not None:
         cfg.metrics_port = metrics_port
+    if cfg.ha_port == -1:
+        cfg.ha_port = 0  # a dev broker has no slave: its replication port need not be fixed
     from tidemq.broker.broker import Broker
 
     broker = Broker(cfg)

@@ -18,6 +18,8 @@ Threads and who may call what:
 - SYNC_FLUSH durability callbacks (``on_durable``) run on the flush thread.
 - Two background threads: the flush service, and housekeeping (consume queue / index flush and
   checkpoint every second, retention every ten seconds).
+- A slave's store is written by ``append_replicated`` (never ``put``), ``truncate_to`` and
+  ``reset_to``, from one replication thread; they take the put lock like ``put``.
 - ``close`` once, from the thread that owns the store, after the callers have stopped.
 """
 
@@ -484,10 +486,11 @@ class MessageStore:
     def append_replicated(self, data: bytes | bytearray | memoryview) -> int:
         """Append bytes copied from the master's CommitLog, which held them at
         ``max_phys_offset``: batches and fillers, byte for byte, at the same physical offsets.
-        Only whole records are taken; returns the new ``max_phys_offset`` (the caller keeps the
-        bytes after ``new - old`` for the next call -- after a filler the write position jumps
-        to the next segment, past bytes that may not have arrived yet: they are the filler's
-        zeros, already zero here).
+        One call takes the whole records that lie in the current segment (up to a filler,
+        which ends it) and returns the new ``max_phys_offset``; the caller passes the bytes
+        after ``new - old`` again (``store.replica.ReplicaAppender`` does). After a filler the
+        write position jumps to the next segment, past bytes that may not have arrived yet:
+        they are the filler's zeros, already zero here.
 
         Every batch is checked (framing and both CRCs) before anything is written; a batch
         that fails is copied anyway (the logs stay identical), quarantined and never served,
