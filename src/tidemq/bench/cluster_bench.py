@@ -67,20 +67,21 @@ def _info(c: LocalCluster) -> dict[str, Any]:
 
 
 def bench_replication(*, mode: str = "batched", size: int = 1024, count: int = 0,
-                      rounds: int = 3, data_dir: str | None = None,
+                      rounds: int = 3, batch: int = 0, inflight: int = 0,
+                      data_dir: str | None = None, options: tuple[str, ...] = (),
                       progress: Progress | None = None) -> dict[str, Any]:
     """Both clusters run side by side (the idle one costs nothing); the produce runs
     alternate lone / replicated ``rounds`` times, so the machine's noise hits both alike;
     the ratio is of the medians."""
     if mode == "batched":
         count = count or 300_000
-        batch, inflight = 100, 8
+        batch, inflight = batch or 100, inflight or 8
         lone = ("ASYNC_MASTER", "async")
         repl = ("SYNC_MASTER", "async")
         target = 0.7
     elif mode == "single":
         count = count or 40_000
-        batch, inflight = 1, 64
+        batch, inflight = 1, inflight or 64
         lone = ("ASYNC_MASTER", "sync")
         repl = ("SYNC_MASTER", "async")
         target = 0.5
@@ -88,9 +89,11 @@ def bench_replication(*, mode: str = "batched", size: int = 1024, count: int = 0
         raise ValueError("mode is batched or single")
     runs: dict[str, list[dict[str, Any]]] = {"lone": [], "replicated": []}
     with tempfile.TemporaryDirectory(prefix="tidemq-bench-ha-", dir=data_dir) as d:
-        ca = _cluster(os.path.join(d, "lone"), slaves=0, role=lone[0], flush=lone[1])
+        ca = _cluster(os.path.join(d, "lone"), slaves=0, role=lone[0], flush=lone[1],
+                      options=options)
         try:
-            cb = _cluster(os.path.join(d, "repl"), slaves=1, role=repl[0], flush=repl[1])
+            cb = _cluster(os.path.join(d, "repl"), slaves=1, role=repl[0], flush=repl[1],
+                          options=options)
             try:
                 for i in range(rounds):
                     for key, c in (("lone", ca), ("replicated", cb)):
@@ -170,12 +173,12 @@ async def _paced(namesrv: str, topic: str, rate: int, seconds: float, size: int,
 
 
 def bench_replication_lag(*, rate: int = 100_000, seconds: float = 10.0, size: int = 100,
-                          data_dir: str | None = None,
+                          data_dir: str | None = None, options: tuple[str, ...] = (),
                           progress: Progress | None = None) -> dict[str, Any]:
     from tidemq.client.blocking import Admin
 
     with tempfile.TemporaryDirectory(prefix="tidemq-bench-lag-", dir=data_dir) as d:
-        c = _cluster(d, slaves=1, role="ASYNC_MASTER", flush="async")
+        c = _cluster(d, slaves=1, role="ASYNC_MASTER", flush="async", options=options)
         try:
             master = c.broker("broker-a", 0)
             polled_bytes: list[int] = []

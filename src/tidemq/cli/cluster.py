@@ -219,10 +219,15 @@ def promote_cmd(namesrv: str | None, directory: str | None, broker_name: str,
 @click.option("--count", default=0, help="Messages per run [batched 300000, single 40000].")
 @click.option("--rounds", default=3, show_default=True,
               help="Alternating lone / replicated runs; the ratio is of the medians.")
+@click.option("--batch", default=0, help="Messages per batch (batched mode) [100].")
+@click.option("--inflight", default=0, help="Sends in flight [batched 8, single 64].")
+@click.option("-o", "--option", "options", multiple=True, metavar="KEY=VALUE",
+              help="A broker setting for every broker of both runs (repeatable).")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
               help="Where the brokers' data goes (default: a temp dir).")
 @click.option("--json", "as_json", is_flag=True)
-def bench_replication_cmd(mode: str, size: int, count: int, rounds: int, data_dir: str | None,
+def bench_replication_cmd(mode: str, size: int, count: int, rounds: int, batch: int,
+                          inflight: int, options: tuple[str, ...], data_dir: str | None,
                           as_json: bool) -> None:
     """Produce against a lone broker and against a master + slave group: the ratio."""
     from tidemq.bench.cluster_bench import bench_replication
@@ -231,8 +236,9 @@ def bench_replication_cmd(mode: str, size: int, count: int, rounds: int, data_di
     n = count or (300_000 if mode == "batched" else 40_000)
     with click.progressbar(length=2 * n * rounds, label=f"producing ({mode})",
                            file=sys.stderr) as bar:
-        r = bench_replication(mode=mode, size=size, count=count, rounds=rounds,
-                              data_dir=data_dir, progress=bar.update)
+        r = bench_replication(mode=mode, size=size, count=count, rounds=rounds, batch=batch,
+                              inflight=inflight, data_dir=data_dir, options=options,
+                              progress=bar.update)
     emit_result(r, as_json)
 
 
@@ -240,10 +246,12 @@ def bench_replication_cmd(mode: str, size: int, count: int, rounds: int, data_di
 @click.option("--rate", default=100_000, show_default=True, help="Messages per second.")
 @click.option("--seconds", default=10.0, show_default=True)
 @click.option("--size", default=100, show_default=True, help="Body bytes per message.")
+@click.option("-o", "--option", "options", multiple=True, metavar="KEY=VALUE",
+              help="A broker setting for the master and the slave (repeatable).")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None)
 @click.option("--json", "as_json", is_flag=True)
-def bench_lag_cmd(rate: int, seconds: float, size: int, data_dir: str | None,
-                  as_json: bool) -> None:
+def bench_lag_cmd(rate: int, seconds: float, size: int, options: tuple[str, ...],
+                  data_dir: str | None, as_json: bool) -> None:
     """ASYNC_MASTER + slave at RATE msgs/s: the replication lag's p50/p99/max."""
     from tidemq.bench.cluster_bench import bench_replication_lag
     from tidemq.cli.output import emit_result
@@ -251,7 +259,7 @@ def bench_lag_cmd(rate: int, seconds: float, size: int, data_dir: str | None,
     with click.progressbar(length=int(rate * seconds), label="producing",
                            file=sys.stderr) as bar:
         r = bench_replication_lag(rate=rate, seconds=seconds, size=size, data_dir=data_dir,
-                                  progress=bar.update)
+                                  options=options, progress=bar.update)
     emit_result(r, as_json)
 
 

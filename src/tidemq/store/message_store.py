@@ -483,7 +483,10 @@ class MessageStore:
         return result
 
     # -- replication (a slave's side; the broker's HA service drives it) ---------------------
-    def append_replicated(self, data: bytes | bytearray | memoryview) -> int:
+    def append_replicated(
+        self, data: bytes | bytearray | memoryview,
+        on_written: Callable[[int], None] | None = None,
+    ) -> int:
         """Append bytes copied from the master's CommitLog, which held them at
         ``max_phys_offset``: batches and fillers, byte for byte, at the same physical offsets.
         One call takes the whole records that lie in the current segment (up to a filler,
@@ -494,10 +497,14 @@ class MessageStore:
 
         Every batch is checked (framing and both CRCs) before anything is written; a batch
         that fails is copied anyway (the logs stay identical), quarantined and never served,
-        as recovery treats a damaged batch. Then each batch is dispatched exactly as recovery
-        re-dispatches (consume queue units and index entries from the stored header), and the
-        dispatch listeners run. Raises StoreError when the bytes are not CommitLog records
-        (a broken stream: the caller reconnects) or the disk is full."""
+        as recovery treats a damaged batch. The consume queues get room for the batches' units
+        (a full disk fails here, with nothing written), the bytes are written with one pwrite,
+        ``on_written(new write position)`` runs (a slave acknowledges there, as RocketMQ's does
+        once its CommitLog has the bytes), and then each batch is dispatched exactly as
+        recovery re-dispatches (consume queue units and index entries from the stored header)
+        and the dispatch listeners run. Raises StoreError when the bytes are not CommitLog
+        records (a broken stream: the caller reconnects) or the disk is full; a dispatch that
+        fails cuts the CommitLog back to the batch it failed on."""
         if self._closed:
             raise StoreClosedError("the store is closed")
         if self.disk_full:
@@ -542,8 +549,19 @@ class MessageStore:
                 batches.append((pos, v, why))
                 pos += total
             if pos:
+                for _p, v, _why in batches:
+                    if v is not None:
+                        self._room_for_copied(v)
                 cl.pwrite(seg, rel, (mv[:pos],), pos)
                 cl.advance(pos)
+            if filler:
+                # The filler's header is all that matters: the rest of the segment is zeros
+                # here already (segments are created zero-filled and written in order).
+                TOTAL_SIZE_MAGIC.pack_into(seg.mm, rel + pos, left - pos, FILLER_MAGIC)
+                cl.advance(left - pos)
+            if on_written is not None and (pos or filler):
+                on_written(cl.write_pos)
+            if pos:
                 base = seg.start + rel
                 for p, v, why in batches:
                     try:
@@ -555,12 +573,17 @@ class MessageStore:
                         self.index.truncate_dirty(base + p)
                         cl.truncate_live(base + p)
                         raise
-            if filler:
-                # The filler's header is all that matters: the rest of the segment is zeros
-                # here already (segments are created zero-filled and written in order).
-                TOTAL_SIZE_MAGIC.pack_into(seg.mm, rel + pos, left - pos, FILLER_MAGIC)
-                cl.advance(left - pos)
             return cl.write_pos
+
+    def _room_for_copied(self, v: BatchView) -> None:
+        """Files and disk blocks for a replicated batch's units (and the gap a quarantined
+        batch before it left), before its bytes are written (put lock held)."""
+        cq = self.cqs.get_or_create(v.topic, v.queue_id)
+        qoff = v.queue_offset
+        if qoff and not cq.max_offset:
+            cq.start_at(qoff)
+        lo = min(qoff, cq.max_offset)
+        cq.make_room(lo, qoff + v.count - lo)
 
     def _dispatch_copied(
         self, v: BatchView | None, phys: int, why: str, mv: memoryview, p: int

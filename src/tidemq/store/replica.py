@@ -16,6 +16,8 @@ Threads: one caller at a time (the broker's HA client thread).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tidemq.protocol.errors import StoreError
 from tidemq.store.message_store import MessageStore
 
@@ -36,9 +38,11 @@ class ReplicaAppender:
         """Forget a partial record (a new connection resends from ``store.max_phys_offset``)."""
         self._pending.clear()
 
-    def feed(self, phys: int, data: bytes | bytearray | memoryview) -> int:
+    def feed(self, phys: int, data: bytes | bytearray | memoryview,
+             on_written: Callable[[int], None] | None = None) -> int:
         """Take ``data``, the master's bytes at ``phys``; store every record it completes.
-        Returns the store's write position afterwards."""
+        ``on_written(position)`` runs once the CommitLog has them, before they are dispatched
+        (``MessageStore.append_replicated``). Returns the store's write position afterwards."""
         store = self.store
         want = self.position
         mv = memoryview(data).cast("B")
@@ -59,7 +63,7 @@ class ReplicaAppender:
         used = 0
         n = len(buf)
         while used < n:
-            new = store.append_replicated(memoryview(buf)[used:])
+            new = store.append_replicated(memoryview(buf)[used:], on_written)
             step = new - start - used
             if step <= 0:
                 break

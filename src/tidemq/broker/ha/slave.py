@@ -247,6 +247,15 @@ class MasterLink:
         appender = self.appender
         acked = store.max_phys_offset
         last_ack = 0.0
+
+        def written(pos: int) -> None:
+            # acknowledged as soon as the CommitLog has the bytes, before their dispatch (the
+            # master's SYNC_MASTER sends wait for this, not for our consume queues)
+            nonlocal acked, last_ack
+            sock.sendall(encode_ack(pos, time.time_ns() // 1_000_000))
+            acked = pos
+            last_ack = time.monotonic()
+
         while not self._stop.is_set():
             now = time.monotonic()
             if now - last_ack >= heartbeat:
@@ -268,7 +277,7 @@ class MasterLink:
             while pos < have:
                 if body_left:
                     n = min(body_left, have - pos)
-                    appender.feed(body_phys, mv[pos : pos + n])
+                    appender.feed(body_phys, mv[pos : pos + n], written)
                     body_phys += n
                     body_left -= n
                     pos += n
