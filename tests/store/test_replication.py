@@ -75,7 +75,9 @@ def test_replicated_store_is_the_masters(tmp_path_factory, seed, max_chunk):
     slave = open_store(sdir)
     app = ReplicaAppender(slave)
     try:
-        _fill(master, rnd, rnd.randint(20, 120))
+        seq = _fill(master, rnd, rnd.randint(20, 120))
+        while master.max_phys_offset < 2.5 * master.config.segment_size:
+            seq = _fill(master, rnd, 10, seq)  # several segments: rolls and fillers copied
         _stream(master, app, rnd, max_chunk=max_chunk)
         assert slave.max_phys_offset == master.max_phys_offset
         assert len(master.commitlog.segments) > 1  # fillers and rolls were copied
