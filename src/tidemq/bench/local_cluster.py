@@ -15,6 +15,10 @@ stderr in ``<root>/logs/<name>.log``; brokers keep their data in ``<root>/<broke
 ``<root>/cluster.json`` records every process (pid and its start time, so ``down`` never
 signals a process that merely reused the pid), address and arguments.
 
+With ``election=True`` (``tidemq cluster up --election``) an etcd process comes first (one
+member, its own data dir ``<root>/etcd`` and ports on 127.0.0.1, never the system's service) and
+every broker gets ``-o etcd_endpoints=...``: masters are elected there (docs/cluster.md).
+
 Threads: one caller.
 """
 
@@ -25,20 +29,40 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-__all__ = ["LocalCluster", "Proc"]
+__all__ = ["LocalCluster", "Proc", "find_etcd"]
 
 STATE = "cluster.json"
 
 
+def find_etcd() -> str | None:
+    """The etcd binary: $TIDEMQ_ETCD, else etcd on PATH, else Debian's /usr/bin/etcd (the
+    ``etcd-server`` package, which ``make setup`` installs)."""
+    env = os.environ.get("TIDEMQ_ETCD")
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    found = shutil.which("etcd")
+    if found:
+        return found
+    return "/usr/bin/etcd" if os.access("/usr/bin/etcd", os.X_OK) else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @dataclass
 class Proc:
-    kind: str  # "namesrv" or "broker"
+    kind: str  # "namesrv", "broker" or "etcd"
     name: str  # unique in the cluster: namesrv-0, broker-a-0 (broker name and id)
     args: list[str]
     broker_name: str = ""
@@ -96,6 +120,11 @@ class LocalCluster:
     def namesrv(self) -> str:
         return ";".join(self.namesrv_addrs)
 
+    @property
+    def etcd(self) -> str:
+        """etcd's client address ("" without election)."""
+        return next((p.addr for p in self.procs if p.kind == "etcd"), "")
+
     def brokers(self, name: str | None = None) -> list[Proc]:
         return [p for p in self.procs if p.kind == "broker"
                 and (name is None or p.broker_name == name)]
@@ -131,7 +160,8 @@ class LocalCluster:
         brokers = ",".join(
             f"{p.broker_name}/{p.broker_id}={p.addr}" for p in self.brokers() if p.addr
         )
-        return f"tidemq cluster ready namesrv={self.namesrv} brokers={brokers}"
+        etcd = f" etcd={self.etcd}" if self.etcd else ""
+        return f"tidemq cluster ready namesrv={self.namesrv} brokers={brokers}{etcd}"
 
     # -- starting ----------------------------------------------------------------------------
     def _spawn(self, p: Proc) -> None:
@@ -139,15 +169,64 @@ class LocalCluster:
         logs.mkdir(parents=True, exist_ok=True)
         out = logs / f"{p.name}.out"
         out.write_bytes(b"")
+        argv = (p.args if p.kind == "etcd" else
+                [self.python, "-m", "tidemq.cli.main", *p.args, "--log-level", self.log_level])
         with open(out, "wb") as o, open(logs / f"{p.name}.log", "ab") as e:
             p.popen = subprocess.Popen(
-                [self.python, "-m", "tidemq.cli.main", *p.args, "--log-level", self.log_level],
-                stdout=o, stderr=e, stdin=subprocess.DEVNULL, start_new_session=True,
+                argv, stdout=o, stderr=e, stdin=subprocess.DEVNULL, start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         p.pid = p.popen.pid
         p.started = _start_time(p.pid)
-        p.addr = p.ha = ""
+        if p.kind != "etcd":
+            p.addr = p.ha = ""
+
+    def _await_etcd(self, p: Proc, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://{p.addr}/health", timeout=1) as r:
+                    if b"true" in r.read():
+                        break
+            except OSError:
+                pass
+            if not p.alive() or time.monotonic() > deadline:
+                tail = (self.root / "logs" / f"{p.name}.log").read_text()[-3000:]
+                if p.alive():
+                    self._signal(p, signal.SIGKILL)
+                raise RuntimeError(f"etcd did not start on {p.addr}:\n{tail}")
+            time.sleep(0.05)
+        if not p.started:
+            p.started = _start_time(p.pid)
+
+    def start_etcd(self, timeout: float = 30.0) -> Proc:
+        """One etcd member on 127.0.0.1 (its own data dir and ports; short raft timeouts)."""
+        binary = find_etcd()
+        if binary is None:
+            raise RuntimeError(
+                "etcd is not installed: election needs it (Debian: apt-get install etcd-server, "
+                "which `make setup` does; or set TIDEMQ_ETCD to the etcd binary)"
+            )
+        client, peer = _free_port(), _free_port()
+        c_url, p_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+        data = self.root / "etcd"
+        p = Proc("etcd", "etcd-0", [
+            binary, "--name", "etcd-0", "--data-dir", str(data),
+            "--listen-client-urls", c_url, "--advertise-client-urls", c_url,
+            "--listen-peer-urls", p_url, "--initial-advertise-peer-urls", p_url,
+            "--initial-cluster", f"etcd-0={p_url}", "--initial-cluster-state",
+            "existing" if (data / "member").exists() else "new",
+            "--heartbeat-interval", "100", "--election-timeout", "1000",
+            "--auto-compaction-retention", "1",
+        ], data_dir=str(data))
+        p.addr = f"127.0.0.1:{client}"
+        self._spawn(p)
+        self.procs.append(p)
+        try:
+            self._await_etcd(p, timeout)
+        finally:
+            self.save()
+        return p
 
     def _await_ready(self, p: Proc, timeout: float) -> None:
         out = self.root / "logs" / f"{p.name}.out"
@@ -196,6 +275,8 @@ class LocalCluster:
         args = ["broker", "--namesrv", ",".join(self.namesrv_addrs), "--port", "0",
                 "--ha-port", "0", "--name", name, "--role", role, "--broker-id",
                 str(broker_id), "--data-dir", data, "--flush", flush]
+        if self.etcd:
+            args += ["-o", f"etcd_endpoints={self.etcd}"]
         for o in (*self.broker_options, *options):
             args += ["-o", o]
         p = Proc("broker", f"{name}-{broker_id}", args, broker_name=name, broker_id=broker_id,
@@ -208,7 +289,10 @@ class LocalCluster:
             self._spawn(p)
         try:
             for p in procs:
-                self._await_ready(p, timeout)
+                if p.kind == "etcd":
+                    self._await_etcd(p, timeout)
+                else:
+                    self._await_ready(p, timeout)
         finally:
             self.save()
 
@@ -221,24 +305,32 @@ class LocalCluster:
     def up(
         self, *, namesrvs: int = 2, groups: int = 2, slaves: int = 1,
         role: str = "ASYNC_MASTER", flush: str = "async", options: tuple[str, ...] = (),
-        timeout: float = 60.0,
+        timeout: float = 60.0, election: bool = False,
     ) -> LocalCluster:
-        """Name servers, then ``groups`` broker groups (broker-a, broker-b, ...) of one master
-        (``role``) and ``slaves`` slaves each."""
+        """Name servers (and etcd with ``election``), then ``groups`` broker groups (broker-a,
+        broker-b, ...) of one master (``role``) and ``slaves`` slaves each."""
         try:
+            if election and not self.etcd:
+                self.start_etcd(timeout)
             if namesrvs:
                 self.start_namesrvs(namesrvs, timeout)
         except BaseException:
             self.down(5)
             raise
-        new = []
+        masters, slaves_ = [], []
         for g in range(groups):
             name = f"broker-{chr(ord('a') + g)}"
-            new.append(self.add_broker(name, 0, role, options=options, flush=flush))
+            masters.append(self.add_broker(name, 0, role, options=options, flush=flush))
             for i in range(1, slaves + 1):
-                new.append(self.add_broker(name, i, "SLAVE", options=options, flush=flush))
+                slaves_.append(self.add_broker(name, i, "SLAVE", options=options, flush=flush))
         try:
-            self.start(*new, timeout=timeout)
+            if election:
+                # the masters create their groups in etcd first (a slave started first would
+                # only wait for them)
+                self.start(*masters, timeout=timeout)
+                self.start(*slaves_, timeout=timeout)
+            else:
+                self.start(*masters, *slaves_, timeout=timeout)
         except BaseException:
             self.down(5)
             raise
@@ -300,7 +392,8 @@ class LocalCluster:
         """Stop every process (brokers first, then name servers); names of those stopped."""
         stopped = []
         order = [p for p in self.procs if p.kind == "broker"] + \
-                [p for p in self.procs if p.kind == "namesrv"]
+                [p for p in self.procs if p.kind == "namesrv"] + \
+                [p for p in self.procs if p.kind == "etcd"]
         live = [p for p in order if p.alive()]
         for p in live:
             if p.kind == "broker":
@@ -310,12 +403,14 @@ class LocalCluster:
             if p.kind == "broker" and not self._wait(p, timeout):
                 self._signal(p, signal.SIGKILL)
                 self._wait(p, 10)
-        for p in live:
-            if p.kind == "namesrv":
-                self._signal(p, signal.SIGTERM)
-                if not self._wait(p, timeout):
-                    self._signal(p, signal.SIGKILL)
-                    self._wait(p, 10)
+        for kind in ("namesrv", "etcd"):
+            for p in live:
+                if p.kind == kind:
+                    self._signal(p, signal.SIGCONT)
+                    self._signal(p, signal.SIGTERM)
+                    if not self._wait(p, timeout):
+                        self._signal(p, signal.SIGKILL)
+                        self._wait(p, 10)
         stopped = [p.name for p in live]
         if (self.root / STATE).exists():
             self.save()

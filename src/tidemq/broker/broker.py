@@ -129,6 +129,9 @@ class Broker:
         self.registration: NamesrvRegistration | None = None
         #: Replication: this broker's role in its group (docs/cluster.md).
         self.ha = HAService(self)
+        #: called (event loop) when an elected master finds itself replaced: the ``tidemq
+        #: broker`` process restarts in place as a slave; None (embedded) = stay fenced
+        self.restart_hook: Callable[[str], None] | None = None
         #: The delay, timer and transaction services run (a master's; a slave starts them
         #: when it is promoted).
         self.services_started = False
@@ -166,6 +169,7 @@ class Broker:
         self.store.flush_service.complete_on(handoff_to(loop.call_soon_threadsafe))
         os.makedirs(cfg.config_path, exist_ok=True)
         self.ha.load()
+        await self.ha.join_election()  # election on etcd: the role comes from there
         self.topics.load()
         self.offsets.load()
         self.subscription_groups.load()

@@ -159,6 +159,20 @@ class BrokerConfig:
     #: returned and the CommitLog's end (RocketMQ accessMessageInMemoryMaxRatio: 40).
     access_message_in_memory_max_ratio: float = 40.0
 
+    # -- automatic election on etcd (docs/cluster.md "Automatic election") ---------------------
+    #: etcd client endpoints, "host:port[,host:port...]": election on (the group's master, epoch
+    #: and in-sync set live in etcd); empty = off (`tidemq cluster promote` replaces a master).
+    etcd_endpoints: str = ""
+    #: Key prefix in etcd; a group's keys are <prefix>/<cluster>/<broker name>/...
+    etcd_prefix: str = "/tidemq"
+    #: A broker's etcd lease (liveness); a dead master is replaced about this long after it
+    #: died. etcd counts leases in whole seconds (rounded up).
+    election_lease_ttl_ms: int = 5000
+    #: How often a broker renews its lease, reads its group's state and acts on it.
+    election_poll_interval_ms: int = 500
+    #: One etcd request's timeout (the next endpoint is tried after a failure).
+    etcd_timeout_ms: int = 2000
+
     # -- files under data_dir -----------------------------------------------------------------
     config_dir_name: str = "config"
 
@@ -244,6 +258,15 @@ class BrokerConfig:
                      "ha_housekeeping_interval_ms", "ha_sync_metadata_interval_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"broker setting {name} must be > 0, got {getattr(self, name)}")
+        for name in ("election_lease_ttl_ms", "election_poll_interval_ms", "etcd_timeout_ms"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"broker setting {name} must be > 0, got {getattr(self, name)}")
+        if self.etcd_endpoints and self.election_poll_interval_ms * 2 > self.election_lease_ttl_ms:
+            raise ValueError(
+                f"election_poll_interval_ms ({self.election_poll_interval_ms}) must be at most "
+                f"half of election_lease_ttl_ms ({self.election_lease_ttl_ms}): the lease is "
+                "renewed at each poll"
+            )
         if self.access_message_in_memory_max_ratio < 0:
             raise ValueError("access_message_in_memory_max_ratio must be >= 0 (a percentage)")
 

@@ -125,4 +125,25 @@ class SendBackProcessor:
         except TidemqError as exc:
             raise rejection_for_store_error(exc) from None
         if not frame.is_oneway:
-            conn.respond(frame.opaque, ResponseCode.SUCCESS, _EMPTY)
+            # answered once durable (SYNC_FLUSH) and held by the slaves (SYNC_MASTER), as
+            # RocketMQ answers a send-back after its put
+            broker.store.when_durable(_Answer(conn, frame.opaque))
+
+
+class _Answer:
+    """when_durable callback of a send-back: answer the consumer (event loop)."""
+
+    __slots__ = ("conn", "opaque")
+
+    def __init__(self, conn: BrokerConnection, opaque: int) -> None:
+        self.conn = conn
+        self.opaque = opaque
+
+    def __call__(self, err: object) -> None:
+        if err is None:
+            self.conn.respond(self.opaque, ResponseCode.SUCCESS, _EMPTY)
+        else:
+            self.conn.respond_error(
+                self.opaque, ResponseCode.SYSTEM_ERROR,
+                f"the retry copy was stored but its fsync failed ({err}); send it back again",
+            )

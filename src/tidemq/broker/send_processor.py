@@ -154,6 +154,14 @@ class _PendingSend:
             self.conn.respond(self.opaque, ResponseCode.FLUSH_DISK_TIMEOUT, self.header)
         elif self.replica is None or self.replica is True:
             self.conn.respond(self.opaque, ResponseCode.SUCCESS, self.header)
+        elif self.replica == ResponseCode.SERVICE_NOT_AVAILABLE:
+            # fenced (election): this master's etcd lease lapsed, another may have been elected
+            self.conn.respond_error(
+                self.opaque, ResponseCode.SERVICE_NOT_AVAILABLE,
+                "this broker's mastership lease in etcd lapsed before the slaves confirmed the "
+                "batch: it is not acknowledged (send it again; the group's master may have "
+                "changed)",
+            )
         else:  # stored here, but not on the slaves: the code says why (SLAVE_NOT_AVAILABLE)
             self.conn.respond(self.opaque, self.replica, self.header)
 

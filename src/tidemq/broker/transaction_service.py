@@ -303,10 +303,13 @@ class TransactionService:
                 8, "little", signed=True
             )
             self.broker.put_internal(inner, real_qid, on_durable=_ignore_durable)
-            self._resolve(txn, v.queue_offset, "commit", answer)
+            self._resolve(txn, v.queue_offset, "commit")
+            # durable, and under SYNC_MASTER held by the slaves, like a send (RocketMQ)
+            self.store.when_durable(answer)
             self.stats["committed"] += 1
         elif state == TxnType.ROLLBACK:
-            self._resolve(txn, v.queue_offset, "rollback", answer)
+            self._resolve(txn, v.queue_offset, "rollback")
+            self.store.when_durable(answer)
             self.stats["rolled_back"] += 1
         else:
             answer(None)

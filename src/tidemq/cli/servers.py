@@ -19,6 +19,9 @@ admin commands stay fast.
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import sys
 from collections.abc import Awaitable, Callable
 
@@ -277,12 +280,28 @@ def broker_cmd(
     from tidemq.broker.broker import Broker
 
     broker = Broker(cfg)
+    restart: list[str] = []
+
+    def restart_as_slave(why: str) -> None:
+        # election: this master was replaced; stop cleanly, then start again in place (same
+        # pid, same port): the new process reads etcd and joins as a slave (docs/cluster.md)
+        restart.append(why)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    broker.restart_hook = restart_as_slave
     _fail_on_start_errors(
         lambda: _run(
             lambda: _serve(broker.start, broker.stop, lambda: f"tidemq broker ready {broker.addr}"
                            + _metrics_suffix(broker) + _ha_suffix(broker))
         )
     )
+    if restart and broker.port:
+        argv = [sys.executable, "-m", "tidemq.cli.main", *sys.argv[1:], "--port", str(broker.port)]
+        logging.getLogger("tidemq.cli").warning("restarting in place as a slave: %s", restart[0])
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, argv)
 
 
 @click.command("dev")

@@ -213,6 +213,9 @@ class MessageStore:
         self._pwrite_min = config.pwrite_min_bytes
         self._index_enabled = config.index_enabled
         self._sync_flush = config.flush_mode is FlushMode.SYNC
+        #: SYNC_MASTER (set by the broker's replication): ``gate(callback, end)`` returns the
+        #: callback to call once durable, which also waits until the slaves hold ``end``
+        self.replication_gate: Callable[[FlushCallback, int], FlushCallback] | None = None
         self.quarantine: dict[int, str] = {}  # phys offset -> reason (never served)
         self.disk_full = False
         self._id_hashes: dict[tuple[int, int], int] = {}
@@ -679,7 +682,11 @@ class MessageStore:
     def when_durable(self, callback: FlushCallback) -> None:
         """Call ``callback(None)`` (or the flush error) once everything put so far is
         durable: SYNC_FLUSH, after the group commit covering it (through the flush service's
-        executor, like a put's ``on_durable``); ASYNC_FLUSH, at once, as a put's."""
+        executor, like a put's ``on_durable``); ASYNC_FLUSH, at once, as a put's. Under
+        SYNC_MASTER (``replication_gate``) also once the slaves hold it."""
+        gate = self.replication_gate
+        if gate is not None:
+            callback = gate(callback, self.commitlog.write_pos)
         if self._sync_flush:
             self.flush_service.request(self.commitlog.write_pos, callback)
         else:

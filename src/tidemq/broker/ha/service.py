@@ -20,8 +20,16 @@ others in ``<config>/replication.json``, which then wins (a promoted broker stay
 restarts; delete the file to go back to the flags). The epoch history is ``<data_dir>/epoch``
 (epoch.py).
 
-Fencing without election (stage 1): a master the name servers refuse because another master of
-its group has a higher epoch stops taking writes (until restarted as a slave).
+Fencing without election: a master the name servers refuse because another master of its
+group has a higher epoch stops taking writes (until restarted as a slave).
+
+Election (``etcd_endpoints`` set; election.py): etcd holds the group's master, epoch and in-sync
+set. At start the broker reads them and becomes the master (a new group) or a slave; then every
+``election_poll_interval_ms`` it renews its lease and acts: a slave of the in-sync set whose
+group lost its leader campaigns and, when it wins, is promoted; a master keeps the in-sync set
+in etcd and acknowledges writes only while its lease holds; a master that finds itself replaced
+stops taking writes and restarts as a slave (``Broker.restart_hook``: the ``tidemq broker``
+process re-executes itself), which cuts its divergent tail when it joins the new master.
 
 Threads: the broker's event loop, except the callbacks the HA threads make, which hop.
 """
@@ -35,11 +43,13 @@ import logging
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tidemq.broker.durable_file import read_file, write_atomic
 from tidemq.broker.errors import RequestRejected
+from tidemq.broker.ha.election import Election, EtcdUnavailable, GroupView
 from tidemq.broker.ha.epoch import EpochFile
 from tidemq.broker.ha.master import HAServer
 from tidemq.broker.ha.slave import MasterLink
@@ -115,6 +125,16 @@ class HAService:
         self._pool: Any = None
         self._stopped = False
         self._was_promoted = False
+        #: election on etcd (None: off); this broker's identity there
+        self.election: Election | None = None
+        self.member = ""
+        #: the in-sync set in etcd (members, the master included): a SYNC_MASTER send is
+        #: acknowledged once every slave in it holds the batch
+        self.isr: list[str] = []
+        self._addr_member: dict[str, str] = {}
+        self._leaderless_since = 0.0
+        self.replaced = ""
+        self.elections_won = 0
 
     # -- role ----------------------------------------------------------------------------------
     @property
@@ -143,7 +163,10 @@ class HAService:
                     "it to use --role / broker_role"
                 ) from None
             self._was_promoted = promoted and role != SLAVE
-            if promoted and (role, bid) != (self.role, self.broker_id):
+            self.member = str(data.get("member", ""))
+            if self.cfg.etcd_endpoints:
+                pass  # election: etcd says who the master is, not this file
+            elif promoted and (role, bid) != (self.role, self.broker_id):
                 log.warning(
                     "role %s, id %d from %s (recorded by a promotion) overrides the configured "
                     "%s, id %d; delete the file to use the configured role",
@@ -153,10 +176,14 @@ class HAService:
             self.timer_done_before = data.get("timer_done_before")
         self.cfg.broker_role, self.cfg.broker_id = self.role, self.broker_id
         self.epochs.load()
+        if not self.member:
+            self.member = uuid.uuid4().hex[:16]
+            self._save_state()
 
     def _save_state(self) -> None:
         data = {"role": self.role, "broker_id": self.broker_id, "epoch": self.epoch,
-                "promoted": bool(self.promoted_at) or self._was_promoted}
+                "promoted": bool(self.promoted_at) or self._was_promoted,
+                "member": self.member}
         if self.timer_done_before is not None:
             data["timer_done_before"] = self.timer_done_before
         write_atomic(self.state_path, json.dumps(data).encode())
@@ -171,6 +198,8 @@ class HAService:
         else:
             self._start_slave()
         self._tasks.append(loop.create_task(self._tick_forever(), name="ha-tick"))
+        if self.election is not None:
+            self._tasks.append(loop.create_task(self._elect_forever(), name="ha-election"))
 
     async def _start_master(self) -> None:
         b = self.broker
@@ -188,13 +217,24 @@ class HAService:
         await srv.start(cfg.listen_host, port)
         host = b.addr.rsplit(":", 1)[0]
         self.ha_addr = f"{host}:{srv.port}"
-        self.waiters = ReplicaWaiters(
-            lambda: srv.replicated_offset(cfg.min_in_sync_replicas),
-            lambda: len(srv.in_sync_links()),
-            cfg.min_in_sync_replicas,
-        )
+        el = self.election
+        if el is None:
+            self.waiters = ReplicaWaiters(
+                lambda: srv.replicated_offset(cfg.min_in_sync_replicas),
+                lambda: len(srv.in_sync_links()),
+                cfg.min_in_sync_replicas,
+                timeout_s=store.config.sync_flush_timeout_ms / 1000,
+            )
+        else:
+            self.waiters = ReplicaWaiters(
+                self._isr_replicated_offset, lambda: len(self._isr_slaves()),
+                cfg.min_in_sync_replicas, may_ack=el.lease_ok,
+                timeout_s=store.config.sync_flush_timeout_ms / 1000,
+            )
         store.add_dispatch_listener(srv.on_put)
         b.send_processor.sync_master = self.role == SYNC_MASTER
+        if self.role == SYNC_MASTER:
+            store.replication_gate = self._gate
         log.info("broker %s is %s (id 0, epoch %d); replication on %s", cfg.broker_name,
                  self.role, self.epoch, self.ha_addr)
 
@@ -211,6 +251,7 @@ class HAService:
             on_reset=lambda why: loop.call_soon_threadsafe(self._after_reset, why),
             on_meta_version=lambda v: loop.call_soon_threadsafe(self._kick_sync),
             on_connected=lambda up: loop.call_soon_threadsafe(self._connected, up),
+            min_epoch=self._known_epoch,
         )
         self.link.start()
         self._tasks.append(loop.create_task(self._sync_forever(), name="ha-sync"))
@@ -231,6 +272,9 @@ class HAService:
             await self.server.stop()
         if self._pool is not None:
             self._pool.close()
+        if self.election is not None:
+            # a clean stop of the master hands leadership over at once (its lease revoked)
+            await self.election.close(release=not self.replaced)
 
     # -- requests ------------------------------------------------------------------------------
     def handlers(self) -> dict[int, Callable[[BrokerConnection, Frame], None]]:
@@ -241,10 +285,36 @@ class HAService:
         }
 
     def guard(self, handlers: dict[int, Callable[..., None]]) -> None:
-        """Keep ``handlers`` (the broker's table); a slave's write requests are refused."""
+        """Keep ``handlers`` (the broker's table); a slave's write requests are refused; with
+        election a master's are taken only while its lease holds."""
         self._handlers = handlers
         if self.is_slave:
             self._refuse_writes()
+        elif self.election is not None:
+            self._lease_checked_writes()
+
+    def _lease_checked_writes(self) -> None:
+        handlers = self._handlers
+        el = self.election
+        assert handlers is not None and el is not None
+        for code, what in _WRITES.items():
+            if code in handlers and code not in self._guarded:
+                self._guarded[code] = handlers[code]
+                handlers[code] = self._lease_checked(handlers[code], what, el)
+
+    def _lease_checked(self, handler: Callable[[BrokerConnection, Frame], None], what: str,
+                       el: Election) -> Callable[[BrokerConnection, Frame], None]:
+        def checked(conn: BrokerConnection, frame: Frame) -> None:
+            if not el.lease_ok():
+                raise RequestRejected(
+                    ResponseCode.SERVICE_NOT_AVAILABLE,
+                    f"broker {self.cfg.broker_name} holds no valid mastership lease in etcd now "
+                    f"(renewal failed or came too late): it takes no {what} until it renews it "
+                    "or another master is elected; send to the group's master",
+                )
+            handler(conn, frame)
+
+        return checked
 
     def _refuse_writes(self) -> None:
         handlers = self._handlers
@@ -324,7 +394,8 @@ class HAService:
     def on_register_response(self, addr: str, frame: Frame) -> None:
         h = frame.header
         if frame.code == ResponseCode.SUCCESS:
-            if isinstance(h, RegisterBrokerResponseHeader) and self.is_slave:
+            if isinstance(h, RegisterBrokerResponseHeader) and self.is_slave and \
+                    self.election is None:  # with election etcd names the master
                 if h.ha_server_addr and h.ha_server_addr != self.learned_master_ha:
                     log.info("the name server %s names %s (replication %s) as the master",
                              addr, h.master_addr, h.ha_server_addr)
@@ -339,15 +410,29 @@ class HAService:
             self.fence(msg)
 
     def fence(self, why: str) -> None:
-        """Another master of the group has a newer epoch: take no more writes."""
+        """Another master of the group has a newer epoch: take no more writes (with election,
+        then restart as a slave)."""
         if self.fenced:
             return
         self.fenced = why
         log.error("broker %s stops taking writes: %s", self.cfg.broker_name, why)
         if self._handlers is not None:
+            self._allow_writes()  # the originals, then the refusal over them
             self._refuse_writes()
+        self.broker.store.replication_gate = None
         if self.waiters is not None:
-            self.waiters.fail_all(ResponseCode.SLAVE_NOT_AVAILABLE)
+            self.waiters.fail_all(ResponseCode.SERVICE_NOT_AVAILABLE
+                                  if self.election is not None
+                                  else ResponseCode.SLAVE_NOT_AVAILABLE)
+        if self.election is not None:
+            self.replaced = why
+            hook = self.broker.restart_hook
+            if hook is not None:
+                log.warning("broker %s restarts as a slave of the new master", self.cfg.broker_name)
+                self.broker.loop.call_soon(hook, why)
+            else:
+                log.error("broker %s is embedded (no restart hook): restart it to make it a "
+                          "slave of the new master", self.cfg.broker_name)
 
     # -- the slave's periodic work -------------------------------------------------------------
     def _master_client_addr(self) -> str:
@@ -466,6 +551,13 @@ class HAService:
         from tidemq.broker.connection import decode_request
 
         h: PromoteRequestHeader = decode_request(frame, PromoteRequestHeader)
+        if self.election is not None and not h.force:
+            raise RequestRejected(
+                ResponseCode.INVALID_ARGUMENT,
+                f"broker {self.cfg.broker_name} runs with election on etcd: the group's master "
+                "is elected there (a slave of the in-sync set takes over when the master's "
+                "lease expires); promote by hand only with force",
+            )
         if not self.is_slave:
             raise RequestRejected(
                 ResponseCode.INVALID_ARGUMENT,
@@ -494,7 +586,7 @@ class HAService:
 
         self.broker.loop.create_task(go())
 
-    async def promote(self, role: str = "") -> PromoteResponseHeader:
+    async def promote(self, role: str = "", epoch: int = 0) -> PromoteResponseHeader:
         """Make this slave the master of its group (RocketMQ 4.9's manual switch): a new epoch
         from its CommitLog's end, id 0, writes allowed, the delay/timer/transaction services
         started, registered as the master."""
@@ -525,7 +617,7 @@ class HAService:
         self.broker_id = MASTER_ID
         self.cfg.broker_role, self.cfg.broker_id = self.role, MASTER_ID
         start = store.max_phys_offset
-        epoch = self.epoch + 1
+        epoch = max(epoch, self.epoch + 1)
         await asyncio.to_thread(self.epochs.append, epoch, start)
         await asyncio.to_thread(self._save_state)
         b.offsets.local_commits = None
@@ -533,6 +625,8 @@ class HAService:
         self.unreplicated_at_promotion = unreplicated
         await self._start_master()
         self._allow_writes()
+        if self.election is not None:
+            self._lease_checked_writes()
         b.start_services(timer_done_before=self.timer_done_before or 0)
         log.warning(
             "promoted: broker %s (was id %d) is now %s of its group, epoch %d from CommitLog "
@@ -569,6 +663,250 @@ class HAService:
                         "master was lost): created with the queues found", added)
             b.topics_changed()
 
+    # -- election on etcd ----------------------------------------------------------------------
+    def _known_epoch(self) -> int:
+        """The newest epoch of the group this broker knows (the slave link's floor)."""
+        return self.election.last_view.epoch if (self.election is not None
+                                                 and self.election.last_view) else 0
+
+    def _member_info(self) -> dict[str, Any]:
+        return {"addr": self.broker.addr, "ha": self.ha_addr if self.is_master else "",
+                "broker_id": self.broker_id, "role": self.role, "epoch": self.epoch,
+                "max": self.broker.store.max_phys_offset}
+
+    def _slave_id(self, view: GroupView) -> int:
+        """The configured id when it is a slave's and free, else the lowest free one."""
+        used = {int(m.get("broker_id", -1)) for k, m in view.members.items()
+                if k != self.member}
+        want = self.cfg.broker_id if self.broker_id else 0
+        if want >= 1 and want not in used:
+            return want
+        n = 1
+        while n in used:
+            n += 1
+        return n
+
+    async def join_election(self) -> None:
+        """Before the role's services start: read the group in etcd and take the role it
+        gives (a new group's configured master creates it)."""
+        cfg = self.cfg
+        if not cfg.etcd_endpoints:
+            return
+        self.election = el = Election(cfg, self.member)
+        deadline = time.monotonic() + max(30.0, 3 * el.ttl_s)
+        configured = self.role
+        while True:
+            try:
+                await el.keep_lease()
+                view = await el.read()
+                decided = await self._join(view, configured)
+            except EtcdUnavailable as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"etcd ({cfg.etcd_endpoints}) did not answer: {exc}; election needs it "
+                        "(start etcd, or remove etcd_endpoints to run without election)"
+                    ) from None
+                log.warning("waiting for etcd: %s", exc)
+                await asyncio.sleep(1.0)
+                continue
+            if decided:
+                break
+            await asyncio.sleep(el.poll_s)
+        self.cfg.broker_role, self.cfg.broker_id = self.role, self.broker_id
+        await asyncio.to_thread(self._save_state)
+
+    async def _join(self, view: GroupView, configured: str) -> bool:
+        el = self.election
+        assert el is not None
+        store = self.broker.store
+        if view.leader is not None and view.leader.get("member") == self.member and \
+                view.leader_lease != el.lease_id:
+            # this broker's previous process (the store's lock proves it is gone): free its lease
+            log.info("the group's leader key is this broker's previous process's; revoking "
+                     "its lease %x", view.leader_lease)
+            await el.revoke(view.leader_lease)
+            return False
+        if view.state is None:
+            if configured == SLAVE:
+                self.role = SLAVE
+                self.broker_id = max(1, self.broker_id)
+                log.info("group %s has no state in etcd yet: waiting as a slave for its master",
+                         self.cfg.broker_name)
+                return True
+            epoch = self.epoch + 1
+            state = {"epoch": epoch, "master": self.member, "role": configured,
+                     "isr": [self.member], "start": store.max_phys_offset}
+            if not await el.create_group(state):
+                return False
+            await asyncio.to_thread(self.epochs.append, epoch, store.max_phys_offset)
+            self.role, self.broker_id = configured, MASTER_ID
+            self.isr = [self.member]
+            self.elections_won += 1
+            log.warning("group %s created in etcd: this broker is its %s, epoch %d",
+                        self.cfg.broker_name, configured, epoch)
+            return True
+        self.role = SLAVE
+        self.broker_id = self._slave_id(view)
+        log.info("group %s in etcd: epoch %d, master %s, in sync %s; this broker (%s) joins as "
+                 "slave id %d", self.cfg.broker_name, view.epoch, view.master or "none",
+                 view.isr, self.member, self.broker_id)
+        return True
+
+    async def _elect_forever(self) -> None:
+        el = self.election
+        assert el is not None
+        while not self._stopped:
+            try:
+                await self._elect_round(el)
+            except EtcdUnavailable as exc:
+                level = logging.WARNING if el.failures <= 1 else logging.DEBUG
+                log.log(level, "election round: %s", exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("election round failed")
+            await asyncio.sleep(el.poll_s)
+
+    async def _elect_round(self, el: Election) -> None:
+        if self.replaced:
+            return
+        await el.keep_lease()
+        await el.put_member(self._member_info())
+        view = await el.read()
+        if self.is_master:
+            await self._master_round(el, view)
+        else:
+            await self._slave_round(el, view)
+
+    async def _master_round(self, el: Election, view: GroupView) -> None:
+        st = view.state
+        if st is None or st.get("master") != self.member or int(st["epoch"]) != self.epoch:
+            self.fence(
+                f"etcd names {st.get('master') if st else 'nobody'} the master of "
+                f"{self.cfg.broker_name} at epoch {view.epoch} (this broker was master at epoch "
+                f"{self.epoch}): it was replaced"
+            )
+            return
+        if view.leader is None:
+            if await el.reacquire(view):
+                log.warning("mastership lease of %s taken again (epoch %d; nobody had replaced "
+                            "this broker)", self.cfg.broker_name, self.epoch)
+            return
+        self._addr_member = {str(m.get("addr", "")): k for k, m in view.members.items()}
+        await self._update_isr(el, view)
+
+    def _links_by_member(self) -> dict[str, Any]:
+        srv = self.server
+        out: dict[str, Any] = {}
+        if srv is None:
+            return out
+        for link in srv.links:
+            h = link.hello
+            if h is None or link.closed:
+                continue
+            m = self._addr_member.get(h.broker_addr)
+            if m is not None:
+                out[m] = link
+        return out
+
+    def _isr_slaves(self) -> list[str]:
+        return [m for m in self.isr if m != self.member]
+
+    def _isr_replicated_offset(self) -> int:
+        """What every slave of the in-sync set in etcd holds (-1: fewer than
+        min_in_sync_replicas slaves in it, or one not connected)."""
+        slaves = self._isr_slaves()
+        if len(slaves) < self.cfg.min_in_sync_replicas:
+            return -1
+        links = self._links_by_member()
+        acked = []
+        for m in slaves:
+            link = links.get(m)
+            if link is None:
+                return -1
+            acked.append(link.acked)
+        return min(acked)
+
+    async def _update_isr(self, el: Election, view: GroupView) -> None:
+        srv, w = self.server, self.waiters
+        assert srv is not None and w is not None
+        self.isr = view.isr
+        committed = set(self._isr_slaves())
+        now = time.monotonic()
+        wp = self.broker.store.max_phys_offset
+        want = set()
+        for m, link in self._links_by_member().items():
+            if link.in_sync(now, wp) and (m in committed or link.acked >= w.high_watermark):
+                want.add(m)
+        if want == committed:
+            return
+        isr = [self.member, *sorted(want)]
+        if await el.set_isr(view, isr):
+            log.warning("in-sync set of %s in etcd: %s (was %s)", self.cfg.broker_name, isr,
+                        view.isr)
+            self.isr = isr
+            w.acked()
+
+    async def _slave_round(self, el: Election, view: GroupView) -> None:
+        leader = view.leader
+        if leader is not None:
+            self._leaderless_since = 0.0
+            lm = str(leader.get("member", ""))
+            if lm == self.member:
+                if view.leader_lease != el.lease_id:
+                    await el.revoke(view.leader_lease)
+                return
+            info = view.members.get(lm, {})
+            ha, addr = str(info.get("ha", "")), str(info.get("addr", ""))
+            if addr:
+                self.learned_master_addr = addr
+            if ha and ha != self.learned_master_ha:
+                log.info("etcd names %s (replication %s) the master of %s, epoch %d", addr, ha,
+                         self.cfg.broker_name, view.epoch)
+                self.learned_master_ha = ha
+                if self.link is not None:
+                    self.link.kick()
+            return
+        st = view.state
+        if st is None or self.member not in view.isr or not el.lease_ok():
+            return
+        now = time.monotonic()
+        if not self._leaderless_since:
+            self._leaderless_since = now
+            log.warning("group %s has no master in etcd (its lease expired)",
+                        self.cfg.broker_name)
+        live = [m for m in view.isr if m in view.members or m == self.member]
+        live.sort(key=lambda m: (-int(view.members.get(m, {}).get("max", 0)), m))
+        rank = live.index(self.member) if self.member in live else len(live)
+        if now - self._leaderless_since < rank * el.poll_s * 2:
+            return
+        epoch = max(view.epoch, self.epoch) + 1
+        role = str(st.get("role") or ASYNC_MASTER)
+        state = {"epoch": epoch, "master": self.member, "role": role, "isr": [self.member],
+                 "start": self.broker.store.max_phys_offset}
+        if not await el.campaign(view, state):
+            log.info("campaign for %s lost (another broker changed the group first)",
+                     self.cfg.broker_name)
+            return
+        self.elections_won += 1
+        self.isr = [self.member]
+        log.warning("elected: this broker becomes the %s of %s at epoch %d", role,
+                    self.cfg.broker_name, epoch)
+        await self.promote(role, epoch)
+        await el.put_member(self._member_info(), force=True)
+
+    def _gate(self, callback: Callable[[object], None], end: int) -> Callable[[object], None]:
+        """MessageStore.replication_gate: a broker-made write's callback waits for the
+        slaves (SYNC_MASTER) once it is durable."""
+        def after_durable(err: object) -> None:
+            w = self.waiters
+            if err is not None or w is None or self.fenced:
+                callback(err)
+            else:
+                w.after(callback, end)
+
+        return after_durable
+
     # -- status --------------------------------------------------------------------------------
     def runtime_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {
@@ -580,6 +918,19 @@ class HAService:
         }
         if self.fenced:
             info["fenced"] = self.fenced
+        el = self.election
+        if el is not None:
+            info["election"] = True
+            info["member"] = self.member
+            info["etcd_lease_ok"] = el.lease_ok()
+            info["etcd_lease_left_ms"] = max(0, int((el.valid_until - time.monotonic()) * 1000))
+            info["etcd_failures"] = el.failures
+            info["elections_won"] = self.elections_won
+            v = el.last_view
+            if v is not None:
+                info["group_epoch"] = v.epoch
+                info["group_isr"] = json.dumps(v.isr)
+                info["group_master"] = v.master
         srv = self.server
         if srv is not None:
             links = srv.status()
@@ -594,6 +945,8 @@ class HAService:
             w = self.waiters
             if w is not None:
                 info["ha_replicated_offset"] = w.replicated
+                info["ha_high_watermark"] = w.high_watermark
+                info["ha_fenced_answers"] = w.fenced_answers
                 info["ha_waiting_sends"] = len(w)
                 info["ha_slave_not_available"] = w.not_available
                 info["ha_wait_rounds"] = w.rounds

@@ -69,8 +69,12 @@ class MasterLink:
         on_reset: Callable[[str], None],
         on_meta_version: Callable[[int], None],
         on_connected: Callable[[bool], None],
+        min_epoch: Callable[[], int] | None = None,
     ) -> None:
         self.store = store
+        #: the newest epoch this slave knows of (election: the group's epoch in etcd); a master
+        #: of an older epoch was replaced and is not followed (its bytes are not acknowledged)
+        self.min_epoch = min_epoch or (lambda: 0)
         self.cfg = cfg
         self.epochs = epochs
         self.broker_id = broker_id
@@ -179,6 +183,7 @@ class MasterLink:
             raise Refused("the master answered the hello with something else")
         if welcome.error:
             raise Refused(welcome.error)
+        self._check_epoch(welcome.epochs[-1][0] if welcome.epochs else 0, addr)
         self._apply(welcome)
         self.refused = ""
         self.current_addr = addr
@@ -193,6 +198,18 @@ class MasterLink:
         log.info("following master %s (%s) from CommitLog offset %d (%s)", addr,
                  welcome.master_role, store.max_phys_offset, welcome.action.value)
         self._stream(sock)
+
+    @property
+    def _min_epoch(self) -> int:
+        return self.min_epoch()
+
+    def _check_epoch(self, epoch: int, addr: str) -> None:
+        known = self.min_epoch()
+        if epoch < known:
+            raise ConnectionError(
+                f"master {addr} is at epoch {epoch} but the group is at epoch {known}: it was "
+                "replaced, so this slave does not follow it"
+            )
 
     def _apply(self, w: HaWelcome) -> None:
         store = self.store
@@ -288,6 +305,8 @@ class MasterLink:
                 pos += TRANSFER.size
                 self.master_max = t.master_max
                 self.master_ms = t.master_ms
+                if t.epoch < self._min_epoch:
+                    self._check_epoch(t.epoch, self.current_addr)
                 if t.epoch > self.epochs.last_epoch:
                     self.epochs.follow(t.epoch, t.epoch_start)
                 if t.meta_version != self.meta_version:
