@@ -417,7 +417,17 @@ class Producer:
         pending any more: delivered, cancelled, or not a timed message."""
         await self._ensure_started()
         route = self.routes.cached(result.topic) or await self._route(result.topic)
-        addr = route.broker_addrs[result.broker_name]
+        addr = route.broker_addrs.get(result.broker_name)
+        if addr is None:
+            route = await self.routes.get(result.topic, refresh=True)
+            addr = route.broker_addrs.get(result.broker_name)
+        if addr is None:
+            raise NoRouteError(
+                f"cannot cancel: broker group {result.broker_name!r}, which holds the timed "
+                f"message {result.msg_id}, has no master now (it is not in the route of "
+                f"{result.topic!r}, or only its slaves are, and they take no cancellations); "
+                "retry once the group has a master again"
+            )
         await self.pool.request(
             addr, RequestCode.CANCEL_TIMER_MESSAGE,
             CancelTimerMessageRequestHeader(msg_id=result.msg_id),
@@ -633,6 +643,7 @@ class Producer:
             # The common choice: plain round robin (no broker to avoid).
             return queues[next(self._rr) % len(queues)], False
         if not queues:
+            self.routes.refresh_soon(route.topic)  # its groups may have a master again soon
             raise NoRouteError(
                 f"topic {route.topic!r} has no writable queue (check its perm and write queue "
                 "count, and that its brokers are registered)"
@@ -641,6 +652,7 @@ class Producer:
             if isinstance(queue_id, MessageQueue):
                 if queue_id not in queues:
                     if queue_id.broker_name in route.group_addrs:
+                        self.routes.refresh_soon(route.topic)  # an election may name one
                         raise NoRouteError(
                             f"queue {queue_id} belongs to broker group "
                             f"{queue_id.broker_name!r}, which has no master now (only slaves, "
@@ -752,6 +764,11 @@ class Producer:
                 latency = (time.monotonic() - t0) * 1000
                 if self.latency_fault:
                     self._faults.update(mq.broker_name, max(latency, FAILURE_LATENCY_MS))
+                if not isinstance(exc, BrokerError) or \
+                        exc.response_code == ResponseCode.SERVICE_NOT_AVAILABLE:
+                    # unreachable, or not the master any more: the name servers may name
+                    # another by now (an election), so ask them again in the background
+                    self.routes.refresh_soon(topic)
                 last_exc, last_broker = exc, mq.broker_name
                 retry = not isinstance(exc, BrokerError) or exc.response_code in _RETRY_CODES
                 if (pinned and not dedup) or not retry:

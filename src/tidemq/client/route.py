@@ -136,6 +136,7 @@ class RouteCache:
         self._group_addrs: dict[str, dict[int, str]] = {}  # broker name -> id -> address
         self._down: dict[str, float] = {}  # address -> monotonic time until it is skipped
         self._refreshing: set[str] = set()
+        self._refreshed_at: dict[str, float] = {}
         self._fetching: dict[str, asyncio.Task[TopicRoute]] = {}
         self._task: asyncio.Task[None] | None = None
 
@@ -280,18 +281,27 @@ class RouteCache:
         if len(self._down) > 64:
             now = time.monotonic()
             self._down = {a: t for a, t in self._down.items() if t > now}
-        if topic is not None and topic not in self._refreshing:
-            self._refreshing.add(topic)
+        if topic is not None:
+            self.refresh_soon(topic)
 
-            async def refresh() -> None:
-                try:
-                    await self.get(topic, refresh=True)
-                except Exception as exc:  # the periodic refresh tries again
-                    log.debug("refreshing the route of %r failed: %s", topic, exc)
-                finally:
-                    self._refreshing.discard(topic)
+    def refresh_soon(self, topic: str) -> None:
+        """Fetch ``topic``'s route again in the background: at most one fetch at a time and
+        one per 0.2 s (a group's master failed or moved: an election names another)."""
+        now = time.monotonic()
+        if topic in self._refreshing or now - self._refreshed_at.get(topic, 0.0) < 0.2:
+            return
+        self._refreshing.add(topic)
+        self._refreshed_at[topic] = now
 
-            asyncio.get_running_loop().create_task(refresh())
+        async def refresh() -> None:
+            try:
+                await self.get(topic, refresh=True)
+            except Exception as exc:  # the periodic refresh tries again
+                log.debug("refreshing the route of %r failed: %s", topic, exc)
+            finally:
+                self._refreshing.discard(topic)
+
+        asyncio.get_running_loop().create_task(refresh())
 
     def forget(self, topic: str) -> None:
         self._routes.pop(topic, None)
