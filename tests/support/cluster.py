@@ -1,6 +1,7 @@
 """The cluster tests' launcher: the product's own LocalCluster (``tidemq cluster up`` runs it
 too) with test-sized settings -- small segments, so replication crosses segment ends, and fast
-replication heartbeats, so a lost link is noticed in seconds. Later stages add etcd here."""
+replication heartbeats, so a lost link is noticed in seconds. With ``election=True`` an etcd of
+its own (one member, 127.0.0.1, its own data dir) and short leases."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tidemq.bench.local_cluster import LocalCluster, Proc
+import pytest
+
+from tidemq.bench.local_cluster import LocalCluster, Proc, find_etcd
 from tidemq.client.blocking import Admin
 
-__all__ = ["TEST_OPTIONS", "LocalCluster", "Proc", "start_cluster", "wait_until", "info",
-           "same_commitlog"]
+__all__ = ["TEST_OPTIONS", "ELECTION_OPTIONS", "LocalCluster", "Proc", "start_cluster",
+           "wait_until", "info", "same_commitlog", "needs_etcd"]
 
 TEST_OPTIONS = (
     "store.segment_size=1048576",
@@ -33,10 +36,27 @@ TEST_OPTIONS = (
 )
 
 
+#: election tests: a dead master is replaced about 3 s after its death
+ELECTION_OPTIONS = (
+    "election_lease_ttl_ms=3000",
+    "election_poll_interval_ms=250",
+    "etcd_timeout_ms=1500",
+)
+
+#: `make setup` installs Debian's etcd-server; only a machine where it cannot (no apt) skips
+needs_etcd = pytest.mark.skipif(
+    find_etcd() is None,
+    reason="etcd is not installed and `make setup` could not install it (Debian package "
+           "etcd-server; or set TIDEMQ_ETCD to an etcd binary)",
+)
+
+
 def start_cluster(root: Path, *, groups: int = 1, slaves: int = 1, namesrvs: int = 1,
-                  role: str = "ASYNC_MASTER", options: tuple[str, ...] = ()) -> LocalCluster:
-    c = LocalCluster(root, log_level="info", broker_options=TEST_OPTIONS + tuple(options))
-    return c.up(namesrvs=namesrvs, groups=groups, slaves=slaves, role=role)
+                  role: str = "ASYNC_MASTER", options: tuple[str, ...] = (),
+                  election: bool = False) -> LocalCluster:
+    opts = TEST_OPTIONS + (ELECTION_OPTIONS if election else ()) + tuple(options)
+    c = LocalCluster(root, log_level="info", broker_options=opts)
+    return c.up(namesrvs=namesrvs, groups=groups, slaves=slaves, role=role, election=election)
 
 
 def wait_until(pred, timeout: float, step: float = 0.05, what: str = "condition") -> Any:  # noqa: ANN001
