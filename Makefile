@@ -5,15 +5,33 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
 DATA_DIR ?= ./data
 
-.PHONY: setup run test lint soak bench clean
+.PHONY: setup run test lint soak bench clean etcd
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,spark]'
+	$(BIN)/python -m pip install -q -e '.[dev,spark,etcd]'
+	$(MAKE) --no-print-directory etcd
 	touch $(STAMP)
+
+# etcd for replicated broker groups with automatic election (docs/cluster.md) and their tests:
+# Debian's etcd-server package (the binary /usr/bin/etcd; tests and `tidemq cluster up
+# --election` run their own etcd processes, never the package's service). Without apt (or
+# root) setup goes on and the election tests skip, saying why.
+etcd:
+	@if command -v etcd >/dev/null 2>&1 || test -x /usr/bin/etcd; then :; \
+	elif ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "warning: etcd is not installed and there is no apt-get: election tests will skip"; \
+	else \
+	  SUDO=; if [ "$$(id -u)" != 0 ]; then SUDO="sudo -n"; fi; \
+	  echo "installing etcd (Debian package etcd-server)"; \
+	  ( $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends etcd-server >/dev/null \
+	    || ( $$SUDO apt-get update -q >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive \
+	         apt-get install -y -q --no-install-recommends etcd-server >/dev/null ) ) \
+	  || echo "warning: installing etcd-server failed: election tests will skip"; \
+	fi
 
 run: setup
 	$(BIN)/python examples/run_pipeline.py --data-dir $(DATA_DIR)
