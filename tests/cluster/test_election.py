@@ -224,14 +224,14 @@ def test_divergent_old_master_rejoins_and_cuts_its_tail(tmp_path):
         _wait_group_in_sync(c, m)
         body = b"x" * 1000
         with tidemq.Producer(c.namesrv) as p:
-            for i in range(50):
+            for _i in range(50):
                 p.send_batch([tidemq.Message(TOPIC, body) for _ in range(20)])
             wait_until(lambda: info(c, s)["commitlog_max_offset"] ==
                        info(c, m)["commitlog_max_offset"], 10, what="slave caught up")
             # the slave sleeps while the master takes 16 MiB (acknowledged at once: ASYNC);
             # then the master dies, and the slave wakes holding at most what its socket had
             c.pause(s)
-            for i in range(800):
+            for _i in range(800):
                 p.send_batch([tidemq.Message(TOPIC, body) for _ in range(20)])
         m_end = info(c, m)["commitlog_max_offset"]
         c.kill9(m)

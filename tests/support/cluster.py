@@ -55,7 +55,7 @@ def start_cluster(root: Path, *, groups: int = 1, slaves: int = 1, namesrvs: int
                   role: str = "ASYNC_MASTER", options: tuple[str, ...] = (),
                   election: bool = False) -> LocalCluster:
     opts = TEST_OPTIONS + (ELECTION_OPTIONS if election else ()) + tuple(options)
-    c = LocalCluster(root, log_level="info", broker_options=opts)
+    c = LocalCluster(root, log_level="info", broker_options=opts, etcd_in_memory=True)
     return c.up(namesrvs=namesrvs, groups=groups, slaves=slaves, role=role, election=election)
 
 

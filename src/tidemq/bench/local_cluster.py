@@ -104,8 +104,12 @@ class LocalCluster:
         log_level: str = "info",
         broker_options: tuple[str, ...] = (),
         python: str = sys.executable,
+        etcd_in_memory: bool = False,
     ) -> None:
         self.root = Path(root).resolve()
+        #: tests and benchmarks: etcd's data on tmpfs (/dev/shm), so the fsyncs of a disk
+        #: shared with other work never delay a lease renewal past its TTL
+        self.etcd_in_memory = etcd_in_memory
         self.log_level = log_level
         self.broker_options = tuple(broker_options)
         self.python = python
@@ -210,6 +214,8 @@ class LocalCluster:
         client, peer = _free_port(), _free_port()
         c_url, p_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
         data = self.root / "etcd"
+        if self.etcd_in_memory and os.path.isdir("/dev/shm"):
+            data = Path(f"/dev/shm/tidemq-etcd-{os.getpid()}-{client}")
         p = Proc("etcd", "etcd-0", [
             binary, "--name", "etcd-0", "--data-dir", str(data),
             "--listen-client-urls", c_url, "--advertise-client-urls", c_url,
@@ -412,6 +418,9 @@ class LocalCluster:
                         self._signal(p, signal.SIGKILL)
                         self._wait(p, 10)
         stopped = [p.name for p in live]
+        for p in self.procs:
+            if p.kind == "etcd" and p.data_dir.startswith("/dev/shm/") and not p.alive():
+                shutil.rmtree(p.data_dir, ignore_errors=True)
         if (self.root / STATE).exists():
             self.save()
         return stopped

@@ -1,11 +1,14 @@
 """``tidemq cluster up|down|status|promote``: replicated broker groups (docs/cluster.md).
 
-- ``up --dir D``: name servers and broker groups (a master and its slaves) as separate
-  processes on loopback, data and logs under D; prints one line
-  ``tidemq cluster ready namesrv=HOST:PORT;HOST:PORT brokers=broker-a/0=HOST:PORT,...``.
-- ``down --dir D``: stops them (brokers first, SIGTERM, SIGKILL after a timeout).
+- ``up --dir D [--election]``: name servers and broker groups (a master and its slaves) as
+  separate processes on loopback, data and logs under D (and an etcd with ``--election``);
+  prints one line ``tidemq cluster ready namesrv=HOST:PORT;HOST:PORT brokers=broker-a/0=...
+  [etcd=HOST:PORT]``.
+- ``down --dir D``: stops them (brokers first, SIGTERM, SIGKILL after a timeout; etcd last).
 - ``status``: every broker the name servers know -- name, id, role, pid, epoch, CommitLog
-  offsets, replication lag in bytes and ms -- as a table or ``--json``.
+  offsets, replication lag in bytes and ms -- as a table or ``--json``; with election (``--etcd``
+  or a ``--dir`` started with ``--election``) also each group's epoch, in-sync set and the
+  leader's lease as etcd holds them.
 - ``promote --broker-name X``: makes a slave of group X its master (RocketMQ 4.9's manual
   switch; a new epoch); the other slaves then follow it.
 
@@ -65,10 +68,13 @@ def cluster_group() -> None:
               default="ASYNC_MASTER", show_default=True, help="Role of the masters.")
 @click.option("--flush", type=click.Choice(["async", "sync"]), default="async",
               show_default=True)
+@click.option("--election", is_flag=True,
+              help="Start an etcd too and elect masters there (a dead master is replaced by "
+                   "an in-sync slave automatically).")
 @click.option("-o", "--option", "options", multiple=True, metavar="KEY=VALUE",
               help="A broker setting for every broker (repeatable).")
 def up_cmd(directory: str, groups: int, slaves: int, namesrvs: int, role: str, flush: str,
-           options: tuple[str, ...]) -> None:
+           election: bool, options: tuple[str, ...]) -> None:
     """Start name servers and broker groups as separate processes on 127.0.0.1."""
     from tidemq.bench.local_cluster import LocalCluster
 
@@ -86,7 +92,7 @@ def up_cmd(directory: str, groups: int, slaves: int, namesrvs: int, role: str, f
     c = LocalCluster(directory)
     try:
         c.up(namesrvs=namesrvs, groups=groups, slaves=slaves, role=role.upper(), flush=flush,
-             options=options)
+             options=options, election=election)
     except RuntimeError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(c.ready_line())
@@ -116,22 +122,64 @@ def _lag(row: dict[str, Any]) -> tuple[str, str]:
     return "-", "-"
 
 
+def _etcd_groups(etcd: str | None, directory: str | None, prefix: str) -> dict[str, Any]:
+    """Each group's state in etcd ({} without election)."""
+    if not etcd and directory:
+        from tidemq.bench.local_cluster import LocalCluster
+
+        try:
+            etcd = LocalCluster.load(directory).etcd
+        except FileNotFoundError:
+            etcd = ""
+    if not etcd:
+        return {}
+    import asyncio
+
+    from tidemq.broker.ha.election import read_group
+
+    try:
+        return asyncio.run(asyncio.wait_for(read_group(etcd, prefix), 10))
+    except Exception as exc:
+        raise click.ClickException(f"etcd {etcd} did not answer: {exc}") from None
+
+
+def _with_etcd(rows: list[dict[str, Any]], groups: dict[str, Any]) -> None:
+    for r in rows:
+        g = groups.get(f"{r.get('cluster', '')}/{r['broker_name']}")
+        if not g:
+            continue
+        st = g.get("state") or {}
+        r["group_epoch"] = st.get("epoch")
+        r["in_sync"] = r.get("member") in st.get("isr", [])
+        r["leader"] = r.get("member") == (g.get("leader") or {}).get("member")
+        if r["leader"]:
+            r["leader_lease_ttl_s"] = g.get("leader_lease_ttl_s")
+
+
 @cluster_group.command("status")
 @_ns
 @_dir
+@click.option("--etcd", default=None,
+              help="etcd endpoint (host:port) of an election cluster (default: that of --dir).")
+@click.option("--etcd-prefix", default="/tidemq", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per broker, a list.")
 @friendly
-def status_cmd(namesrv: str | None, directory: str | None, as_json: bool) -> None:
-    """Every broker: name, id, role, pid, epoch, offsets, replication lag."""
+def status_cmd(namesrv: str | None, directory: str | None, etcd: str | None, etcd_prefix: str,
+               as_json: bool) -> None:
+    """Every broker: name, id, role, pid, epoch, offsets, replication lag (and with election
+    each group's epoch, in-sync set and leader lease in etcd)."""
     from tidemq.client.blocking import Admin
 
     with Admin(_namesrv(namesrv, directory)) as admin:
         rows = admin.cluster_status()
+    groups = _etcd_groups(etcd, directory, etcd_prefix)
+    _with_etcd(rows, groups)
     keys = ("cluster", "broker_name", "broker_id", "broker_role", "addr", "pid", "epoch",
             "commitlog_min_offset", "commitlog_max_offset", "ha_addr", "ha_master_addr",
             "ha_connected", "ha_slaves", "ha_in_sync_slaves", "ha_max_lag_bytes",
             "ha_max_lag_ms", "ha_lag_bytes", "ha_master_offset", "ha_slave_links",
-            "put_tps", "fenced", "error")
+            "put_tps", "fenced", "error", "member", "group_epoch", "in_sync", "leader",
+            "leader_lease_ttl_s", "etcd_lease_ok")
     if as_json:
         out = []
         for r in rows:
@@ -157,6 +205,20 @@ def status_cmd(namesrv: str | None, directory: str | None, as_json: bool) -> Non
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     for row in table:
         click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    for name, g in sorted(groups.items()):
+        st = g.get("state") or {}
+        members = g.get("members", {})
+
+        def who(m: str, members: dict[str, Any] = members) -> str:
+            i = members.get(m)
+            return f"{m} ({i.get('addr')}, id {i.get('broker_id')})" if i else f"{m} (down)"
+
+        leader = (g.get("leader") or {}).get("member")
+        lease = (f"lease {g.get('leader_lease_ttl_s')} s left" if leader else
+                 "no leader: its lease expired, an in-sync slave takes over")
+        click.echo(f"etcd {name}: epoch {st.get('epoch')}, {st.get('role')}, master "
+                   f"{who(st.get('master', '?'))}, {lease}; in sync: "
+                   + ", ".join(who(m) for m in st.get("isr", [])))
 
 
 @cluster_group.command("promote")
@@ -180,6 +242,12 @@ def promote_cmd(namesrv: str | None, directory: str | None, broker_name: str,
 
     with Admin(_namesrv(namesrv, directory)) as admin:
         rows = [r for r in admin.cluster_status() if r["broker_name"] == broker_name]
+        if any(r.get("election") for r in rows) and not force:
+            raise click.ClickException(
+                f"group {broker_name} elects its master on etcd: a slave of its in-sync set "
+                "takes over once the master's lease expires (see `tidemq cluster status`); "
+                "--force promotes by hand anyway"
+            )
         if not rows:
             raise click.ClickException(f"no broker of group {broker_name!r} is registered")
         master = [r for r in rows if r["broker_id"] == 0 and "error" not in r]
@@ -264,17 +332,28 @@ def bench_lag_cmd(rate: int, seconds: float, size: int, options: tuple[str, ...]
 
 
 @click.command("failover")
-@click.option("--seconds", default=6.0, show_default=True, help="Length of the send loop.")
+@click.option("--seconds", default=0.0,
+              help="Length of the send loop [6; 20 with --election].")
+@click.option("--election", is_flag=True,
+              help="Masters elected on etcd: also measure until broker-a takes writes again "
+                   "(its slave elected), target 10 s.")
+@click.option("-o", "--option", "options", multiple=True, metavar="KEY=VALUE",
+              help="A broker setting for every broker (repeatable), e.g. "
+                   "election_lease_ttl_ms=3000.")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None)
 @click.option("--json", "as_json", is_flag=True)
-def bench_failover_cmd(seconds: float, data_dir: str | None, as_json: bool) -> None:
-    """Two groups; kill -9 broker-a's master under a send loop: the measured gap."""
+def bench_failover_cmd(seconds: float, election: bool, options: tuple[str, ...],
+                       data_dir: str | None, as_json: bool) -> None:
+    """Two groups; kill -9 broker-a's master under a send loop: the measured gap (and with
+    --election the time until broker-a is writable again)."""
     from tidemq.bench.cluster_bench import bench_failover
     from tidemq.cli.output import emit_result
 
+    seconds = seconds or (20.0 if election else 6.0)
     with click.progressbar(length=1, label="sending through a master kill",
                            file=sys.stderr) as bar:
-        r = bench_failover(seconds=seconds, data_dir=data_dir)
+        r = bench_failover(seconds=seconds, data_dir=data_dir, election=election,
+                           options=options)
         bar.update(1)
     emit_result(r, as_json)
 
