@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from support.cluster import TEST_OPTIONS, LocalCluster, wait_until
+from support.cluster import ELECTION_OPTIONS, TEST_OPTIONS, LocalCluster, needs_etcd, wait_until
 
 
 def tidemq(*args: str, timeout: float = 90) -> str:
@@ -41,4 +41,33 @@ def test_cluster_up_status_down(tmp_path):
     finally:
         stopped = tidemq("cluster", "down", "--dir", d)
     assert "stopped 3 processes" in stopped
+    assert not any(p.alive() for p in LocalCluster.load(d).procs)
+
+
+@needs_etcd
+def test_cluster_up_with_election_shows_etcd_state(tmp_path):
+    d = str(tmp_path / "e")
+    opts = [x for o in TEST_OPTIONS + ELECTION_OPTIONS for x in ("-o", o)]
+    try:
+        line = tidemq("cluster", "up", "--dir", d, "--groups", "1", "--namesrvs", "1",
+                      "--election", "--role", "SYNC_MASTER", *opts).strip()
+        assert " etcd=127.0.0.1:" in line and "namesrv=" in line
+        status = lambda: json.loads(tidemq("cluster", "status", "--dir", d, "--json"))  # noqa: E731
+        rows = wait_until(lambda: (r := status()) and all(x.get("in_sync") for x in r) and r,
+                          20, what="both brokers in the in-sync set in etcd")
+        master, slave = rows
+        assert master["leader"] is True and master["group_epoch"] == 1
+        assert 0 < master["leader_lease_ttl_s"] <= 3 and master["etcd_lease_ok"] is True
+        assert slave["leader"] is False and slave["broker_role"] == "SLAVE"
+        table = tidemq("cluster", "status", "--dir", d)
+        assert "etcd DefaultCluster/broker-a: epoch 1, SYNC_MASTER" in table, table
+        assert "lease" in table and "in sync:" in table
+        # a manual promotion is refused: etcd elects the master
+        out = subprocess.run([sys.executable, "-m", "tidemq.cli.main", "cluster", "promote",
+                              "--dir", d, "--broker-name", "broker-a"], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode != 0 and "elects its master on etcd" in out.stderr
+    finally:
+        stopped = tidemq("cluster", "down", "--dir", d)
+    assert "stopped 4 processes" in stopped and "etcd-0" in stopped
     assert not any(p.alive() for p in LocalCluster.load(d).procs)

@@ -116,6 +116,11 @@ def test_sync_master_kill_then_promote_loses_no_acknowledged_message(cluster):
     with tidemq.Producer(c.namesrv) as p, pytest.raises(tidemq.TidemqError, match="no master"):
         p.send(tidemq.Message(TOPIC, b"ordered"),
                queue_id=tidemq.MessageQueue(TOPIC, "broker-a", 0))
+    # so does cancelling a timed message held there (was a bare KeyError)
+    on_a = next(r for r in results if r.broker_name == "broker-a")
+    with tidemq.Producer(c.namesrv) as p, pytest.raises(tidemq.TidemqError,
+                                                        match="cannot cancel.*no master"):
+        p.cancel(on_a)
 
     # 2. promote the slave: the same messages, now from the master of epoch 2
     out = json.loads(_tidemq("cluster", "promote", "--namesrv", c.namesrv,
