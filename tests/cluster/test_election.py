@@ -241,8 +241,15 @@ def test_divergent_old_master_rejoins_and_cuts_its_tail(tmp_path):
         si = info(c, s)
         assert si["epoch"] == 2 and si["epoch_start_offset"] < m_end, (si, m_end)
         with tidemq.Producer(c.namesrv) as p:
+
+            def sent(i: int) -> bool:
+                try:  # until the name servers name the new master
+                    return p.send(tidemq.Message(TOPIC, b"epoch 2 %d" % i)) is not None
+                except tidemq.TidemqError:
+                    return False
+
             for i in range(10):
-                p.send(tidemq.Message(TOPIC, b"epoch 2 %d" % i))
+                wait_until(lambda i=i: sent(i), 10, step=0.1, what="a send to the new master")
         # the old master comes back with its old flags: a slave of epoch 2 that cuts the tail
         # only it had (its epoch-1 bytes past the point the new master's log diverged)
         c.restart(m)
