@@ -51,7 +51,7 @@ from tidemq.broker.durable_file import read_file, write_atomic
 from tidemq.broker.errors import RequestRejected
 from tidemq.broker.ha.election import Election, EtcdUnavailable, GroupView
 from tidemq.broker.ha.epoch import EpochFile
-from tidemq.broker.ha.master import HAServer
+from tidemq.broker.ha.master import HAServer, SlaveLink
 from tidemq.broker.ha.slave import MasterLink
 from tidemq.broker.ha.waiters import ReplicaWaiters
 from tidemq.protocol.codes import RequestCode, ResponseCode
@@ -795,9 +795,9 @@ class HAService:
         self._addr_member = {str(m.get("addr", "")): k for k, m in view.members.items()}
         await self._update_isr(el, view)
 
-    def _links_by_member(self) -> dict[str, Any]:
+    def _links_by_member(self) -> dict[str, SlaveLink]:
         srv = self.server
-        out: dict[str, Any] = {}
+        out: dict[str, SlaveLink] = {}
         if srv is None:
             return out
         for link in srv.links:
@@ -819,12 +819,12 @@ class HAService:
         if len(slaves) < self.cfg.min_in_sync_replicas:
             return -1
         links = self._links_by_member()
-        acked = []
+        acked: list[int] = []
         for m in slaves:
             link = links.get(m)
             if link is None:
                 return -1
-            acked.append(link.acked)
+            acked.append(int(link.acked))
         return min(acked)
 
     async def _update_isr(self, el: Election, view: GroupView) -> None:
@@ -926,11 +926,11 @@ class HAService:
             info["etcd_lease_left_ms"] = max(0, int((el.valid_until - time.monotonic()) * 1000))
             info["etcd_failures"] = el.failures
             info["elections_won"] = self.elections_won
-            v = el.last_view
-            if v is not None:
-                info["group_epoch"] = v.epoch
-                info["group_isr"] = json.dumps(v.isr)
-                info["group_master"] = v.master
+            view = el.last_view
+            if view is not None:
+                info["group_epoch"] = view.epoch
+                info["group_isr"] = json.dumps(view.isr)
+                info["group_master"] = view.master
         srv = self.server
         if srv is not None:
             links = srv.status()
