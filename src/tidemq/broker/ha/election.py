@@ -23,7 +23,7 @@ Who does what (HAService drives it, one round every ``election_poll_interval_ms`
 - a slave in ``isr`` whose group has no ``leader`` campaigns: one transaction that succeeds only
   if there is still no leader and ``state`` is unchanged, and writes ``state`` (epoch + 1, the
   slave as master, ``isr`` = itself) and ``leader`` (its lease). The slave with the most data
-  goes first, the others one poll interval later each.
+  goes first, the others two poll intervals later each.
 
 Fencing: a master's lease is valid, as far as it knows, until the time it *sent* its last
 successful renewal plus the TTL, less a margin (etcd counts from when it received it, later). A

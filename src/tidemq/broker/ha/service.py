@@ -43,13 +43,12 @@ import logging
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tidemq.broker.durable_file import read_file, write_atomic
 from tidemq.broker.errors import RequestRejected
-from tidemq.broker.ha.election import Election, EtcdUnavailable, GroupView
+from tidemq.broker.ha.election import Election, EtcdUnavailable, GroupView, new_member_id
 from tidemq.broker.ha.epoch import EpochFile
 from tidemq.broker.ha.master import HAServer, SlaveLink
 from tidemq.broker.ha.slave import MasterLink
@@ -177,7 +176,7 @@ class HAService:
         self.cfg.broker_role, self.cfg.broker_id = self.role, self.broker_id
         self.epochs.load()
         if not self.member:
-            self.member = uuid.uuid4().hex[:16]
+            self.member = new_member_id()
             self._save_state()
 
     def _save_state(self) -> None:
