@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
 DATA_DIR ?= ./data
 
-.PHONY: setup run test lint soak bench clean etcd
+.PHONY: setup run test lint soak fuzz bench clean etcd
 
 setup: $(STAMP)
 
@@ -45,6 +45,12 @@ test: lint
 
 soak: setup
 	TIDEMQ_SOAK=1 $(BIN)/python -m pytest -q tests -m slow
+
+# The fuzz suite (tests/fuzz) with many more generated frames and batches than `make test`
+# runs (FUZZ_EXAMPLES per test; about 25 minutes at the default).
+FUZZ_EXAMPLES ?= 20000
+fuzz: setup
+	TIDEMQ_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q tests/fuzz
 
 clean:
 	rm -rf $(VENV) $(DATA_DIR) build src/*.egg-info

@@ -153,8 +153,12 @@ def test_truncated_batch_is_rejected_at_every_length():
 def test_bad_arguments_have_clear_errors():
     with pytest.raises(ValueError, match="at least one message"):
         encode_batch("t", [])
-    with pytest.raises(ValueError, match="delay level"):
-        encode_batch("t", [MessageData(b"")], delay_level=99)
+    with pytest.raises(ValueError, match="delay_level must be >= 0"):
+        encode_batch("t", [MessageData(b"")], delay_level=-1)
+    with pytest.raises(ValueError, match="deliver_at"):
+        encode_batch("t", [MessageData(b"")], deliver_at=1 << 63)
+    # above what the format holds: clamped to 31, as RocketMQ clamps to its highest level
+    assert BatchView(encode_batch("t", [MessageData(b"")], delay_level=99)).delay_level == 31
     with pytest.raises(ValueError, match="reserved separator"):
         encode_batch("t", [MessageData(b"", properties={"a\x01": "b"})])
 

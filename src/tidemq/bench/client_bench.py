@@ -5,7 +5,9 @@
   (each sends COUNT / PRODUCERS) and adds their rates over the common wall time. AUTO_BATCH
   sends every message alone through ``send_async`` and lets the producer's automatic batching
   (PR3, up to BATCH messages per batch) build the batches; PRODUCER_NAME makes the producer a
-  deduplicated one (BR12; process i of several is named ``<name>-<i>``).
+  deduplicated one (BR12; process i of several is named ``<name>-<i>``); VARIED gives every
+  message what applications send besides a body -- a tag (one of 8), a key and 2 properties --
+  which is what the broker's door checks message by message (UTF-8, sizes).
 - consume: a fresh consumer group reads COUNT messages of the topic's backlog from the earliest
   offset (``consume_from="first"``, pull batches of BATCH); every body is touched.
 - e2e: one producer sends single messages at RATE per second for SECONDS while a consumer in the
@@ -82,13 +84,22 @@ def _pct(sorted_vals: list[float], p: float) -> float:
 # -- produce ---------------------------------------------------------------------------------------
 
 
+def _messages(topic: str, size: int, n: int, varied: bool) -> list[Message]:
+    body = os.urandom(size)
+    if not varied:
+        return [Message(topic, body) for _ in range(n)]
+    return [Message(topic, body, tags=f"Tag{i % 8}", keys=f"order-{i}",
+                    properties={"region": "eu-west-1", "attempt": str(i % 3)})
+            for i in range(n)]
+
+
 async def _produce(
     namesrv: str, topic: str, size: int, count: int, batch: int, inflight: int,
     progress: Progress | None, auto_batch: bool = False, producer_name: str | None = None,
+    varied: bool = False,
 ) -> tuple[float, float, int, float]:
     """(start, end, sent, client CPU seconds), times in time.time() seconds."""
-    body = os.urandom(size)
-    msgs = [Message(topic, body) for _ in range(batch)]
+    msgs = _messages(topic, size, batch, varied)
     async with Producer(namesrv, producer_name=producer_name,
                         batch_max_messages=batch) as producer:
         await producer.send_batch(msgs[:1])  # warm: route and connection
@@ -156,11 +167,11 @@ async def _produce_auto(
 
 
 def _produce_worker(
-    args: tuple[str, str, int, int, int, int, bool, str | None],
+    args: tuple[str, str, int, int, int, int, bool, str | None, bool],
 ) -> tuple[float, float, int, float]:
-    namesrv, topic, size, count, batch, inflight, auto_batch, name = args
+    namesrv, topic, size, count, batch, inflight, auto_batch, name, varied = args
     result: tuple[float, float, int, float] = run_loop(
-        _produce(namesrv, topic, size, count, batch, inflight, None, auto_batch, name)
+        _produce(namesrv, topic, size, count, batch, inflight, None, auto_batch, name, varied)
     )
     return result
 
@@ -178,12 +189,13 @@ def bench_produce(
     progress: Progress | None = None,
     auto_batch: bool = False,
     producer_name: str | None = None,
+    varied: bool = False,
 ) -> dict[str, Any]:
     run_loop(ensure_topic(namesrv, topic, queues))
     if producers <= 1:
         t0, t1, sent, cpu = run_loop(
             _produce(namesrv, topic, size, count, batch, inflight, progress, auto_batch,
-                     producer_name)
+                     producer_name, varied)
         )
     else:
         share = count // producers
@@ -192,7 +204,7 @@ def bench_produce(
             parts = pool.map(
                 _produce_worker,
                 [(namesrv, topic, size, share, batch, inflight, auto_batch,
-                  f"{producer_name}-{i}" if producer_name else None)
+                  f"{producer_name}-{i}" if producer_name else None, varied)
                  for i in range(producers)],
             )
         t0 = min(p[0] for p in parts)
@@ -211,6 +223,7 @@ def bench_produce(
         "inflight": inflight,
         "auto_batch": auto_batch,
         "dedup": bool(producer_name),
+        "varied": varied,
         "seconds": round(secs, 3),
         "msgs_per_s": round(sent / secs),
         "mb_per_s": round(sent * size / secs / 1e6, 1),

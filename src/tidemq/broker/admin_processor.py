@@ -6,6 +6,8 @@ ConsumerManageProcessor): topics, consumer offsets, queue offsets, stats, messag
 +-----------------------------+------------------------------------------------------------+
 | UPDATE_AND_CREATE_TOPIC     | persisted, then SUCCESS; the name servers hear at once     |
 | DELETE_TOPIC                | consume queues and offsets dropped; TOPIC_NOT_EXIST if none |
+|                             | (both NO_PERMISSION for system, retry and dead-letter      |
+|                             | topics: ``protocol.names.topic_admin_problem``)            |
 | GET_ALL_TOPIC_CONFIG        | TopicConfigTable                                           |
 | UPDATE_CONSUMER_OFFSET      | SUCCESS (also one-way)                                     |
 | QUERY_CONSUMER_OFFSET       | offset, or QUERY_NOT_FOUND when the group has none         |
@@ -15,6 +17,8 @@ ConsumerManageProcessor): topics, consumer offsets, queue offsets, stats, messag
 | GET_TOPIC_STATS             | per queue: min/max offset, last store time                 |
 | QUERY_MESSAGE               | stored batches holding messages with the key               |
 | VIEW_MESSAGE_BY_ID          | the stored batch holding the message                       |
+|                             | (both NO_PERMISSION for a topic without READ permission:   |
+|                             | a write-only topic is read by no path)                     |
 | GET_BROKER_RUNTIME_INFO     | counters, rates, latency histogram, held pulls, RSS        |
 +-----------------------------+------------------------------------------------------------+
 
@@ -29,8 +33,7 @@ import os
 from typing import TYPE_CHECKING
 
 from tidemq.broker.connection import decode_request
-from tidemq.broker.errors import RequestRejected
-from tidemq.broker.pull_processor import GROUP_NAME
+from tidemq.broker.errors import RequestRejected, check_group
 from tidemq.protocol.codes import ResponseCode
 from tidemq.protocol.headers import (
     BrokerRuntimeInfo,
@@ -41,6 +44,7 @@ from tidemq.protocol.headers import (
     GetConsumeStatsRequestHeader,
     GetTopicStatsRequestHeader,
     OffsetResponseHeader,
+    Perm,
     QueryConsumerOffsetRequestHeader,
     QueryConsumerOffsetResponseHeader,
     QueryMessageRequestHeader,
@@ -54,6 +58,7 @@ from tidemq.protocol.headers import (
     UpdateConsumerOffsetRequestHeader,
     ViewMessageRequestHeader,
 )
+from tidemq.protocol.names import topic_admin_problem
 from tidemq.protocol.record import BatchView, StoredMessage, parse_unique_id
 
 if TYPE_CHECKING:
@@ -131,12 +136,27 @@ class AdminProcessor:
 
     @staticmethod
     def _group(group: str) -> None:
-        if not GROUP_NAME.match(group):
+        check_group(group)
+
+    @staticmethod
+    def _not_reserved(topic: str) -> None:
+        problem = topic_admin_problem(topic)
+        if problem:
+            raise RequestRejected(ResponseCode.NO_PERMISSION, problem)
+
+    def readable(self, topic: str) -> bool:
+        """False for a topic this broker has without READ permission (write-only: a
+        dead-letter topic, or perm WRITE); True otherwise (a topic it does not have -- a
+        deleted one, or a system topic -- is read the way the store has it)."""
+        tc = self.topics.get(topic)
+        return tc is None or bool(tc.perm & Perm.READ)
+
+    def _check_readable(self, topic: str) -> None:
+        if not self.readable(topic):
             raise RequestRejected(
-                ResponseCode.INVALID_ARGUMENT,
-                "consumer_group is empty; name the consumer group"
-                if not group
-                else f"consumer_group {group!r} is not a valid group name",
+                ResponseCode.NO_PERMISSION,
+                f"topic {topic!r} is not readable on broker {self.config.broker_name} (perm "
+                f"{self.topics.get(topic).perm:#x}); a write-only topic is read by no request",
             )
 
     @staticmethod
@@ -147,6 +167,7 @@ class AdminProcessor:
     # -- topics ----------------------------------------------------------------------------------
     def update_and_create_topic(self, conn: BrokerConnection, frame: Frame) -> None:
         tc: TopicConfig = decode_request(frame, TopicConfig)
+        self._not_reserved(tc.topic_name)
         try:
             self.topics.update(tc)
         except ValueError as exc:
@@ -155,6 +176,7 @@ class AdminProcessor:
 
     def delete_topic(self, conn: BrokerConnection, frame: Frame) -> None:
         h: DeleteTopicRequestHeader = decode_request(frame, DeleteTopicRequestHeader)
+        self._not_reserved(h.topic)
         self._topic(h.topic)
         self.broker.delete_topic(h.topic)
         self.broker.topics_changed(then=lambda: self._reply(conn, frame, _EMPTY))
@@ -315,6 +337,7 @@ class AdminProcessor:
         h: QueryMessageRequestHeader = decode_request(frame, QueryMessageRequestHeader)
         if not h.key:
             raise RequestRejected(ResponseCode.INVALID_ARGUMENT, "the key to look up is empty")
+        self._check_readable(h.topic)
         found = self.store.query_by_key(
             h.topic, h.key, h.begin_timestamp, h.end_timestamp, min(h.max_num, 64)
         )
@@ -338,4 +361,5 @@ class AdminProcessor:
                 ResponseCode.QUERY_NOT_FOUND,
                 f"no message with id {h.msg_id} on broker {self.config.broker_name}",
             )
+        self._check_readable(m.topic)
         self._found(conn, frame, [m])

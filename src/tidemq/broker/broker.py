@@ -16,7 +16,9 @@ BrokerController).
 Every request is handled on the event loop; a handler raises
 :class:`~tidemq.broker.errors.RequestRejected` for a client mistake (error response, connection
 kept) and anything else it raises is answered SYSTEM_ERROR with the traceback in the log -- the
-broker never dies of a request. One-way requests are never answered, errors included.
+broker never dies of a request. One-way requests are never answered, errors included: while a
+handler runs for one, its connection drops any response to that request's opaque (answers to
+other requests of the connection, such as a held pull the handler wakes, still go out).
 
 Lifecycle: ``await Broker(config).start()`` binds the port (0 = any), opens the store, loads
 topics and offsets, starts serving and registers with the name servers; ``await stop()``
@@ -57,7 +59,7 @@ from tidemq.broker.schedule_service import (
     parse_delay_levels,
 )
 from tidemq.broker.send_back import SendBackProcessor
-from tidemq.broker.send_processor import SYSTEM_TOPIC_PREFIXES, SendProcessor
+from tidemq.broker.send_processor import SendProcessor
 from tidemq.broker.stats import BrokerStats
 from tidemq.broker.subscription_group import SubscriptionGroupManager
 from tidemq.broker.timer_service import TimerMessageService
@@ -69,9 +71,11 @@ from tidemq.protocol.frame import DEFAULT_MAX_FRAME_SIZE, FLAG_ONEWAY, FLAG_RESP
 from tidemq.protocol.headers import (
     Perm,
     RegisterBrokerRequestHeader,
+    SubscriptionGroupConfig,
     TopicConfig,
     UnregisterBrokerRequestHeader,
 )
+from tidemq.protocol.names import is_system_topic
 from tidemq.protocol.record import BatchView
 from tidemq.store.flush import handoff_to
 from tidemq.store.message_store import MessageStore, PutResult
@@ -113,6 +117,7 @@ class Broker:
             os.path.join(config.config_path, "subscription_groups.json"),
             auto_create=config.auto_create_subscription_group,
         )
+        self.subscription_groups.on_update = self._resize_retry_topic
         self.consumers = ConsumerManager(self)
         self.queue_locks = QueueLockManager(config.queue_lock_max_live_ms)
         # Pulsar's producer path (docs/producer-path.md): deduplication, non-persistent topics.
@@ -350,7 +355,14 @@ class Broker:
                     f"request code {frame.code} is not supported by this broker (tidemq "
                     f"{VERSION}); see docs/protocol.md for the codes it serves",
                 )
-            handler(conn, frame)
+            if flags & FLAG_ONEWAY:
+                conn.oneway_opaque = frame.opaque
+                try:
+                    handler(conn, frame)
+                finally:
+                    conn.oneway_opaque = None
+            else:
+                handler(conn, frame)
         except RequestRejected as exc:
             if flags & FLAG_ONEWAY:
                 log.debug("one-way request %d from %s rejected: %s", frame.code, conn.peer, exc)
@@ -396,6 +408,19 @@ class Broker:
             n = self.subscription_groups.ensure(group).retry_queue_nums
             self.topics.update(TopicConfig(topic_name=topic, read_queue_nums=n,
                                            write_queue_nums=n, perm=Perm.READ_WRITE))
+            self.topics_changed()
+
+    def _resize_retry_topic(self, cfg: SubscriptionGroupConfig) -> None:
+        """A group's retry_queue_nums changed: its existing retry topic follows (write queues
+        as configured; read queues never shrink, so no retry message is stranded)."""
+        topic = RETRY_PREFIX + cfg.group_name
+        tc = self.topics.get(topic)
+        n = cfg.retry_queue_nums
+        if tc is not None and tc.write_queue_nums != n:
+            self.topics.update(TopicConfig(
+                topic_name=topic, read_queue_nums=max(tc.read_queue_nums, n),
+                write_queue_nums=n, perm=tc.perm,
+            ))
             self.topics_changed()
 
     def ensure_dlq_topic(self, group: str) -> None:
@@ -455,7 +480,7 @@ class Broker:
         """
         v = BatchView(batch) if view is None else view
         # A batch already on a system topic is never held again.
-        if v.delay_level and not v.topic.startswith(SYSTEM_TOPIC_PREFIXES):
+        if v.delay_level and not is_system_topic(v.topic):
             return self.schedule.hold(batch, v, queue_id, on_durable)
         at = v.deliver_at
         if at:

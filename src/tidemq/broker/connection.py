@@ -94,6 +94,7 @@ class BrokerConnection(asyncio.Protocol):
 
     __slots__ = (
         "broker", "decoder", "transport", "peer", "closed", "held", "_out", "_later", "_paused",
+        "oneway_opaque",
     )
 
     def __init__(self, broker: Any, max_frame_size: int) -> None:
@@ -109,6 +110,9 @@ class BrokerConnection(asyncio.Protocol):
         # sent together at the end of the loop iteration; None when nothing waits.
         self._later: list | None = None
         self._paused = False
+        #: Opaque of the one-way request being handled: ``respond`` drops answers to it, so
+        #: no handler can answer a one-way request by mistake (Broker.handle sets it).
+        self.oneway_opaque: int | None = None
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:
@@ -182,6 +186,8 @@ class BrokerConnection(asyncio.Protocol):
 
     def respond(self, opaque: int, code: int, header: Any, bodies: list | None = None) -> None:
         """Send a response; ``bodies`` are written after the header, each untouched."""
+        if opaque == self.oneway_opaque:
+            return  # a one-way request is never answered
         if bodies:
             n = 0
             for b in bodies:

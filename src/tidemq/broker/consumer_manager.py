@@ -28,8 +28,7 @@ import time
 from typing import TYPE_CHECKING
 
 from tidemq.broker.connection import decode_request
-from tidemq.broker.errors import RequestRejected
-from tidemq.broker.pull_processor import GROUP_NAME
+from tidemq.broker.errors import RequestRejected, check_group
 from tidemq.protocol.codes import DLQ_PREFIX, RETRY_PREFIX, RequestCode, ResponseCode
 from tidemq.protocol.headers import (
     ConsumerData,
@@ -140,10 +139,12 @@ class ConsumerManager:
 
     @staticmethod
     def _check_group(group: str) -> None:
-        if not GROUP_NAME.match(group):
-            raise RequestRejected(
-                ResponseCode.INVALID_ARGUMENT, f"consumer group {group!r} is not a valid name"
-            )
+        check_group(group, "consumers[].group")
+
+    def is_member(self, group: str, conn: BrokerConnection) -> bool:
+        """True when ``conn`` carries a live member of consumer group ``group``."""
+        info = self.groups.get(group)
+        return info is not None and any(m.conn is conn for m in info.members.values())
 
     # -- membership --------------------------------------------------------------------------
     def register(

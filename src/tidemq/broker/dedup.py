@@ -48,6 +48,7 @@ import msgspec
 
 from tidemq.broker.connection import decode_request
 from tidemq.broker.durable_file import read_file, write_atomic
+from tidemq.broker.errors import RequestRejected
 from tidemq.protocol.codes import ResponseCode
 from tidemq.protocol.headers import (
     LastSequenceRequestHeader,
@@ -156,7 +157,14 @@ class MessageDeduplication:
     def handle_last_sequence(self, conn: BrokerConnection, frame: Frame) -> None:
         """GET_LAST_SEQUENCE."""
         h: LastSequenceRequestHeader = decode_request(frame, LastSequenceRequestHeader)
+        if not h.producer_name:
+            raise RequestRejected(
+                ResponseCode.INVALID_ARGUMENT,
+                "producer_name is empty; GET_LAST_SEQUENCE names a deduplicated producer",
+            )
         pid = dedup_producer_id(h.producer_name)
+        if frame.is_oneway:
+            return
         conn.respond(frame.opaque, ResponseCode.SUCCESS,
                      LastSequenceResponseHeader(producer_id=pid,
                                                 last_sequence_id=self.last_sequence(pid)))

@@ -24,8 +24,9 @@ from tidemq.protocol.errors import (
     StoreWriteError,
     TidemqError,
 )
+from tidemq.protocol.names import group_name_problem
 
-__all__ = ["RequestRejected", "rejection_for_store_error"]
+__all__ = ["RequestRejected", "rejection_for_store_error", "check_group"]
 
 
 class RequestRejected(TidemqError):
@@ -53,3 +54,14 @@ def rejection_for_store_error(exc: TidemqError) -> RequestRejected:
     if isinstance(exc, StoreWriteError):
         return RequestRejected(ResponseCode.FLUSH_DISK_FAILED, exc.message)
     return RequestRejected(ResponseCode.SYSTEM_ERROR, f"store error: {exc.message}")
+
+
+def check_group(group: str, field: str = "consumer_group", what: str = "consumer group") -> None:
+    """RequestRejected(INVALID_ARGUMENT) unless ``group`` is a valid group name
+    (``protocol.names``); ``field`` is the header field, for the message."""
+    problem = group_name_problem(group, what)
+    if problem:
+        raise RequestRejected(
+            ResponseCode.INVALID_ARGUMENT,
+            f"{field} is empty; name the {what}" if not group else f"{field}: {problem}",
+        )

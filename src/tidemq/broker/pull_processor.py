@@ -45,12 +45,11 @@ Threads: the broker's event loop only.
 from __future__ import annotations
 
 import os
-import re
 import struct
 from typing import TYPE_CHECKING
 
 from tidemq.broker.connection import decode_request
-from tidemq.broker.errors import RequestRejected
+from tidemq.broker.errors import RequestRejected, check_group
 from tidemq.broker.long_polling import HeldPull
 from tidemq.protocol.codes import DLQ_PREFIX, TOOLS_CONSUMER_GROUP, ResponseCode
 from tidemq.protocol.headers import (
@@ -68,7 +67,7 @@ if TYPE_CHECKING:
     from tidemq.broker.connection import BrokerConnection
     from tidemq.protocol.frame import Frame
 
-__all__ = ["PullProcessor", "parse_tag_expression", "response_code_for", "GROUP_NAME"]
+__all__ = ["PullProcessor", "parse_tag_expression", "response_code_for"]
 
 _PHYS = struct.Struct("<Q")  # a stored batch's phys_offset, at byte 12 of its header
 
@@ -78,8 +77,6 @@ def _memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - not Linux
         return 8 << 30
-
-GROUP_NAME = re.compile(r"^[%|a-zA-Z0-9_-]{1,255}$")
 
 _R = ResponseCode
 _S = GetStatus
@@ -168,14 +165,7 @@ class PullProcessor:
                 ResponseCode.INVALID_ARGUMENT, "a pull cannot be one-way: it exists to answer"
             )
         group = h.consumer_group
-        if not GROUP_NAME.match(group):
-            raise RequestRejected(
-                ResponseCode.INVALID_ARGUMENT,
-                "consumer_group is empty; every pull names its consumer group"
-                if not group
-                else f"consumer_group {group!r} is not a valid group name (letters, digits, "
-                "'%', '|', '_', '-'; at most 255)",
-            )
+        check_group(group)
         tc = self.topics.get(h.topic)
         broker_name = self.config.broker_name
         if tc is None:

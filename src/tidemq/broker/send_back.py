@@ -19,6 +19,10 @@ same ``msg_id`` on every attempt, as RocketMQ's UNIQ_KEY), and records where it 
 two properties: ``RETRY_TOPIC`` (the original topic; the client restores it before calling the
 listener) and ``ORIGIN_MESSAGE_ID``; both are set only on the first send-back.
 
+The group must be a valid group name (``protocol.names``; a bad one is refused, never
+persisted) and the message must be on a readable topic: a write-only topic (a dead-letter
+topic, perm WRITE) or a system topic is never read through a send-back (NO_PERMISSION).
+
 The copy is stored with ``Broker.put_internal`` when the broker has it (delayed delivery holds
 it until its level is due), else straight into the store (delivered at once).
 
@@ -32,10 +36,11 @@ from typing import TYPE_CHECKING
 
 from tidemq.broker.connection import decode_request
 from tidemq.broker.consumer_manager import DLQ_PREFIX, RETRY_PREFIX
-from tidemq.broker.errors import RequestRejected, rejection_for_store_error
+from tidemq.broker.errors import RequestRejected, check_group, rejection_for_store_error
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import TidemqError
 from tidemq.protocol.headers import ConsumerSendMsgBackRequestHeader, EmptyHeader
+from tidemq.protocol.names import is_system_topic
 from tidemq.protocol.record import MAX_DELAY_LEVEL, MessageData, encode_batch, unpack_host
 
 if TYPE_CHECKING:
@@ -69,7 +74,7 @@ class SendBackProcessor:
         )
         broker = self.broker
         group = h.consumer_group
-        sg = broker.subscription_groups.ensure(group)
+        check_group(group)
         found = False  # a batch is there: a failure after this is its content, not the ask
         try:
             v = broker.store.read_batch(h.commit_log_offset)
@@ -90,6 +95,15 @@ class SendBackProcessor:
                 f"no message at commit log offset {h.commit_log_offset} index {h.index}: "
                 f"{exc}; send back the message exactly as it was received",
             ) from None
+        if is_system_topic(m.topic) or not broker.admin_processor.readable(m.topic):
+            # The copy would make it readable through %RETRY%<group>.
+            raise RequestRejected(
+                ResponseCode.NO_PERMISSION,
+                f"the message at commit log offset {h.commit_log_offset} is on topic "
+                f"{m.topic!r}, which is not readable; only a message a consumer received "
+                "can be sent back",
+            )
+        sg = broker.subscription_groups.ensure(group)
         max_times = h.max_reconsume_times if h.max_reconsume_times >= 0 else sg.retry_max_times
         times = m.reconsume_times
         props = dict(m.properties)

@@ -5,11 +5,20 @@ never per message, the processor checks, in this order:
 
 - the frame has a body, no larger than ``max_message_size`` (4 MiB) plus the batch headers'
   allowance -> MESSAGE_TOO_LARGE;
+- the producer group is a valid group name (``protocol.names``) -> INVALID_ARGUMENT;
+- the topic is not a system topic nor a dead-letter topic, and a retry topic ``%RETRY%<g>``
+  only from a connection that is a live member of group ``g`` (RocketMQ's consumers send a
+  failed message there directly when the send-back fails) -> NO_PERMISSION;
 - the topic exists, or auto-create is on and the name is valid (RocketMQ's
   ``^[%|a-zA-Z0-9_-]{1,127}$``) -> TOPIC_NOT_EXIST / MESSAGE_ILLEGAL; the topic is writable ->
   NO_PERMISSION; the queue id is below its write queue count -> INVALID_ARGUMENT;
-- the body is a well-formed batch whose topic and queue id equal the header's, and (for a single
-  uncompressed message) whose properties fit ``max_properties_size`` -> MESSAGE_ILLEGAL;
+- the body is a well-formed batch whose topic and queue id equal the header's, and whose
+  content a reader can decode (``protocol.batch_rules.validate_batch``: UTF-8 tags, keys and
+  properties, properties within ``max_properties_size`` for every message, a compressed
+  batch's declared raw size within the limit and exactly what its records decompress to,
+  records that tile their section) -> MESSAGE_ILLEGAL / MESSAGE_TOO_LARGE, the message naming
+  the first problem (a batch whose CRC also fails is answered with the CRC error: it was
+  damaged on its way, not built wrong);
 
 then hands the bytes to ``MessageStore.put``, which verifies the batch CRC (MESSAGE_ILLEGAL),
 stamps the store fields in place and dispatches the consume queue. The response carries the
@@ -43,9 +52,9 @@ from typing import TYPE_CHECKING
 from tidemq.broker.connection import decode_request
 from tidemq.broker.dedup import DupStatus, MessageDeduplication
 from tidemq.broker.errors import RequestRejected, rejection_for_store_error
-from tidemq.broker.topic_config import topic_name_problem
+from tidemq.protocol.batch_rules import BatchLimits, validate_batch
 from tidemq.protocol.codes import ResponseCode
-from tidemq.protocol.errors import CorruptBatchError, TidemqError
+from tidemq.protocol.errors import CorruptBatchError, MessageTooLargeError, TidemqError
 from tidemq.protocol.frame import FLAG_ONEWAY
 from tidemq.protocol.headers import (
     DEDUP_PRODUCER_BIT,
@@ -53,7 +62,14 @@ from tidemq.protocol.headers import (
     SendMessageRequestHeader,
     SendMessageResponseHeader,
 )
-from tidemq.protocol.record import RECORD_HEADER, BatchView, Compression, TxnType, unique_id
+from tidemq.protocol.names import (
+    dlq_group,
+    group_name_problem,
+    is_system_topic,
+    retry_group,
+    topic_name_problem,
+)
+from tidemq.protocol.record import BatchView, TxnType, unique_id
 from tidemq.store.flush import FlushMode
 from tidemq.store.message_store import PutResult, PutStatus
 
@@ -64,14 +80,7 @@ if TYPE_CHECKING:
     from tidemq.broker.connection import BrokerConnection
     from tidemq.protocol.frame import Frame
 
-__all__ = ["SendProcessor", "SYSTEM_TOPIC_PREFIXES", "SYSTEM_TOPICS"]
-
-#: Topics only the broker writes: SCHEDULE_TOPIC_XXXX (delay levels), rmq_sys_wheel_timer
-#: (deliver_at), RMQ_SYS_TRANS_HALF_TOPIC / RMQ_SYS_TRANS_OP_HALF_TOPIC (transactions) and the
-#: discard topic of transactions checked too often. A client batch there would be taken for
-#: the broker's own envelope by the services that read them.
-SYSTEM_TOPIC_PREFIXES = ("SCHEDULE_TOPIC_XXXX", "rmq_sys_", "RMQ_SYS_")
-SYSTEM_TOPICS = frozenset({"TRANS_CHECK_MAX_TIME_TOPIC"})
+__all__ = ["SendProcessor"]
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +258,10 @@ class SendProcessor:
             broker.loop, self.store.config.sync_flush_timeout_ms / 1000.0
         )
         self._topic_bytes: dict[str, bytes] = {}
+        self._groups_ok: set[str] = set()  # producer group names already checked
+        self.limits = BatchLimits(
+            max_batch_bytes=self.max_batch, max_properties_size=cfg.max_properties_size
+        )
         self.dedup = broker.dedup
         self.non_persistent = broker.non_persistent
 
@@ -269,14 +282,14 @@ class SendProcessor:
                 f"bytes (max_message_size, plus {cfg.batch_overhead_allowance} for batch "
                 "headers); send fewer or smaller messages per batch",
             )
+        if h.producer_group not in self._groups_ok:
+            problem = group_name_problem(h.producer_group, "producer group")
+            if problem:
+                raise RequestRejected(ResponseCode.INVALID_ARGUMENT, problem)
+            if len(self._groups_ok) < 4096:
+                self._groups_ok.add(h.producer_group)
         topic = h.topic
-        if topic.startswith(SYSTEM_TOPIC_PREFIXES) or topic in SYSTEM_TOPICS:
-            raise RequestRejected(
-                ResponseCode.NO_PERMISSION,
-                f"topic {topic!r} is a system topic the broker writes itself (delayed, timed "
-                "or transactional messages); clients cannot send to it -- send to the real "
-                "topic with delay_level / deliver_at, or through a TransactionProducer",
-            )
+        self._check_reserved_topic(conn, topic)
         tc = self.topics.get(topic)
         if tc is None:
             problem = topic_name_problem(topic)
@@ -327,16 +340,19 @@ class SendProcessor:
                 ResponseCode.MESSAGE_ILLEGAL,
                 f"header queue id {qid} differs from the batch's queue id {v.queue_id}",
             )
-        if v.count == 1 and v.compression == Compression.NONE:
-            start = v.records_start
-            if v.records_size >= RECORD_HEADER.size:
-                props_len = RECORD_HEADER.unpack_from(body, start)[5]
-                if props_len > cfg.max_properties_size:
-                    raise RequestRejected(
-                        ResponseCode.MESSAGE_ILLEGAL,
-                        f"message properties are {props_len} bytes, over the limit of "
-                        f"{cfg.max_properties_size}; move data into the body",
-                    )
+        try:
+            validate_batch(v, self.limits)
+        except (CorruptBatchError, MessageTooLargeError) as exc:
+            if not v.batch_crc_ok():
+                raise RequestRejected(
+                    ResponseCode.MESSAGE_ILLEGAL,
+                    "batch rejected: batch CRC32C mismatch: the batch was damaged on its way",
+                ) from None
+            if isinstance(exc, MessageTooLargeError):
+                raise RequestRejected(ResponseCode.MESSAGE_TOO_LARGE, exc.message) from None
+            raise RequestRejected(
+                ResponseCode.MESSAGE_ILLEGAL, f"batch rejected: {exc.message}"
+            ) from None
         oneway = frame.flags & FLAG_ONEWAY
         if self.non_persistent.owns(topic):
             if v.delay_level or v.deliver_at or v.txn == TxnType.PREPARED:
@@ -401,6 +417,33 @@ class SendProcessor:
             conn.respond(frame.opaque, ResponseCode.SUCCESS, header)
         else:
             conn.respond(frame.opaque, ResponseCode.FLUSH_DISK_TIMEOUT, header)
+
+    def _check_reserved_topic(self, conn: BrokerConnection, topic: str) -> None:
+        """NO_PERMISSION unless this connection may send to ``topic`` (names.py's rule for
+        system, dead-letter and retry topics)."""
+        if is_system_topic(topic):
+            raise RequestRejected(
+                ResponseCode.NO_PERMISSION,
+                f"topic {topic!r} is a system topic the broker writes itself (delayed, timed "
+                "or transactional messages); clients cannot send to it -- send to the real "
+                "topic with delay_level / deliver_at, or through a TransactionProducer",
+            )
+        group = dlq_group(topic)
+        if group is not None:
+            raise RequestRejected(
+                ResponseCode.NO_PERMISSION,
+                f"topic {topic!r} is the dead-letter topic of consumer group {group!r}; only "
+                "the broker writes it (a consumer's send-back after the last retry)",
+            )
+        group = retry_group(topic)
+        if group is not None and not self.broker.consumers.is_member(group, conn):
+            raise RequestRejected(
+                ResponseCode.NO_PERMISSION,
+                f"topic {topic!r} is the retry topic of consumer group {group!r}; only a "
+                f"connection of a live member of {group!r} (one that sent HEART_BEAT for it) "
+                "may send to it -- a consumer sends a failed message back with "
+                "CONSUMER_SEND_MSG_BACK",
+            )
 
     def _put(
         self, h: SendMessageRequestHeader, conn: BrokerConnection, body: bytes, qid: int,

@@ -15,14 +15,14 @@ Threads: the broker's event loop only; :meth:`snapshot` returns bytes another th
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from tidemq.broker.connection import decode_request
 from tidemq.broker.durable_file import read_file, write_atomic
-from tidemq.broker.errors import RequestRejected
-from tidemq.broker.pull_processor import GROUP_NAME
+from tidemq.broker.errors import RequestRejected, check_group
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.headers import EmptyHeader, SubscriptionGroupConfig
 
@@ -53,6 +53,9 @@ class SubscriptionGroupManager:
         self.dirty = False
         #: grows with every change (a master's slaves copy the table when it moves)
         self.version = 0
+        #: Called with a config UPDATE_AND_CREATE_SUBSCRIPTION_GROUP changed (the broker
+        #: resizes the group's retry topic, which clients may not update themselves).
+        self.on_update: Callable[[SubscriptionGroupConfig], None] | None = None
 
     def load(self) -> None:
         raw = read_file(self.path)
@@ -78,13 +81,13 @@ class SubscriptionGroupManager:
 
     def update_request(self, conn: BrokerConnection, frame: Frame) -> None:
         cfg: SubscriptionGroupConfig = decode_request(frame, SubscriptionGroupConfig)
-        if not GROUP_NAME.match(cfg.group_name):
-            raise RequestRejected(ResponseCode.INVALID_ARGUMENT,
-                                  f"group name {cfg.group_name!r} is not valid")
+        check_group(cfg.group_name, "group_name")
         if not 1 <= cfg.retry_queue_nums <= 64:
             raise RequestRejected(ResponseCode.INVALID_ARGUMENT,
                                   f"retry_queue_nums must be 1..64, got {cfg.retry_queue_nums}")
         self.update(cfg)
+        if self.on_update is not None:
+            self.on_update(cfg)
         if not frame.is_oneway:
             conn.respond(frame.opaque, ResponseCode.SUCCESS, EmptyHeader())
 

@@ -13,7 +13,7 @@ fsync dir)::
 server can tell a changed topic set from a heartbeat.
 
 Topic names follow RocketMQ's rule ``^[%|a-zA-Z0-9_-]{1,127}$`` (``%`` and ``|`` appear in
-RocketMQ's system topics such as ``%RETRY%group``).
+RocketMQ's system topics such as ``%RETRY%group``); the rule lives in ``protocol/names.py``.
 
 Threads: the broker's event loop only. :meth:`snapshot` returns bytes another thread may write.
 """
@@ -21,18 +21,17 @@ Threads: the broker's event loop only. :meth:`snapshot` returns bytes another th
 from __future__ import annotations
 
 import logging
-import re
 
 import msgspec
 
 from tidemq.broker.durable_file import read_file, write_atomic
 from tidemq.protocol.headers import Perm, TopicConfig
+from tidemq.protocol.names import topic_name_problem
 
 __all__ = ["TopicConfigManager", "topic_name_problem", "MAX_QUEUE_NUMS"]
 
 log = logging.getLogger(__name__)
 
-TOPIC_NAME = re.compile(r"^[%|a-zA-Z0-9_-]{1,127}$")
 #: Most queues one topic may have on one broker (a bound against typos like 80000).
 MAX_QUEUE_NUMS = 16_384
 
@@ -44,21 +43,6 @@ class _TopicsFile(msgspec.Struct, omit_defaults=True):
 
 _decoder = msgspec.json.Decoder(_TopicsFile)
 _encoder = msgspec.json.Encoder()
-
-
-def topic_name_problem(name: str) -> str | None:
-    """Why ``name`` cannot be a topic, for a person; None when it can."""
-    if TOPIC_NAME.match(name):
-        return None
-    if not name:
-        return "the topic name is empty"
-    if len(name) > 127:
-        return f"topic name of {len(name)} characters is longer than 127"
-    bad = sorted({c for c in name if not re.match(r"[%|a-zA-Z0-9_-]", c)})
-    return (
-        f"topic name {name!r} contains {''.join(bad)!r}; use only letters, digits, "
-        "'%', '|', '_' and '-'"
-    )
 
 
 def config_problem(tc: TopicConfig) -> str | None:

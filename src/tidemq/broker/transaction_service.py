@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from tidemq.broker.durable_file import read_file, write_atomic
 from tidemq.broker.envelope import REAL_QID, REAL_TOPIC, wrap
-from tidemq.broker.errors import RequestRejected
+from tidemq.broker.errors import RequestRejected, check_group
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import OffsetOutOfRangeError, TidemqError
 from tidemq.protocol.frame import FLAG_ONEWAY, Frame, encode_frame_parts
@@ -210,6 +210,8 @@ class TransactionService:
             # read the producer groups from the decoded header, never from the raw frame.
             h: HeartbeatRequestHeader = decode_request(frame, HeartbeatRequestHeader)
             for g in h.producer_groups:
+                check_group(g, "producer_groups[]", "producer group")
+            for g in h.producer_groups:
                 self.register_producer(g, conn)
             if inner is not None:
                 inner(conn, frame)
@@ -248,6 +250,7 @@ class TransactionService:
         from tidemq.broker.connection import decode_request
 
         h: EndTransactionRequestHeader = decode_request(frame, EndTransactionRequestHeader)
+        check_group(h.producer_group, "producer_group", "producer group")
         self.register_producer(h.producer_group, conn)
         try:
             v = self.store.read_batch(h.commit_log_offset)

@@ -255,6 +255,12 @@ def consume_cmd(namesrv: str, topic: str, group: str, expression: str, from_begi
     got = 0
     consumer = PullConsumer(namesrv, group, consume_from="first" if from_beginning else "last")
     with consumer:
+        # A topic no broker has is an error, not an idle wait (NoRouteError -> exit 1).
+        if not consumer.fetch_queues(topic):
+            raise click.ClickException(
+                f"topic {topic!r} has no readable queue (its permission is write-only); "
+                "nothing can be consumed from it"
+            )
         consumer.subscribe(topic, expression)
         idle_since = time.monotonic()
         while count is None or got < count:
@@ -359,11 +365,13 @@ def group_lag(namesrv: str, group: str, topic: str | None, as_json: bool) -> Non
               help="Send single messages with send_async; the producer batches (up to --batch).")
 @click.option("--producer-name", default=None,
               help="Deduplicated producer (BR12) of this name (process i: NAME-i).")
+@click.option("--varied", is_flag=True,
+              help="Every message with a tag (one of 8), a key and 2 properties.")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def bench_produce_cmd(namesrv: str, topic: str, size: int, count: int, batch: int,
                       producers: int, inflight: int, queues: int, auto_batch: bool,
-                      producer_name: str | None, as_json: bool) -> None:
+                      producer_name: str | None, varied: bool, as_json: bool) -> None:
     """Send COUNT messages of SIZE bytes in batches; print the rate."""
     from tidemq.bench.client_bench import bench_produce
 
@@ -373,7 +381,7 @@ def bench_produce_cmd(namesrv: str, topic: str, size: int, count: int, batch: in
         result = bench_produce(namesrv=namesrv, topic=topic, size=size, count=count, batch=batch,
                                producers=producers, inflight=inflight, queues=queues,
                                progress=bar.update, auto_batch=auto_batch,
-                               producer_name=producer_name)
+                               producer_name=producer_name, varied=varied)
     emit_result(result, as_json)
 
 

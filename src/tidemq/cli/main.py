@@ -81,6 +81,20 @@ def bench_recovery_cmd(gib, segment_size, data_dir, as_json) -> None:
     emit_result(bench_recovery(data_dir=data_dir, gib=gib, segment_size=segment_size), as_json)
 
 
+@bench.command("door")
+@click.option("--size", default=1024, show_default=True, help="Body bytes per message.")
+@click.option("--batch", default=1000, show_default=True, help="Messages per batch.")
+@click.option("--sends", default=100, show_default=True, help="Batches per mode per round.")
+@click.option("--rounds", default=7, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_door_cmd(size, batch, sends, rounds, as_json) -> None:
+    """Broker CPU per message of the send path with the door's checks on and off
+    (protocol/batch_rules.py), for identical and for varied messages."""
+    from tidemq.bench.door_bench import bench_door
+
+    emit_result(bench_door(size=size, batch=batch, sends=sends, rounds=rounds), as_json)
+
+
 cli.add_command(demo)
 register_servers(cli)
 register_admin(cli)

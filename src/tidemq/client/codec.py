@@ -27,6 +27,7 @@ from tidemq.protocol.record import (
     ATTR_COMPRESSION_MASK,
     BATCH_MAGIC,
     CRC_FIELD,
+    DEFAULT_MAX_PROPERTIES_SIZE,
     DEFAULT_MAX_RAW_SIZE,
     FORMAT_VERSION,
     INDEX_ENTRY,
@@ -45,8 +46,11 @@ from tidemq.protocol.record import (
     MessageData,
     crc32c,
     decode_utf8,
+    delay_level_for,
+    deliver_at_for,
     encode_batch,
     encode_properties,
+    properties_over_limit,
     seal_store_header,
     tag_hash,
     unpack_host,
@@ -99,18 +103,21 @@ def encode_messages(
     born_port: int = 0,
     compression: int = Compression.NONE,
     compress_min: int = 0,
+    max_properties_size: int = DEFAULT_MAX_PROPERTIES_SIZE,
 ) -> bytearray:
     """One batch holding ``messages`` (all of ``topic``), as ``record.encode_batch`` builds it.
 
     ``born_host`` is the 16-byte packed address (``record.pack_host``); every message gets
-    ``born_ts``. Raises ValueError for a message the format cannot hold.
+    ``born_ts``. Raises ValueError for a message the format cannot hold or the broker's door
+    would refuse (protocol/batch_rules.py): properties over ``max_properties_size``, a
+    negative delay level (one above 31 is clamped, as the broker clamps one above its highest).
     """
     n = len(messages)
     if n == 1 and compression == Compression.NONE:
         m = messages[0]
         if not (m.keys or m.delay_level or m.deliver_at):
             return _encode_one(topic, queue_id, m, producer_id, base_seq, born_ts, born_host,
-                               born_port)
+                               born_port, max_properties_size)
     if n == 0:
         raise ValueError("a batch holds at least one message")
     topic_b = topic.encode()
@@ -137,13 +144,15 @@ def encode_messages(
         deliver_at = messages[0].deliver_at
         if any(m.delay_level != delay or m.deliver_at != deliver_at for m in messages):
             raise ValueError("all messages of one batch must share delay_level and deliver_at")
+        delay = delay_level_for(delay)
+        deliver_at = deliver_at_for(deliver_at)
     if compression != Compression.NONE:
         return _encode_generic(
             topic, messages, queue_id, producer_id, base_seq, born_ts, born_host, born_port,
-            compression, compress_min,
+            compression, compress_min, max_properties_size,
         )
     records, index, keys = (_small_records if n <= _SMALL else _general_records)(
-        messages, born_ts
+        messages, born_ts, max_properties_size
     )
     total = q + len(index) + len(keys) + len(records)
     buf = bytearray(total)
@@ -210,7 +219,7 @@ def _one_head(topic: str, queue_id: int) -> bytes:
 
 def _encode_one(
     topic: str, queue_id: int, m: Message, producer_id: int, base_seq: int, born_ts: int,
-    born_host: bytes, born_port: int,
+    born_host: bytes, born_port: int, max_props: int = DEFAULT_MAX_PROPERTIES_SIZE,
 ) -> bytearray:
     """A batch of one message without keys, delay or compression: the bytes of
     ``record.encode_batch`` (tests compare them) with one ``pack_into`` for the fixed fields
@@ -226,6 +235,8 @@ def _encode_one(
         tags_b = b""
         thash = 0
     props_b = encode_properties(m.properties) if m.properties else b""
+    if len(props_b) > max_props:
+        raise ValueError(properties_over_limit(0, len(props_b), max_props))
     body = m.body
     p = len(head) + 4
     payload_at = p + _ONE_TAIL.size
@@ -301,7 +312,8 @@ def _plain_into(
     rec[:] = np.frombuffer(b"".join(parts), dtype=np.uint8)
 
 
-def _small_records(messages: Sequence[Message], born_ts: int) -> tuple[bytes, bytes, bytes]:
+def _small_records(messages: Sequence[Message], born_ts: int, max_props: int
+                   ) -> tuple[bytes, bytes, bytes]:
     """Records, index and keys of a few messages: struct only (numpy's per-call overhead of
     several microseconds outweighs its gain below ~_SMALL messages)."""
     pack = RECORD_HEADER.pack
@@ -316,6 +328,8 @@ def _small_records(messages: Sequence[Message], born_ts: int) -> tuple[bytes, by
         if len(tags_b) > 0xFFFF:
             raise ValueError("tags must be at most 65535 bytes")
         props_b = encode_properties(m.properties) if m.properties else b""
+        if len(props_b) > max_props:
+            raise ValueError(properties_over_limit(i, len(props_b), max_props))
         body = m.body
         size = RECORD_HEADER_SIZE - 4 + len(tags_b) + len(props_b) + len(body)
         parts.append(pack(size, born_ts, 0, len(tags_b), 0, len(props_b), len(body)))
@@ -335,7 +349,8 @@ def _small_records(messages: Sequence[Message], born_ts: int) -> tuple[bytes, by
     return b"".join(parts), b"".join(idx), b"".join(keys_parts)
 
 
-def _general_records(messages: Sequence[Message], born_ts: int) -> tuple[bytes, bytes, bytes]:
+def _general_records(messages: Sequence[Message], born_ts: int, max_props: int
+                     ) -> tuple[bytes, bytes, bytes]:
     """Records, index and keys section of messages with tags, keys or properties."""
     pack = RECORD_HEADER.pack
     n = len(messages)
@@ -351,6 +366,8 @@ def _general_records(messages: Sequence[Message], born_ts: int) -> tuple[bytes, 
         if len(tags_b) > 0xFFFF:
             raise ValueError("tags must be at most 65535 bytes")
         props_b = encode_properties(m.properties) if m.properties else b""
+        if len(props_b) > max_props:
+            raise ValueError(properties_over_limit(i, len(props_b), max_props))
         body = m.body
         size = RECORD_HEADER_SIZE - 4 + len(tags_b) + len(props_b) + len(body)
         parts.append(pack(size, born_ts, 0, len(tags_b), 0, len(props_b), len(body)))
@@ -382,6 +399,7 @@ def _encode_generic(
     born_port: int,
     compression: int,
     compress_min: int,
+    max_props: int,
 ) -> bytearray:
     """The reference encoder (compression, per-batch delay) for what the fast path skips."""
     data = [
@@ -392,7 +410,7 @@ def _encode_generic(
         born_host=unpack_host(born_host) if born_host != _ZERO16 else None,
         born_port=born_port, deliver_at=messages[0].deliver_at,
         delay_level=messages[0].delay_level, compression=compression,
-        compress_min=compress_min,
+        compress_min=compress_min, max_properties_size=max_props,
     )
 
 

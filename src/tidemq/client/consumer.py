@@ -15,7 +15,12 @@ offset; FIRST: the min offset; TIMESTAMP: the first message stored at or after
 ``consume_timestamp``). Pull statuses are handled as seed 004 §4.3.3 says: FOUND buffers the
 messages (skipping those before the requested offset and re-checking tags); NO_NEW_MSG and
 NO_MATCHED_MSG move on to next_begin_offset; OFFSET_ILLEGAL jumps to the broker's corrected
-offset (logged). Errors back off 1 s and retry.
+offset (logged). Errors back off 1 s and retry, except the broker's refusals that no retry
+can fix -- INVALID_ARGUMENT (a queue id the topic does not have, a bad group name),
+NO_PERMISSION (a write-only topic), SUBSCRIPTION_PARSE_FAILED, REQUEST_CODE_NOT_SUPPORTED:
+that queue stops being pulled and the next ``poll`` raises the broker's error (a BrokerError
+naming the queue), once; ``assign`` again (or the next route refresh of ``subscribe``)
+retries it.
 
 Integrity (CO9, "tolerate on the way out"): every received batch's CRC32C is verified
 (``check_crc``); a batch that fails it, or does not decode (records that do not decompress, or
@@ -53,7 +58,7 @@ from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_
 from tidemq.client.errors import ClientClosedError, NoRouteError
 from tidemq.client.message import ConsumeFrom, MessageExt, MessageQueue
 from tidemq.client.route import RouteCache
-from tidemq.protocol.codes import PullStatus, RequestCode, pull_status
+from tidemq.protocol.codes import PullStatus, RequestCode, ResponseCode, pull_status
 from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import BrokerError, TidemqError
 from tidemq.protocol.headers import (
@@ -62,9 +67,16 @@ from tidemq.protocol.headers import (
     PullMessageResponseHeader,
     PullSysFlag,
 )
+from tidemq.protocol.names import group_name_problem
 from tidemq.protocol.record import DEFAULT_MAX_RAW_SIZE
 
 __all__ = ["PullConsumer"]
+
+#: Pull refusals that no retry fixes (see the module docstring).
+_FATAL_CODES = frozenset({
+    ResponseCode.INVALID_ARGUMENT, ResponseCode.NO_PERMISSION,
+    ResponseCode.SUBSCRIPTION_PARSE_FAILED, ResponseCode.REQUEST_CODE_NOT_SUPPORTED,
+})
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +86,7 @@ class _Queue:
 
     __slots__ = (
         "mq", "pull_offset", "consume_offset", "committed", "chunks", "buffered", "task",
-        "paused", "space", "ready", "assembler", "broker_id",
+        "paused", "space", "ready", "assembler", "broker_id", "failed",
     )
 
     def __init__(self, mq: MessageQueue) -> None:
@@ -92,6 +104,7 @@ class _Queue:
         self.ready: asyncio.Future[None] | None = None  # resolved once the start offset is known
         self.assembler: ChunkAssembler | None = None  # created at the first chunk seen
         self.broker_id = MASTER_ID  # which broker of the group to pull from (the suggestion)
+        self.failed: BrokerError | None = None  # a refusal no retry fixes stopped the queue
 
 
 class PullConsumer:
@@ -128,8 +141,9 @@ class PullConsumer:
         chunk_expire: float = 60.0,
         max_uncompressed_bytes: int = DEFAULT_MAX_RAW_SIZE,
     ) -> None:
-        if not group:
-            raise ValueError("a consumer needs a group name")
+        problem = group_name_problem(group)
+        if problem:
+            raise ValueError(problem)
         if max_uncompressed_bytes < 1:
             raise ValueError("max_uncompressed_bytes must be >= 1")
         if pull_batch_size < 1:
@@ -166,6 +180,7 @@ class PullConsumer:
         self._closed = False
         self._tasks: list[asyncio.Task[None]] = []
         self._warned: set[str] = set()  # subscribed topics already reported as routeless
+        self._errors: deque[BrokerError] = deque()  # refusals poll has not raised yet
 
     # -- configuration -------------------------------------------------------------------------
     def subscribe(self, topic: str, expression: str = "*") -> None:
@@ -253,6 +268,8 @@ class PullConsumer:
             raise ClientClosedError("this consumer was closed")
         if not self._subs and self._assigned is None:
             raise ValueError("call subscribe(topic) or assign(queues) before poll()")
+        if self._errors:
+            raise self._errors.popleft()
         out = self._drain()
         if out:
             return out
@@ -268,6 +285,8 @@ class PullConsumer:
                     await self._ready.wait()
             except TimeoutError:
                 return self._drain()
+            if self._errors:
+                raise self._errors.popleft()
             out = self._drain()
             if out:
                 return out
@@ -470,9 +489,13 @@ class PullConsumer:
             if self.auto_commit:
                 loop.create_task(self._commit_quietly(q))
         for mq in sorted(want):
-            if mq not in self._queues:
+            q = self._queues.get(mq)
+            if q is None:
                 q = _Queue(mq)
                 self._queues[mq] = q
+                q.task = loop.create_task(self._pull_loop(q))
+            elif q.failed is not None:  # assigned again: try again
+                q.failed = None
                 q.task = loop.create_task(self._pull_loop(q))
         self._order = [self._queues[mq] for mq in sorted(self._queues)]
         self._rr = 0
@@ -559,6 +582,9 @@ class PullConsumer:
             except asyncio.CancelledError:
                 raise
             except TidemqError as exc:
+                if isinstance(exc, BrokerError) and exc.response_code in _FATAL_CODES:
+                    self._fail(q, exc)
+                    return
                 delay = 1.0
                 if addr and not isinstance(exc, BrokerError):
                     # unreachable: the next pull tries another broker of the group at once
@@ -584,6 +610,18 @@ class PullConsumer:
             "buffered": sum(q.buffered for q in self._queues.values()),
             "corrupt_skipped": self.corrupt.total,
         }
+
+    def _fail(self, q: _Queue, exc: BrokerError) -> None:
+        """Stop pulling ``q`` after a refusal no retry fixes; the next poll raises it."""
+        err = BrokerError(
+            f"pulling {q.mq} as group {self.group!r} was refused: {exc.message}; the queue is "
+            "no longer pulled (assign it again to retry)",
+            response_code=exc.response_code, code=exc.code,
+        )
+        q.failed = err
+        self._errors.append(err)
+        log.error("%s", err)
+        self._ready.set()
 
     def _corrupt(self, mq: MessageQueue, queue_offset: int, count: int, why: str) -> None:
         where = (f"offsets {queue_offset}..{queue_offset + count - 1}" if count > 0

@@ -33,6 +33,8 @@ from tidemq.protocol.record import (
     RECORD_HEADER_SIZE,
     STORE_HEADER_SIZE,
     decode_properties,
+    delay_level_for,
+    deliver_at_for,
     unique_id,
     unpack_host,
 )
@@ -55,7 +57,8 @@ class Message(msgspec.Struct, gc=False):
     ``properties`` user properties (str -> str).
 
     Delayed delivery (SPEC PR8): ``delay_level`` 1..18 waits the broker's level time (RocketMQ's
-    "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"); ``deliver_at`` (ms since the
+    "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"; a higher level waits the
+    highest, as in RocketMQ; a negative one is a ValueError); ``deliver_at`` (ms since the
     epoch, or a ``datetime``) delivers at that time to the millisecond, up to the broker's
     limit (40 days); ``deliver_after`` (seconds, or a ``timedelta``) is ``deliver_at = now +
     deliver_after``, fixed when the Message is built. Until then consumers do not see it; a
@@ -75,6 +78,10 @@ class Message(msgspec.Struct, gc=False):
         if type(self.body) is not bytes:
             body: Any = self.body
             self.body = body.encode() if isinstance(body, str) else bytes(body)
+        if self.delay_level:
+            # negative: ValueError; above 31 (what the format holds): 31, which the broker
+            # clamps to its highest level (18 by default), as RocketMQ does
+            self.delay_level = delay_level_for(self.delay_level)
         if self.deliver_at or self.deliver_after:
             self._resolve_delivery_time()
 
@@ -94,6 +101,7 @@ class Message(msgspec.Struct, gc=False):
             self.deliver_after = 0
         if self.delay_level and self.deliver_at:
             raise ValueError("set either delay_level or deliver_at / deliver_after, not both")
+        deliver_at_for(self.deliver_at)
 
     @property
     def keys_string(self) -> str | None:

@@ -41,6 +41,7 @@ import asyncio
 import itertools
 import logging
 import secrets
+import struct
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -73,7 +74,14 @@ from tidemq.protocol.headers import (
     TopicRouteData,
     dedup_producer_id,
 )
-from tidemq.protocol.record import Compression, crc32c, pack_host, unique_id
+from tidemq.protocol.names import group_name_problem, topic_name_problem
+from tidemq.protocol.record import (
+    DEFAULT_MAX_PROPERTIES_SIZE,
+    Compression,
+    crc32c,
+    pack_host,
+    unique_id,
+)
 
 __all__ = ["Producer", "Selector", "SendCallback"]
 
@@ -121,7 +129,9 @@ class Producer:
     with ``compress_min`` bytes, ``latency_fault`` (True: avoid slow/failed brokers),
     ``route_refresh`` (30 s), ``pool`` (share a ConnectionPool between clients),
     ``max_pending_messages`` (100 000 unanswered ``send_async`` messages at most),
-    ``retry_another_broker_when_not_store_ok`` (False: see below).
+    ``retry_another_broker_when_not_store_ok`` (False: see below), ``max_properties_size``
+    (32 KiB of encoded properties per message, the broker's default ``max_properties_size``;
+    raise both together).
 
     Statuses (docs/cluster.md): only ``SendStatus.SEND_OK`` means the message is where the
     broker promises (on disk under SYNC_FLUSH, on the in-sync slaves under SYNC_MASTER).
@@ -131,6 +141,11 @@ class Producer:
     retryAnotherBrokerWhenNotStoreOK), which sends it again to another broker's queue (at most
     ``retries`` times; pinned sends and deduplicated producers are never moved) and returns the
     last result: a duplicate rather than a message at risk.
+
+    A message the broker's door would refuse (protocol/batch_rules.py) is refused before it is
+    sent, with MessageRejectedError: a topic name outside RocketMQ's rule (protocol/names.py),
+    properties over the limit, a negative delay level, a deliver_at out of range. A group name
+    outside the rule is a ValueError here.
     """
 
     def __init__(
@@ -155,7 +170,11 @@ class Producer:
         pool: ConnectionPool | None = None,
         max_pending_messages: int = 100_000,
         retry_another_broker_when_not_store_ok: bool = False,
+        max_properties_size: int = DEFAULT_MAX_PROPERTIES_SIZE,
     ) -> None:
+        problem = group_name_problem(group, "producer group") if group is not None else None
+        if problem:
+            raise ValueError(problem)
         if retries < 0:
             raise ValueError("retries must be >= 0")
         if max_pending_messages < 1:
@@ -166,6 +185,7 @@ class Producer:
         self.send_timeout = send_timeout
         self.retries = retries
         self.max_message_size = max_message_size
+        self.max_properties_size = max_properties_size
         self.compression = Compression.NAMES[compression]
         self.compress_min = compress_min
         self.latency_fault = latency_fault
@@ -546,6 +566,9 @@ class Producer:
         try:
             return await self.routes.get(topic)
         except NoRouteError as exc:
+            problem = topic_name_problem(topic)
+            if problem:  # no broker would create it (the rule of protocol/names.py)
+                raise MessageRejectedError(problem) from None
             if not self.auto_create_route:
                 raise
             try:
@@ -607,8 +630,9 @@ class Producer:
                     topic, msgs, queue_id=queue_id, producer_id=self.producer_id, base_seq=seq,
                     born_ts=born_ts, born_host=packed, born_port=port,
                     compression=self.compression, compress_min=self.compress_min,
+                    max_properties_size=self.max_properties_size,
                 )
-        except ValueError as exc:
+        except (ValueError, struct.error) as exc:  # struct.error: a field out of its range
             raise MessageRejectedError(f"cannot encode the message: {exc}") from exc
         if len(batch) > self.max_message_size:
             raise MessageRejectedError(

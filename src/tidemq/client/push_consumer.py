@@ -65,6 +65,7 @@ from tidemq.protocol.headers import (
     SubscriptionData,
     UnregisterClientRequestHeader,
 )
+from tidemq.protocol.names import group_name_problem
 from tidemq.protocol.record import DEFAULT_MAX_RAW_SIZE
 
 __all__ = ["PushConsumer"]
@@ -143,8 +144,9 @@ class PushConsumer:
         route_refresh: float = 30.0,
         max_uncompressed_bytes: int = DEFAULT_MAX_RAW_SIZE,
     ) -> None:
-        if not group:
-            raise ValueError("a push consumer needs a group name")
+        problem = group_name_problem(group)
+        if problem:
+            raise ValueError(problem)
         if max_uncompressed_bytes < 1:
             raise ValueError("max_uncompressed_bytes must be >= 1")
         if not callable(listener):
