@@ -643,8 +643,8 @@ class HAService:
     def _topics_from_queues(self) -> None:
         """A topic this store has messages of but no config for (its creation had not been
         synced when the master died) gets one, so its queues stay in the routes."""
-        from tidemq.broker.send_processor import SYSTEM_TOPIC_PREFIXES, SYSTEM_TOPICS
-        from tidemq.protocol.headers import TopicConfig
+        from tidemq.protocol.headers import Perm, TopicConfig
+        from tidemq.protocol.names import dlq_group, is_system_topic
 
         b = self.broker
         widest: dict[str, int] = {}
@@ -652,10 +652,11 @@ class HAService:
             widest[topic] = max(widest.get(topic, 0), qid + 1)
         added = []
         for topic, n in widest.items():
-            if (b.topics.get(topic) is None and not topic.startswith(SYSTEM_TOPIC_PREFIXES)
-                    and topic not in SYSTEM_TOPICS):
+            if b.topics.get(topic) is None and not is_system_topic(topic):
+                # a dead-letter topic stays write-only (protocol/names.py)
+                perm = Perm.WRITE if dlq_group(topic) is not None else Perm.READ_WRITE
                 b.topics.update(TopicConfig(topic_name=topic, read_queue_nums=n,
-                                            write_queue_nums=n))
+                                            write_queue_nums=n, perm=perm))
                 added.append(topic)
         if added:
             log.warning("topics %s had messages here but no config (not synced before the "
