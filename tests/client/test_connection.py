@@ -7,16 +7,18 @@ import socket
 
 import pytest
 
-from tidemq.client.connection import ConnectionPool, parse_address
+from tidemq.client.connection import ConnectionPool, parse_address, raise_for_error
 from tidemq.client.errors import ConnectError, ConnectionLostError, RequestTimeoutError
 from tidemq.client.message import Message
 from tidemq.client.producer import Producer
 from tidemq.client.route import RouteCache, parse_namesrv
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import BrokerError
-from tidemq.protocol.frame import Frame
+from tidemq.protocol.frame import FLAG_RESPONSE, FRAME_MAGIC, FRAME_PREFIX, FRAME_VERSION, Frame
 from tidemq.protocol.headers import (
     BrokerData,
+    EmptyHeader,
+    ErrorResponseHeader,
     PullMessageRequestHeader,
     QueueData,
     SendMessageRequestHeader,
@@ -332,5 +334,115 @@ def test_connection_frames_exactly_as_the_protocol_encodes(header, body, flags):
         small = Connection("127.0.0.1:1", max_frame_size=64)
         with pytest.raises(LocalProtocolError):
             small._write(42, 7, 0, header, b"x" * 100)
+
+    run(main())
+
+
+# -- SYSTEM_BUSY's retry hint and peers that stall ---------------------------------------------
+
+
+def _busy(frame: Frame, retry_after_ms: int) -> Frame:
+    return frame.response(ResponseCode.SYSTEM_BUSY, ErrorResponseHeader(
+        message="busy", retry_after_ms=retry_after_ms))
+
+
+def test_busy_hint_reaches_the_error():
+    f = _busy(Frame.request(RequestCode.SEND_MESSAGE, 5), 250)
+    with pytest.raises(BrokerError) as info:
+        raise_for_error(f)
+    assert info.value.code == "SYSTEM_BUSY" and info.value.retry_after == 0.25
+    assert BrokerError.from_response(ResponseCode.SYSTEM_BUSY).retry_after == 0.0
+
+
+def test_producer_waits_out_the_busy_hint_before_resending_to_the_same_broker():
+    attempts: list[float] = []
+
+    async def broker(frame: Frame):
+        attempts.append(asyncio.get_running_loop().time())
+        if len(attempts) == 1:
+            return _busy(frame, 400)
+        v = BatchView(frame.body)
+        return frame.response(0, SendMessageResponseHeader(
+            msg_id=v.unique_id(0), queue_id=frame.header.queue_id, queue_offset=0, count=1))
+
+    async def main():
+        b = await FakeServer(broker).start()
+        route = _route({"b1": b.address})
+
+        async def namesrv(frame: Frame):
+            return frame.response(0, route)
+
+        ns = await FakeServer(namesrv).start()
+        async with Producer(ns.address, send_timeout=3) as p:
+            r = await p.send(Message("t", b"x"))
+        assert r.broker_name == "b1" and len(attempts) == 2
+        assert attempts[1] - attempts[0] >= 0.38  # as asked, not at once
+
+        # a hint past the send's deadline: the error at once, no pointless wait
+        attempts.clear()
+
+        async def always_busy(frame: Frame):
+            attempts.append(0.0)
+            return _busy(frame, 10_000)
+
+        b.handler = always_busy
+        async with Producer(ns.address, send_timeout=2) as p:
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(BrokerError) as info:
+                await p.send(Message("t", b"x"))
+            assert info.value.retry_after == 10.0
+            assert asyncio.get_running_loop().time() - t0 < 1.0 and len(attempts) == 1
+        await b.close()
+        await ns.close()
+
+    run(main())
+
+
+def test_route_query_waits_out_a_busy_name_server():
+    asked: list[float] = []
+
+    async def namesrv(frame: Frame):
+        asked.append(asyncio.get_running_loop().time())
+        if len(asked) == 1:
+            return _busy(frame, 300)
+        return frame.response(0, _route({"b1": "127.0.0.1:1"}))
+
+    async def main():
+        srv = await FakeServer(namesrv).start()
+        pool = ConnectionPool()
+        routes = RouteCache(pool, [srv.address])
+        r = await routes.get("t")
+        assert r.write_queues and len(asked) == 2 and asked[1] - asked[0] >= 0.28
+        pool.close()
+        await srv.close()
+
+    run(main())
+
+
+def test_a_peer_that_stops_mid_frame_is_dropped_not_held():
+    """A response whose prefix promises 8 MiB and then nothing: the request times out, and
+    since the frame started before the request was sent the connection is closed (the bytes
+    held are released) instead of waiting for the rest forever."""
+    async def server(frame: Frame):
+        head = FRAME_PREFIX.pack(8 * 1024 * 1024 - 4, FRAME_MAGIC, FRAME_VERSION, FLAG_RESPONSE,
+                                 0, 0, frame.opaque, 0)
+        return head + bytes(100_000)
+
+    async def main():
+        srv = await FakeServer(server).start()
+        pool = ConnectionPool()
+        conn = await pool.get(srv.address)
+        with pytest.raises(RequestTimeoutError):  # the frame starts: it was sent before
+            await conn.request(RequestCode.GET_BROKER_RUNTIME_INFO, EmptyHeader(), timeout=0.3)
+        assert not conn.is_closed  # the frame began after that request was sent
+        with pytest.raises((RequestTimeoutError, ConnectionLostError)):
+            await conn.request(RequestCode.GET_BROKER_RUNTIME_INFO, EmptyHeader(), timeout=0.3)
+        await asyncio.sleep(0.05)
+        assert conn.is_closed
+        with pytest.raises(ConnectionLostError, match="stopped sending in the middle"):
+            await conn.request(RequestCode.GET_BROKER_RUNTIME_INFO, EmptyHeader())
+        assert conn._decoder.buffered == 0
+        pool.close()
+        await srv.close()
 
     run(main())

@@ -430,3 +430,46 @@ def test_error_classes():
     assert not issubclass(RemoteProtocolError, LocalProtocolError)
     with pytest.raises(ValueError):
         FrameDecoder(max_frame_size=10)
+
+
+# -- dropping a partial frame (servers that cannot afford to hold it) -------------------------
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(frames, min_size=2, max_size=6), st.data())
+def test_dropped_partial_frame_is_skipped_and_reported(fs, data):
+    """Model: drop frame k while it is partially held (its prefix in); the decoder then yields
+    exactly the other frames, in order, and reports (code, opaque, flags) of frame k once its
+    last byte has arrived -- however the bytes are cut."""
+    k = data.draw(st.integers(0, len(fs) - 1), label="dropped frame")
+    wires = [encode_frame(f) for f in fs]
+    start = sum(len(w) for w in wires[:k])
+    held = data.draw(st.integers(18, len(wires[k]) - 1), label="bytes of it held") \
+        if len(wires[k]) > 18 else None
+    if held is None:  # a frame of exactly the prefix is never partial past its prefix
+        return
+    stream = b"".join(wires)
+    cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=8), label="cuts")
+    dec = FrameDecoder()
+    got = _feed_all(dec, _split(stream[: start + held], cuts))
+    assert dec.partial_size == len(wires[k]) and dec.buffered == held
+    assert dec.drop_partial()
+    assert dec.buffered == 0 and dec.partial_size == 0
+    assert not dec.drop_partial()  # nothing held any more
+    rest = stream[start + held :]
+    got.extend(_feed_all(dec, _split(rest, cuts)))
+    assert got == fs[:k] + fs[k + 1 :]
+    f = fs[k]
+    assert dec.dropped == [(f.code, f.opaque, f.flags)]
+
+
+def test_drop_partial_needs_a_complete_prefix():
+    dec = FrameDecoder()
+    wire = encode_frame(Frame.request(RequestCode.SEND_MESSAGE, 9, None, b"x" * 100))
+    assert dec.feed(wire[:10]) == []
+    assert dec.partial_size == 0 and not dec.drop_partial()  # length known, prefix not
+    assert dec.feed(wire[10:40]) == []
+    assert dec.partial_size == len(wire) and dec.drop_partial()
+    assert dec.feed(wire[40:]) == [] and dec.dropped == [(RequestCode.SEND_MESSAGE, 9, 0)]
+    nxt = Frame.request(RequestCode.HEART_BEAT, 10, None, b"ok")
+    assert dec.feed(encode_frame(nxt)) == [nxt]

@@ -3,7 +3,7 @@ BrokerController).
 
 ::
 
-    clients --TCP--> BrokerConnection (asyncio.Protocol + FrameDecoder)
+    clients --TCP--> FrameServer / BrokerConnection (tidemq.base: framing, back-pressure, limits)
                         |  Broker.handle(conn, frame): code -> processor
                         v
        SendProcessor   PullProcessor --held--> PullRequestHoldService (long_polling)
@@ -33,12 +33,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from tidemq.base.server import FrameServer
 from tidemq.broker.admin_processor import AdminProcessor, rss_bytes
 from tidemq.broker.config import BrokerConfig
 from tidemq.broker.connection import BrokerConnection
@@ -67,7 +67,7 @@ from tidemq.broker.topic_config import TopicConfigManager
 from tidemq.broker.transaction_service import HALF_TOPIC, OP_TOPIC, TransactionService
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import CorruptBatchError
-from tidemq.protocol.frame import DEFAULT_MAX_FRAME_SIZE, FLAG_ONEWAY, FLAG_RESPONSE, Frame
+from tidemq.protocol.frame import FLAG_ONEWAY, FLAG_RESPONSE, Frame
 from tidemq.protocol.headers import (
     Perm,
     RegisterBrokerRequestHeader,
@@ -142,7 +142,9 @@ class Broker:
         self.services_started = False
         self.metrics: MetricsServer | None = None
         self.hold: PullRequestHoldService | None = None
-        self._server: asyncio.Server | None = None
+        self.frames = FrameServer(
+            self, config.connection_limits(), what="broker", connection_factory=BrokerConnection
+        )
         self._tasks: list[asyncio.Task] = []
         self._handlers: dict[int, Callable[[BrokerConnection, Frame], None]] = {}
         self._topics_persist: asyncio.Task | None = None
@@ -156,16 +158,7 @@ class Broker:
     async def start(self) -> None:
         cfg = self.config
         self.loop = loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: BrokerConnection(self, DEFAULT_MAX_FRAME_SIZE),
-            cfg.listen_host,
-            cfg.listen_port,
-            reuse_address=True,
-            start_serving=False,
-            backlog=1024,
-        )
-        sock = self._server.sockets[0]
-        self.port = sock.getsockname()[1]
+        self.port = await self.frames.start(cfg.listen_host, cfg.listen_port, start_serving=False)
         self.addr = cfg.broker_addr(self.port)
         # Opening the store takes its lock (a second broker on the same directory stops here,
         # before touching the config files) and recovers it; nothing else runs yet.
@@ -233,7 +226,7 @@ class Broker:
         self.ha.guard(self._handlers)  # a slave refuses writes
         await self.ha.start()
         self.started_at = time.time()
-        await self._server.start_serving()
+        await self.frames.start_serving()
         self._tasks = [
             loop.create_task(self.hold.run_checks(), name="long-polling-check"),
             loop.create_task(self._persist_offsets_forever(), name="offsets-persist"),
@@ -277,8 +270,7 @@ class Broker:
         if self._stopped:
             return
         self._stopped = True
-        if self._server is not None:
-            self._server.close()
+        self.frames.close_listener()
         if self.metrics is not None:
             await self.metrics.close()
         if self.registration is not None:
@@ -295,8 +287,7 @@ class Broker:
         await self.ha.stop()
         if self.hold is not None:
             self.hold.close()
-        for conn in list(self.connections):
-            conn.close()
+        self.frames.close()
         if self._topics_persist is not None:
             await asyncio.gather(self._topics_persist, return_exceptions=True)
         if self._offsets_persist is not None:
@@ -327,12 +318,6 @@ class Broker:
     # -- connections and dispatch ----------------------------------------------------------------
     def connection_made(self, conn: BrokerConnection) -> None:
         self.connections.add(conn)
-        sock = conn.transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
 
     def connection_lost(self, conn: BrokerConnection) -> None:
         self.connections.discard(conn)
@@ -666,6 +651,7 @@ class Broker:
             "sent_back_retry": self.send_back.retried,
             "sent_back_dlq": self.send_back.dead,
             "connections": len(self.connections),
+            **self.frames.stats(),
             "held_pulls": self.hold.held_count(),
             "held_woken_by_arrival": self.hold.woken_by_arrival,
             "held_woken_by_check": self.hold.woken_by_check,

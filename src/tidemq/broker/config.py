@@ -12,10 +12,12 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from tidemq.base.limits import ConnectionLimits
+from tidemq.protocol.frame import DEFAULT_MAX_FRAME_SIZE
 from tidemq.store.config import StoreConfig
 from tidemq.store.flush import FlushMode
 
-__all__ = ["BrokerConfig", "apply_overrides", "MiB"]
+__all__ = ["BrokerConfig", "apply_overrides", "apply_setting_overrides", "MiB"]
 
 MiB = 1 << 20
 
@@ -35,6 +37,29 @@ class BrokerConfig:
     announce_host: str = ""
     #: Name servers to register with ("host:port"); empty = run without a name server.
     namesrv_addrs: list[str] = field(default_factory=list)
+
+    # -- connections and memory (tidemq.base.limits; docs/operations.md) --------------------
+    #: Connections served at once; one more is answered SYSTEM_BUSY and closed.
+    max_connections: int = 10_000
+    #: Largest frame accepted (length field included); a bigger one closes the connection.
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    #: SO_SNDBUF of client sockets (the kernel doubles it); 0 = the kernel's autotuning.
+    socket_send_buffer: int = 256 * 1024
+    #: Stop handling and reading a connection's requests while this many bytes of its
+    #: responses are unsent; resume below the low-water mark.
+    write_buffer_high_water: int = 64 * 1024
+    write_buffer_low_water: int = 16 * 1024
+    #: A connection with more unsent responses than this is closed.
+    max_queued_response_bytes: int = 64 * MiB
+    #: Bytes of partial frames held, all connections together; past it the oldest partial
+    #: frame is dropped and its sender answered SYSTEM_BUSY.
+    max_partial_frame_bytes: int = 128 * MiB
+    #: A frame incomplete this long after its first byte closes its connection.
+    partial_frame_timeout_ms: int = 30_000
+    #: Retry hint sent with SYSTEM_BUSY.
+    busy_retry_ms: int = 1000
+    #: Pulls one connection may have held by long polling; one more is answered SYSTEM_BUSY.
+    max_held_pulls_per_connection: int = 10_000
 
     # -- storage ------------------------------------------------------------------------------
     data_dir: str = os.path.join("~", "tidemq", "store")
@@ -212,9 +237,32 @@ class BrokerConfig:
         opts.update(self.store)
         return StoreConfig(**opts)  # type: ignore[arg-type]
 
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(
+            max_connections=self.max_connections,
+            max_frame_size=self.max_frame_size,
+            socket_send_buffer=self.socket_send_buffer,
+            write_buffer_high_water=self.write_buffer_high_water,
+            write_buffer_low_water=self.write_buffer_low_water,
+            max_queued_response_bytes=self.max_queued_response_bytes,
+            max_partial_frame_bytes=self.max_partial_frame_bytes,
+            partial_frame_timeout_ms=self.partial_frame_timeout_ms,
+            busy_retry_ms=self.busy_retry_ms,
+        )
+
     def validate(self) -> None:
         """Raise ValueError, naming the field, for settings that cannot work."""
         FlushMode(self.flush_mode)  # ValueError names the bad value
+        self.connection_limits().validate("broker")
+        if self.max_held_pulls_per_connection <= 0:
+            raise ValueError("broker setting max_held_pulls_per_connection must be > 0, got "
+                             f"{self.max_held_pulls_per_connection}")
+        if self.max_frame_size < self.max_message_size + self.batch_overhead_allowance:
+            raise ValueError(
+                f"broker setting max_frame_size ({self.max_frame_size}) must be at least "
+                f"max_message_size + batch_overhead_allowance "
+                f"({self.max_message_size + self.batch_overhead_allowance})"
+            )
         for name in (
             "long_polling_check_ms", "short_polling_time_ms", "register_interval_ms",
             "register_timeout_ms", "heartbeat_timeout_ms", "offset_persist_interval_ms",
@@ -286,6 +334,21 @@ def _convert(text: str, like: object, name: str) -> object:
     if isinstance(like, list):
         return [p for p in text.replace(";", ",").split(",") if p]
     return text
+
+
+def apply_setting_overrides(settings: object, pairs: list[str], what: str) -> None:
+    """Set fields of the dataclass ``settings`` from ``KEY=VALUE`` strings (as
+    :func:`apply_overrides`, for other servers' settings, e.g. the name server's); ``what``
+    names them in errors."""
+    fields = {f.name for f in dataclasses.fields(settings)}  # type: ignore[arg-type]
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep:
+            raise ValueError(f"option {pair!r} must look like KEY=VALUE")
+        if key not in fields:
+            raise ValueError(f"unknown {what} setting {key!r}; known: {', '.join(sorted(fields))}")
+        setattr(settings, key, _convert(value, getattr(settings, key), key))
 
 
 def apply_overrides(config: BrokerConfig, pairs: list[str]) -> BrokerConfig:

@@ -15,6 +15,7 @@ the connection's FrameDecoder raises RemoteProtocolError and the connection is c
 
 from __future__ import annotations
 
+from tidemq.base.errors import RequestRejected  # shared with the name server
 from tidemq.protocol.codes import ResponseCode
 from tidemq.protocol.errors import (
     CorruptBatchError,
@@ -27,16 +28,6 @@ from tidemq.protocol.errors import (
 from tidemq.protocol.names import group_name_problem
 
 __all__ = ["RequestRejected", "rejection_for_store_error", "check_group"]
-
-
-class RequestRejected(TidemqError):
-    """Answer the request with ``response_code`` and ``message``; keep the connection."""
-
-    code = "REQUEST_REJECTED"
-
-    def __init__(self, response_code: int, message: str) -> None:
-        super().__init__(message, code=ResponseCode(response_code).name)
-        self.response_code = response_code
 
 
 def rejection_for_store_error(exc: TidemqError) -> RequestRejected:

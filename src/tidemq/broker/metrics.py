@@ -57,6 +57,8 @@ _GAUGES = {
     "ha_waiting_sends": "SYNC_MASTER sends waiting for their slaves.",
     "ha_lag_bytes": "CommitLog bytes this slave lacks, as its master last said (slave).",
     "ha_last_heard_ms": "Milliseconds since this slave last heard from its master (slave).",
+    "partial_frame_bytes": "Bytes held in frames that have not fully arrived, all connections.",
+    "connections_paused": "Connections not read from because their client does not read.",
 }
 _COUNTERS = {
     "held_woken_by_arrival": "Held pulls answered because a message arrived.",
@@ -70,6 +72,10 @@ _COUNTERS = {
     "ha_slave_not_available": "SYNC_MASTER sends answered SLAVE_NOT_AVAILABLE.",
     "ha_truncated_bytes": "CommitLog bytes a slave cut because its master never had them.",
     "ha_offsets_flowed_back": "Consumer offsets a slave took that reached this master.",
+    "connections_refused": "Connections refused (SYSTEM_BUSY) at max_connections.",
+    "frames_dropped_busy": "Partial frames dropped (SYSTEM_BUSY) at max_partial_frame_bytes.",
+    "partial_frame_timeouts": "Connections closed for a frame incomplete past its timeout.",
+    "connections_overflowed": "Connections closed past max_queued_response_bytes.",
 }
 
 

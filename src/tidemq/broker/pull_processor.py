@@ -228,6 +228,12 @@ class PullProcessor:
         suspend = allow_suspend and h.sys_flag & PullSysFlag.SUSPEND
         if code == ResponseCode.PULL_NOT_FOUND and suspend:
             cfg = self.config
+            if len(conn.held) >= cfg.max_held_pulls_per_connection:
+                raise RequestRejected(
+                    ResponseCode.SYSTEM_BUSY,
+                    f"this connection already has {len(conn.held)} pulls held by long polling "
+                    f"(max_held_pulls_per_connection); pull again after the hint",
+                )
             if cfg.long_polling_enable:
                 timeout_ms = min(h.suspend_timeout_millis, cfg.max_suspend_ms)
             else:
@@ -258,7 +264,13 @@ class PullProcessor:
         return MASTER_ID
 
     def execute_held(self, held: HeldPull) -> None:
-        """Re-execute a held pull (woken or timed out): answer whatever is there now."""
+        """Re-execute a held pull (woken or timed out): answer whatever is there now -- or,
+        while its client is not reading (``write_paused``), once it reads again, so that pulls
+        woken together cannot queue more than the high-water mark of responses."""
+        conn = held.conn
+        if conn.write_paused:
+            conn.when_writable(lambda: self.execute_held(held))
+            return
         try:
             self.process(held.conn, held.opaque, held.header, held.tag_hashes, allow_suspend=False)
         except Exception as exc:  # answer, never leave the client waiting

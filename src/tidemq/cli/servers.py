@@ -140,6 +140,31 @@ def _broker_config(
     return cfg
 
 
+def _namesrv_config(options, **fields):
+    """NamesrvConfig from the command's flags and ``-o KEY=VALUE`` options."""
+    from tidemq.broker.config import apply_setting_overrides
+    from tidemq.namesrv.server import NamesrvConfig
+
+    cfg = NamesrvConfig(**fields)
+    try:
+        apply_setting_overrides(cfg, list(options), "name server")
+        cfg.validate()
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="-o/--option") from None
+    return cfg
+
+
+def _split_namesrv_options(options) -> tuple[list[str], list[str]]:
+    """``tidemq dev``'s options: (broker options, name server options without "namesrv.")."""
+    broker, namesrv = [], []
+    for o in options:
+        if o.strip().startswith("namesrv."):
+            namesrv.append(o.strip()[len("namesrv."):])
+        else:
+            broker.append(o)
+    return broker, namesrv
+
+
 def _fail_on_start_errors(fn: Callable[[], None]) -> None:
     from tidemq.protocol.errors import TidemqError
 
@@ -165,7 +190,8 @@ _options = click.option(
     multiple=True,
     metavar="KEY=VALUE",
     help="Set any broker setting (see tidemq.broker.config), e.g. -o long_polling_check_ms=500 "
-    "or -o store.segment_size=67108864. Repeatable.",
+    "or -o store.segment_size=67108864; in `tidemq dev`, -o namesrv.KEY=VALUE sets a name "
+    "server setting. Repeatable.",
 )
 _metrics_port = click.option(
     "--metrics-port",
@@ -209,14 +235,25 @@ _flush = click.option(
     show_default=True,
     help="Drop a broker after this long without a registration (0 = the broker's own 120 s).",
 )
+@click.option(
+    "-o",
+    "--option",
+    "options",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Set any name server setting (see tidemq.namesrv.server.NamesrvConfig), e.g. "
+    "-o max_connections=20000. Repeatable.",
+)
 @_log_level
-def namesrv_cmd(host, port, scan_interval_ms, broker_expire_ms, log_level) -> None:
+def namesrv_cmd(host, port, scan_interval_ms, broker_expire_ms, options, log_level) -> None:
     """Run a name server: brokers register with it, clients ask it for routes."""
     _setup_logging(log_level)
-    from tidemq.namesrv.server import NameServer, NamesrvConfig
+    _raise_fd_limit()
+    from tidemq.namesrv.server import NameServer
 
     ns = NameServer(
-        NamesrvConfig(
+        _namesrv_config(
+            options,
             listen_host=host,
             listen_port=port,
             scan_interval_ms=scan_interval_ms,
@@ -325,13 +362,14 @@ def dev_cmd(
     """Run a name server and a broker in one process: a whole cluster for development."""
     _setup_logging(log_level)
     _raise_fd_limit()
-    from tidemq.namesrv.server import NameServer, NamesrvConfig
+    from tidemq.namesrv.server import NameServer
 
-    ns = NameServer(NamesrvConfig(listen_host=host, listen_port=namesrv_port))
+    broker_options, namesrv_options = _split_namesrv_options(options)
+    ns = NameServer(_namesrv_config(namesrv_options, listen_host=host, listen_port=namesrv_port))
     cfg = _broker_config(
         namesrv="", host=host, port=broker_port, data_dir=data_dir, name="broker-a",
         cluster="DefaultCluster", flush=flush, auto_create=None, long_polling=None,
-        options=options,
+        options=broker_options,
     )
     if metrics_port is not None:
         cfg.metrics_port = metrics_port

@@ -9,6 +9,12 @@ for the next), not by a timer per request: with uvloop each timer is a libuv han
 start, stop and close, and a send is answered long before its deadline. Broken framing from the
 peer closes the connection and fails every request in flight with ConnectionLostError.
 
+Memory: what a broker or name server sends is held only up to one frame (``max_frame_size``,
+16 MiB by default: a bigger length closes the connection), and a partial frame that stalls is
+not held forever: when a request times out and the frame being received started before that
+request was even sent, the peer is stuck mid-frame and the connection is closed (its requests
+fail with ConnectionLostError; the pool reconnects).
+
 Writes never block: frames go to the transport at once (``writelines`` of the prefix and the
 body, the body never copied when large). When the transport's buffer passes its high-water mark,
 :meth:`Connection.request` waits for it to drain first, so a fast producer cannot grow the
@@ -80,13 +86,15 @@ def raise_for_error(frame: Frame, ok_codes: Iterable[int] = _SUCCESS_ONLY) -> Fr
     if frame.code in ok_codes:
         return frame
     header = frame.header
+    retry_after_ms = 0
     if isinstance(header, ErrorResponseHeader):
         message = header.message
+        retry_after_ms = header.retry_after_ms
     elif isinstance(header, dict):
         message = str(header.get("message", ""))
     else:
         message = ""
-    raise BrokerError.from_response(frame.code, message or None)
+    raise BrokerError.from_response(frame.code, message or None, retry_after_ms)
 
 
 # An entry of Connection._pending: (future, request code, deadline in loop time, timeout).
@@ -125,6 +133,7 @@ class Connection(asyncio.Protocol):
         self._drained: asyncio.Future[None] | None = None  # set while writing is paused
         self._wbuf: list[Any] = []  # frames queued in this loop iteration (see _write)
         self._flush_scheduled = False
+        self._partial_since = 0.0  # loop time the partial frame being received started; 0: none
         self.closed: asyncio.Future[None] = self._loop.create_future()
 
     # -- asyncio.Protocol --------------------------------------------------------------------
@@ -146,6 +155,11 @@ class Connection(asyncio.Protocol):
             self._fail(ConnectionLostError(f"{self.address} sent bytes that break the frame "
                                            f"format ({exc.message}); connection closed"))
             return
+        if self._decoder.buffered:
+            if frames or not self._partial_since:
+                self._partial_since = self._loop.time()
+        elif self._partial_since:
+            self._partial_since = 0.0
         pending = self._pending
         for frame in frames:
             if frame.flags & FLAG_RESPONSE:
@@ -330,8 +344,11 @@ class Connection(asyncio.Protocol):
                 due.append(opaque)
             elif deadline < nxt:
                 nxt = deadline
+        stalled = None
         for opaque in due:
-            fut, code, _d, timeout = self._pending.pop(opaque)
+            fut, code, deadline, timeout = self._pending.pop(opaque)
+            if self._partial_since and self._partial_since <= deadline - timeout:
+                stalled = timeout
             if not fut.done():
                 try:
                     name = RequestCode(code).name
@@ -343,6 +360,18 @@ class Connection(asyncio.Protocol):
                         "broker may be overloaded or unreachable"
                     )
                 )
+        if stalled is not None and self._closed_exc is None:
+            # The frame being received started before the request that just timed out was
+            # sent: the peer stopped mid-frame. Release what we hold of it and reconnect.
+            d = self._decoder
+            exc = ConnectionLostError(
+                f"{self.address} stopped sending in the middle of a {d.partial_size}-byte frame "
+                f"({d.buffered} bytes of it received; it started over {stalled:g} s ago); "
+                "connection closed"
+            )
+            d.drop_partial()  # release it now
+            self._fail(exc)
+            return
         if nxt != _INF and self._closed_exc is None:
             # Not sooner than 1 ms: loop time has millisecond steps under uvloop, and a timer
             # due "now" must not spin the loop.

@@ -585,7 +585,8 @@ class PullConsumer:
                 if isinstance(exc, BrokerError) and exc.response_code in _FATAL_CODES:
                     self._fail(q, exc)
                     return
-                delay = 1.0
+                # SYSTEM_BUSY says when to come back (BrokerError.retry_after); else 1 s.
+                delay = getattr(exc, "retry_after", 0.0) or 1.0
                 if addr and not isinstance(exc, BrokerError):
                     # unreachable: the next pull tries another broker of the group at once
                     self.routes.mark_down(addr, mq.topic)

@@ -795,8 +795,17 @@ class Producer:
                     self.routes.refresh_soon(topic)
                 last_exc, last_broker = exc, mq.broker_name
                 retry = not isinstance(exc, BrokerError) or exc.response_code in _RETRY_CODES
-                if (pinned and not dedup) or not retry:
+                # SYSTEM_BUSY with a retry hint: refused before anything was done, so even a
+                # send pinned to its queue may go again -- after the wait asked for.
+                wait = exc.retry_after if isinstance(exc, BrokerError) else 0.0
+                if (pinned and not dedup and not wait) or not retry:
                     raise
+                if wait and (dedup or pinned or len(route.broker_addrs) < 2):
+                    # The retry goes to the same broker: wait as asked, or give up now if the
+                    # wait outlasts the send's deadline.
+                    if wait >= deadline - loop.time():
+                        raise
+                    await asyncio.sleep(wait)
                 if dedup:
                     # A deduplicated resend must reach the broker that may hold the first copy
                     # (same queue, same bytes); give an uncertain first copy time to settle.

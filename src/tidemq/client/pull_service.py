@@ -239,7 +239,8 @@ class PullService:
         except asyncio.CancelledError:
             raise
         except TidemqError as exc:
-            delay = ERROR_DELAY
+            # SYSTEM_BUSY says when to come back (BrokerError.retry_after); else the default.
+            delay = getattr(exc, "retry_after", 0.0) or ERROR_DELAY
             if addr and not isinstance(exc, BrokerError):
                 # unreachable: the next pull tries another broker of the group at once
                 c.routes.mark_down(addr, mq.topic)

@@ -154,20 +154,37 @@ class RouteCache:
     async def namesrv_request(self, code: int, header: Any = None) -> Frame:
         """A request to the name servers, failing over; BrokerError for an error response."""
         last: ClientError | None = None
+        busy: BrokerError | None = None
         n = len(self.namesrv)
-        for k in range(n):
-            i = (self._current + k) % n
-            addr = self.namesrv[i]
-            try:
-                frame = await self.pool.request(addr, code, header, timeout=self.timeout)
-            except BrokerError:
-                raise
-            except ClientError as exc:
-                last = exc
-                log.info("name server %s failed (%s); trying the next one", addr, exc.message)
-                continue
-            self._current = i
-            return frame
+        # A second round only when every name server answered SYSTEM_BUSY with a retry hint,
+        # after waiting as asked.
+        for round_ in range(2):
+            if round_:
+                if busy is None or last is not None or busy.retry_after > self.timeout:
+                    break
+                await asyncio.sleep(busy.retry_after)
+                busy = None
+            for k in range(n):
+                i = (self._current + k) % n
+                addr = self.namesrv[i]
+                try:
+                    frame = await self.pool.request(addr, code, header, timeout=self.timeout)
+                except BrokerError as exc:
+                    if not exc.retry_after:
+                        raise
+                    busy = exc
+                    log.info("name server %s is busy (%s); trying the next one", addr,
+                             exc.message)
+                    continue
+                except ClientError as exc:
+                    last = exc
+                    log.info("name server %s failed (%s); trying the next one", addr,
+                             exc.message)
+                    continue
+                self._current = i
+                return frame
+        if busy is not None:
+            raise busy
         assert last is not None
         raise NoRouteError(
             f"no name server answered ({', '.join(self.namesrv)}): {last.message}"

@@ -11,9 +11,12 @@
 | GET_BROKER_CLUSTER_INFO             | EmptyHeader                 | ClusterInfo          |
 +-------------------------------------+-----------------------------+----------------------+
 
-Connections follow the broker's rules: broken framing closes the connection (reason logged), a
-bad header or an unknown code gets an error response on a connection that stays open, and an
-unexpected failure is answered SYSTEM_ERROR with the traceback in the log.
+Connections are the broker's (``tidemq.base``: framing, back-pressure and the memory limits,
+settings of the same names as the broker's): broken framing closes the connection (reason
+logged), a bad header or an unknown code gets an error response on a connection that stays
+open, and an unexpected failure is answered SYSTEM_ERROR with the traceback in the log. A
+client that sends queries and never reads the answers is no longer read from once
+``write_buffer_high_water`` bytes of answers wait for it.
 
 Every ``scan_interval_ms`` (10 s) brokers that have not registered within their heartbeat
 timeout (120 s, sent by the broker; ``broker_expire_ms`` overrides it) are dropped.
@@ -24,26 +27,19 @@ Threads: one event loop (the name server may share it with a broker in ``tidemq 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
+from tidemq.base.connection import ServerConnection, decode_request
+from tidemq.base.errors import RequestRejected
+from tidemq.base.limits import ConnectionLimits, MiB
+from tidemq.base.server import FrameServer
 from tidemq.namesrv.route_info import RegistrationRefused, RouteInfoManager
 from tidemq.protocol.codes import RequestCode, ResponseCode
-from tidemq.protocol.errors import RemoteProtocolError
-from tidemq.protocol.frame import (
-    FLAG_ONEWAY,
-    FLAG_RESPONSE,
-    FRAME_MAGIC,
-    FRAME_PREFIX,
-    FRAME_VERSION,
-    MIN_TOTAL_LEN,
-    Frame,
-    FrameDecoder,
-)
+from tidemq.protocol.frame import DEFAULT_MAX_FRAME_SIZE, FLAG_ONEWAY, FLAG_RESPONSE, Frame
 from tidemq.protocol.headers import (
     EmptyHeader,
     ErrorResponseHeader,
@@ -58,8 +54,6 @@ __all__ = ["NamesrvConfig", "NameServer"]
 
 log = logging.getLogger(__name__)
 
-_encode = msgspec.msgpack.Encoder().encode
-
 
 @dataclass
 class NamesrvConfig:
@@ -72,77 +66,32 @@ class NamesrvConfig:
     #: Expire brokers after this long without a registration; 0 = the broker's own
     #: heartbeat_timeout_millis (120 s by default).
     broker_expire_ms: int = 0
+    # -- connections and memory: the broker's settings of the same names (tidemq.base.limits)
+    max_connections: int = 10_000
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    socket_send_buffer: int = 256 * 1024
+    write_buffer_high_water: int = 64 * 1024
+    write_buffer_low_water: int = 16 * 1024
+    max_queued_response_bytes: int = 64 * MiB
+    max_partial_frame_bytes: int = 128 * MiB
+    partial_frame_timeout_ms: int = 30_000
+    busy_retry_ms: int = 1000
 
+    def connection_limits(self) -> ConnectionLimits:
+        names = {f.name for f in dataclasses.fields(ConnectionLimits)}
+        return ConnectionLimits(**{n: getattr(self, n) for n in names})
 
-class _Rejected(Exception):
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.response_code = code
-        self.message = message
-
-
-def _raw(flags: int, code: int, opaque: int) -> type:
-    return msgspec.Raw
-
-
-_decoders: dict[type, msgspec.msgpack.Decoder] = {}
-
-
-def _decode(frame: Frame, header_type: type) -> Any:
-    dec = _decoders.get(header_type)
-    if dec is None:
-        dec = _decoders[header_type] = msgspec.msgpack.Decoder(header_type)
-    try:
-        return dec.decode(frame.header)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise _Rejected(
-            ResponseCode.INVALID_ARGUMENT, f"{header_type.__name__} is invalid: {exc}"
-        ) from None
-
-
-class _NamesrvConnection(asyncio.Protocol):
-    """One connection to the name server (its event loop only)."""
-
-    def __init__(self, server: NameServer) -> None:
-        self.server = server
-        self.decoder = FrameDecoder(header_types=_raw)
-        self.transport: asyncio.Transport | None = None
-        self.peer = "?"
-        self.closed = False
-
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
-        peer = transport.get_extra_info("peername")
-        if peer:
-            self.peer = f"{peer[0]}:{peer[1]}"
-        self.server.connections.add(self)
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            frames = self.decoder.feed(data)
-        except RemoteProtocolError as exc:
-            log.warning("closing connection from %s: %s", self.peer, exc.message)
-            self.transport.close()
-            return
-        for frame in frames:
-            self.server.handle(self, frame)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self.server.connections.discard(self)
-        self.server.routes.on_connection_closed(self)
-
-    def respond(self, opaque: int, code: int, header: Any) -> None:
-        if self.closed:
-            return
-        hb = _encode(header)
-        self.transport.write(
-            FRAME_PREFIX.pack(
-                MIN_TOTAL_LEN + len(hb), FRAME_MAGIC, FRAME_VERSION, FLAG_RESPONSE, 0, code,
-                opaque, len(hb),
-            )
-            + hb
-        )
+    def validate(self) -> None:
+        """Raise ValueError, naming the field, for settings that cannot work."""
+        if self.scan_interval_ms <= 0:
+            raise ValueError(f"name server setting scan_interval_ms must be > 0, got "
+                             f"{self.scan_interval_ms}")
+        if self.broker_expire_ms < 0:
+            raise ValueError(f"name server setting broker_expire_ms must be >= 0, got "
+                             f"{self.broker_expire_ms}")
+        if not 0 <= self.listen_port <= 65535:
+            raise ValueError(f"listen_port must be 0..65535, got {self.listen_port}")
+        self.connection_limits().validate("name server")
 
 
 class NameServer:
@@ -150,11 +99,12 @@ class NameServer:
 
     def __init__(self, config: NamesrvConfig | None = None) -> None:
         self.config = config or NamesrvConfig()
+        self.config.validate()
         expire = self.config.broker_expire_ms / 1000 if self.config.broker_expire_ms else None
         self.routes = RouteInfoManager(expire_override_s=expire)
-        self.connections: set[_NamesrvConnection] = set()
+        self.connections: set[ServerConnection] = set()
         self.port = 0
-        self._server: asyncio.Server | None = None
+        self.frames = FrameServer(self, self.config.connection_limits(), what="name server")
         self._scan: asyncio.Task | None = None
         self._handlers = {
             RequestCode.REGISTER_BROKER: self._register_broker,
@@ -173,24 +123,16 @@ class NameServer:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: _NamesrvConnection(self),
-            self.config.listen_host,
-            self.config.listen_port,
-            reuse_address=True,
-        )
-        self.port = self._server.sockets[0].getsockname()[1]
+        self.port = await self.frames.start(self.config.listen_host, self.config.listen_port)
         self._scan = loop.create_task(self._scan_forever(), name="namesrv-scan")
         log.info("name server serving on %s", self.addr)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        self.frames.close_listener()
         if self._scan is not None:
             self._scan.cancel()
             await asyncio.gather(self._scan, return_exceptions=True)
-        for conn in list(self.connections):
-            conn.transport.close()
+        self.frames.close()
 
     async def _scan_forever(self) -> None:
         interval = self.config.scan_interval_ms / 1000
@@ -201,15 +143,22 @@ class NameServer:
             except Exception:
                 log.exception("scan of inactive brokers failed")
 
-    # -- dispatch --------------------------------------------------------------------------------
-    def handle(self, conn: _NamesrvConnection, frame: Frame) -> None:
+    # -- connections and dispatch (called by the FrameServer) -----------------------------------
+    def connection_made(self, conn: ServerConnection) -> None:
+        self.connections.add(conn)
+
+    def connection_lost(self, conn: ServerConnection) -> None:
+        self.connections.discard(conn)
+        self.routes.on_connection_closed(conn)
+
+    def handle(self, conn: ServerConnection, frame: Frame) -> None:
         if frame.flags & FLAG_RESPONSE:
             return
         oneway = frame.flags & FLAG_ONEWAY
         try:
             handler = self._handlers.get(frame.code)
             if handler is None:
-                raise _Rejected(
+                raise RequestRejected(
                     ResponseCode.REQUEST_CODE_NOT_SUPPORTED,
                     f"request code {frame.code} is not served by the name server (it serves "
                     "REGISTER_BROKER, UNREGISTER_BROKER, GET_ROUTEINFO_BY_TOPIC, "
@@ -218,9 +167,9 @@ class NameServer:
             header = handler(conn, frame)
             if not oneway:
                 conn.respond(frame.opaque, ResponseCode.SUCCESS, header)
-        except _Rejected as exc:
+        except RequestRejected as exc:
             if not oneway:
-                conn.respond(frame.opaque, exc.response_code, ErrorResponseHeader(exc.message))
+                conn.respond_error(frame.opaque, exc.response_code, exc.message)
         except Exception as exc:
             log.error(
                 "request %d from %s failed:\n%s", frame.code, conn.peer,
@@ -235,10 +184,10 @@ class NameServer:
                     ),
                 )
 
-    def _register_broker(self, conn: _NamesrvConnection, frame: Frame) -> Any:
-        h: RegisterBrokerRequestHeader = _decode(frame, RegisterBrokerRequestHeader)
+    def _register_broker(self, conn: ServerConnection, frame: Frame) -> Any:
+        h: RegisterBrokerRequestHeader = decode_request(frame, RegisterBrokerRequestHeader)
         if not h.broker_name or not h.cluster_name or not h.broker_addr:
-            raise _Rejected(
+            raise RequestRejected(
                 ResponseCode.INVALID_ARGUMENT,
                 "a registration needs cluster_name, broker_name and broker_addr",
             )
@@ -246,27 +195,27 @@ class NameServer:
             master, ha = self.routes.register_broker(h, conn)
         except RegistrationRefused as exc:
             log.warning("registration of %s refused: %s", h.broker_addr, exc)
-            raise _Rejected(ResponseCode.NO_PERMISSION, str(exc)) from None
+            raise RequestRejected(ResponseCode.NO_PERMISSION, str(exc)) from None
         return RegisterBrokerResponseHeader(ha_server_addr=ha, master_addr=master)
 
-    def _unregister_broker(self, conn: _NamesrvConnection, frame: Frame) -> Any:
-        h: UnregisterBrokerRequestHeader = _decode(frame, UnregisterBrokerRequestHeader)
+    def _unregister_broker(self, conn: ServerConnection, frame: Frame) -> Any:
+        h: UnregisterBrokerRequestHeader = decode_request(frame, UnregisterBrokerRequestHeader)
         self.routes.unregister_broker(h.cluster_name, h.broker_name, h.broker_id, h.broker_addr)
         return EmptyHeader()
 
-    def _get_route(self, conn: _NamesrvConnection, frame: Frame) -> Any:
-        h: GetRouteInfoRequestHeader = _decode(frame, GetRouteInfoRequestHeader)
+    def _get_route(self, conn: ServerConnection, frame: Frame) -> Any:
+        h: GetRouteInfoRequestHeader = decode_request(frame, GetRouteInfoRequestHeader)
         route = self.routes.get_route(h.topic)
         if route is None:
-            raise _Rejected(
+            raise RequestRejected(
                 ResponseCode.TOPIC_NOT_EXIST,
                 f"no route for topic {h.topic!r}: no live broker has it; create it on a broker "
                 "(or send to it with auto-create on)",
             )
         return route
 
-    def _topic_list(self, conn: _NamesrvConnection, frame: Frame) -> Any:
+    def _topic_list(self, conn: ServerConnection, frame: Frame) -> Any:
         return TopicList(topics=self.routes.topic_list())
 
-    def _cluster_info(self, conn: _NamesrvConnection, frame: Frame) -> Any:
+    def _cluster_info(self, conn: ServerConnection, frame: Frame) -> Any:
         return self.routes.cluster_info()

@@ -102,12 +102,20 @@ class BrokerError(TidemqError):
 
     code = "BROKER_ERROR"
 
-    def __init__(self, message: str, *, response_code: int, code: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, response_code: int, code: str | None = None,
+        retry_after: float = 0.0,
+    ) -> None:
         super().__init__(message, code=code)
         self.response_code = response_code
+        #: Seconds the server asked us to wait before sending the request again (its
+        #: ``retry_after_ms`` hint, given with SYSTEM_BUSY); 0.0 = no hint.
+        self.retry_after = retry_after
 
     @classmethod
-    def from_response(cls, response_code: int, message: str | None = None) -> BrokerError:
+    def from_response(
+        cls, response_code: int, message: str | None = None, retry_after_ms: int = 0
+    ) -> BrokerError:
         """The error for an error response; an empty ``message`` takes :func:`describe`'s text."""
         if response_code == ResponseCode.SUCCESS:
             raise ValueError("response code SUCCESS (0) is not an error")
@@ -115,7 +123,8 @@ class BrokerError(TidemqError):
             name = ResponseCode(response_code).name
         except ValueError:
             name = f"RESPONSE_{response_code}"
-        return cls(message or describe(response_code), response_code=response_code, code=name)
+        return cls(message or describe(response_code), response_code=response_code, code=name,
+                   retry_after=max(0, retry_after_ms) / 1000)
 
     @property
     def retryable(self) -> bool:

@@ -321,10 +321,17 @@ class FrameDecoder:
 
     When :meth:`feed` raises RemoteProtocolError, frames completed earlier in the same call are
     dropped with it and the decoder stays failed: close the connection.
+
+    Memory: a partial frame is held until it completes (at most ``max_frame_size`` bytes).
+    A server that cannot afford to hold it calls :meth:`drop_partial`: the bytes held are
+    released, the rest of that frame is discarded as it arrives, and once its last byte is in,
+    ``(code, opaque, flags)`` of the dropped frame is appended to :attr:`dropped` so the server
+    can answer it (SYSTEM_BUSY) -- the stream stays in sync and the connection usable.
     """
 
     __slots__ = (
         "max_frame_size", "_resolve", "_decoders", "_chunks", "_buffered", "_need", "_failed",
+        "_skip", "_skipped", "dropped",
     )
 
     def __init__(
@@ -342,11 +349,39 @@ class FrameDecoder:
         self._buffered = 0  # sum of their lengths
         self._need = PREFIX_SIZE  # bytes that complete the frame (PREFIX_SIZE: length unknown)
         self._failed: str | None = None
+        self._skip = 0  # bytes of a dropped frame still to discard
+        self._skipped: tuple[int, int, int] = (0, 0, 0)  # its (code, opaque, flags)
+        #: (code, opaque, flags) of frames dropped with drop_partial whose last byte has
+        #: arrived, oldest first; the caller answers and clears it.
+        self.dropped: list[tuple[int, int, int]] = []
 
     @property
     def buffered(self) -> int:
         """Bytes held for a frame that has not fully arrived."""
         return self._buffered
+
+    @property
+    def partial_size(self) -> int:
+        """Total size (length field included) of the frame being received; 0 when none is
+        partially held or its prefix has not fully arrived."""
+        return self._need if self._buffered and self._need > PREFIX_SIZE else 0
+
+    def drop_partial(self) -> bool:
+        """Release the partial frame held and discard the rest of it as it arrives (see the
+        class docstring). False, and nothing changes, when no frame with a complete prefix is
+        partially held."""
+        if not self._buffered or self._need <= PREFIX_SIZE or self._failed is not None:
+            return False
+        head: Buffer = self._chunks[0]
+        if len(head) < PREFIX_SIZE:
+            head = b"".join(self._chunks)[:PREFIX_SIZE]
+        _total, _m, _v, flags, _r, code, opaque, _h = FRAME_PREFIX.unpack_from(head, 0)
+        self._skip = self._need - self._buffered
+        self._skipped = (code, opaque, flags)
+        self._chunks = []
+        self._buffered = 0
+        self._need = PREFIX_SIZE
+        return True
 
     def feed(self, data: Buffer) -> list[Frame]:
         """Add received bytes; return the frames they complete (zero or more), in order.
@@ -358,6 +393,16 @@ class FrameDecoder:
             raise RemoteProtocolError(f"the connection already failed: {self._failed}")
         if not data:
             return []
+        if self._skip:  # the rest of a dropped frame
+            n = len(data)
+            if n < self._skip:
+                self._skip -= n
+                return []
+            data = data[self._skip :]
+            self._skip = 0
+            self.dropped.append(self._skipped)
+            if not data:
+                return []
         if type(data) is not bytes:
             data = bytes(data)
         if self._buffered:

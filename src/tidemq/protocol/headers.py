@@ -221,9 +221,13 @@ class PullMessageResponseHeader(Header):
 
 
 class ErrorResponseHeader(Header):
-    """Header of any error response; the response code is the frame's ``code``."""
+    """Header of any error response; the response code is the frame's ``code``.
+
+    ``retry_after_ms``: with SYSTEM_BUSY, how long the server asks the client to wait before
+    sending the request again (0 = no hint; omitted from the wire when 0)."""
 
     message: str = ""
+    retry_after_ms: U32 = 0
 
 
 # -- name server --------------------------------------------------------------------------------
