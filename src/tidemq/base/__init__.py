@@ -11,6 +11,7 @@ servers need on top of it for real sockets lives here, once:
 - :mod:`tidemq.base.errors` -- :class:`RequestRejected`, the error a request handler raises.
 
 The broker (``broker/connection.py``) and the name server (``namesrv/server.py``) both serve on
-it. Layer rule (import-linter): ``base`` may import ``protocol`` and nothing else of tidemq;
-``protocol`` never imports ``base``.
+it. Other plumbing every layer needs belongs here too (the atomic "write, fsync, rename" of a
+file, the TLS setup), not in a copy per layer. Layer rule (import-linter): ``base`` may import
+``protocol`` and nothing else of tidemq; ``protocol`` never imports ``base``.
 """
