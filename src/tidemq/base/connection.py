@@ -1,13 +1,13 @@
-"""The server side of one client connection: an ``asyncio.Protocol`` around the sans-IO
+"""The server side of one client connection: an ``asyncio.BufferedProtocol`` around the sans-IO
 FrameDecoder, shared by the broker and the name server.
 
-Bytes in: the connection is an ``asyncio.BufferedProtocol``: the transport reads into the
-server's one shared read buffer (:meth:`FrameServer.read_buffer`: 64 KiB, more while a large
-frame is arriving), :meth:`ServerConnection.buffer_updated` copies what arrived out of it and
+Bytes in: the transport reads into the server's one shared read buffer (READ_SIZE, 64 KiB, or
+up to LARGE_READ_SIZE, 1 MiB, while a frame that still lacks more than 64 KiB is arriving),
+:meth:`ServerConnection.buffer_updated` copies what arrived out of it and
 :meth:`ServerConnection.data_received` feeds the decoder and hands every complete request frame
-to the server's handler (``handle(conn, frame)``), in order. (A plain ``Protocol`` would get
-up to 256 KiB per read under uvloop: more than a paused connection should hold.) Headers are decoded
-in two steps: the decoder keeps each header as ``msgspec.Raw`` (valid MessagePack, nothing
+to the server's handler (``handle(conn, frame)``), in order. (A plain ``Protocol`` would get up
+to 256 KiB per read under uvloop: more than a paused connection should hold.) Headers are
+decoded in two steps: the decoder keeps each header as ``msgspec.Raw`` (valid MessagePack, nothing
 more), and the request handler decodes it into its Struct with :func:`decode_request`. So a
 header that is valid MessagePack but has a missing or mistyped field is a client mistake
 answered with INVALID_ARGUMENT on a connection that stays open, while bytes that break the frame
@@ -88,6 +88,10 @@ _decoders: dict[type, msgspec.msgpack.Decoder] = {}
 _SYSTEM_BUSY = int(ResponseCode.SYSTEM_BUSY)
 #: Requests of one connection handled in one turn of the event loop (see _handle_frames).
 FRAMES_PER_TURN = 256
+#: Bytes one read takes from a connection (the transport may read less) ...
+READ_SIZE = 64 * 1024
+#: ... or, while a frame larger than that is arriving, up to what it lacks, at most this.
+LARGE_READ_SIZE = 1024 * 1024
 
 
 def raw_headers(flags: int, code: int, opaque: int) -> type:
@@ -154,7 +158,7 @@ class ServerConnection(asyncio.BufferedProtocol):
     __slots__ = (
         "server", "decoder", "transport", "peer", "closed", "refused", "partial",
         "_handle", "_loop", "_high_water", "_out", "_out_bytes", "_later", "_later_bytes",
-        "_paused", "_backlog", "_waiting", "_views",
+        "_paused", "_backlog", "_waiting", "_views", "_read_view", "_small_read",
     )
 
     def __init__(self, server: FrameServer) -> None:
@@ -171,6 +175,8 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.partial = 0
         self._handle: Callable[[ServerConnection, Frame], None] = server.handler.handle
         self._loop = server.loop
+        self._read_view = server.read_view
+        self._small_read = server.read_view[:READ_SIZE]
         self._high_water = limits.write_buffer_high_water
         self._out: list | None = None  # output of the chunk being handled
         self._out_bytes = 0
@@ -207,10 +213,16 @@ class ServerConnection(asyncio.BufferedProtocol):
             self._handle = _refuse
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self.server.read_buffer(self)
+        # The server's shared buffer: READ_SIZE bytes, or up to LARGE_READ_SIZE while a frame
+        # with more than READ_SIZE bytes still to come is arriving (fewer wake-ups for a large
+        # send; its size is known and counted against max_partial_frame_bytes).
+        missing = self.decoder.missing
+        if missing > READ_SIZE:
+            return self._read_view[: min(missing, LARGE_READ_SIZE)]
+        return self._small_read
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.data_received(bytes(self.server.read_view[:nbytes]))
+        self.data_received(bytes(self._read_view[:nbytes]))
 
     def data_received(self, data: bytes) -> None:
         dec = self.decoder

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from tidemq.base.connection import ServerConnection
+from tidemq.base.connection import LARGE_READ_SIZE, READ_SIZE, ServerConnection
 from tidemq.base.limits import ConnectionLimits
 from tidemq.protocol.codes import RequestCode
 from tidemq.protocol.frame import Frame
@@ -45,10 +45,6 @@ log = logging.getLogger(__name__)
 
 #: Refused connections kept open (to answer SYSTEM_BUSY) at once; more are closed unanswered.
 MAX_REFUSED_PENDING = 256
-#: Bytes one read takes from a connection (the transport may read less) ...
-READ_SIZE = 64 * 1024
-#: ... or, while a frame larger than that is arriving, up to what it lacks, at most this.
-LARGE_READ_SIZE = 1024 * 1024
 #: Connections the partial-frame sweep closes at most per turn of the event loop.
 _SWEEP_BATCH = 32
 #: Warnings about refusals, drops and timeouts: at most one line per kind this often.
@@ -107,7 +103,6 @@ class FrameServer:
         # The one read buffer of all connections: a transport reads into it and the connection
         # copies the bytes out at once (buffer_updated), before the loop reads anything else.
         self.read_view = memoryview(bytearray(LARGE_READ_SIZE))
-        self._small_read = self.read_view[:READ_SIZE]
 
     async def start(
         self, host: str, port: int, *, start_serving: bool = True, backlog: int = 1024
@@ -203,16 +198,6 @@ class FrameServer:
                    "max_queued_response_bytes=%d (the client does not read)", conn.peer, queued,
                    self.limits.max_queued_response_bytes)
         conn.abort()
-
-    def read_buffer(self, conn: ServerConnection) -> memoryview:
-        """Where ``conn``'s next read goes: READ_SIZE bytes, or up to LARGE_READ_SIZE while a
-        frame with more than READ_SIZE bytes still to come is arriving (fewer wake-ups for a
-        large send; its size is known and counted against max_partial_frame_bytes)."""
-        d = conn.decoder
-        need = d.partial_size - d.buffered
-        if need > READ_SIZE:
-            return self.read_view[: min(need, LARGE_READ_SIZE)]
-        return self._small_read
 
     # -- partial frames ------------------------------------------------------------------------
     def partial_changed(self, conn: ServerConnection, restarted: bool) -> None:

@@ -366,6 +366,14 @@ class FrameDecoder:
         partially held or its prefix has not fully arrived."""
         return self._need if self._buffered and self._need > PREFIX_SIZE else 0
 
+    @property
+    def missing(self) -> int:
+        """Bytes the frame being received still lacks; 0 when none is partially held or its
+        prefix has not fully arrived (how much a reader may usefully read next)."""
+        if self._buffered and self._need > PREFIX_SIZE:
+            return self._need - self._buffered
+        return 0
+
     def drop_partial(self) -> bool:
         """Release the partial frame held and discard the rest of it as it arrives (see the
         class docstring). False, and nothing changes, when no frame with a complete prefix is
