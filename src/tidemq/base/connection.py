@@ -159,6 +159,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         "server", "decoder", "transport", "peer", "closed", "refused", "partial",
         "_handle", "_loop", "_high_water", "_out", "_out_bytes", "_later", "_later_bytes",
         "_paused", "_backlog", "_waiting", "_views", "_read_view", "_small_read",
+        "oneway_opaque",
     )
 
     def __init__(self, server: FrameServer) -> None:
@@ -173,6 +174,9 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.refused = False
         #: Bytes of a partial frame counted against the server's budget.
         self.partial = 0
+        #: Opaque of the one-way request being handled: ``respond`` drops answers to it, so
+        #: no handler can answer a one-way request by mistake (the server's handle sets it).
+        self.oneway_opaque: int | None = None
         self._handle: Callable[[ServerConnection, Frame], None] = server.handler.handle
         self._loop = server.loop
         self._read_view = server.read_view
@@ -421,6 +425,8 @@ class ServerConnection(asyncio.BufferedProtocol):
 
     def respond(self, opaque: int, code: int, header: Any, bodies: list | None = None) -> None:
         """Send a response; ``bodies`` are written after the header, each untouched."""
+        if opaque == self.oneway_opaque:
+            return  # a one-way request is never answered
         if bodies:
             n = 0
             for b in bodies:
