@@ -84,7 +84,7 @@ log = logging.getLogger(__name__)
 
 _pack_prefix = FRAME_PREFIX.pack
 _encode = msgspec.msgpack.Encoder().encode
-_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
 _SYSTEM_BUSY = int(ResponseCode.SYSTEM_BUSY)
 #: Requests of one connection handled in one turn of the event loop (see _handle_frames).
 FRAMES_PER_TURN = 256
@@ -127,7 +127,7 @@ def encode_response(opaque: int, code: int, header: Any, body_len: int = 0) -> b
     ) + hb
 
 
-def _size(parts: list) -> int:
+def _size(parts: list[Any]) -> int:
     n = 0
     for p in parts:
         n += p.nbytes if type(p) is memoryview else len(p)
@@ -182,11 +182,11 @@ class ServerConnection(asyncio.BufferedProtocol):
         self._read_view = server.read_view
         self._small_read = server.read_view[:READ_SIZE]
         self._high_water = limits.write_buffer_high_water
-        self._out: list | None = None  # output of the chunk being handled
+        self._out: list[Any] | None = None  # output of the chunk being handled
         self._out_bytes = 0
         # Writes made outside data_received (a group commit's answers, a woken held pull),
         # sent together at the end of the loop iteration; None when nothing waits.
-        self._later: list | None = None
+        self._later: list[Any] | None = None
         self._later_bytes = 0
         self._views = False  # some part queued in _out or _later is not bytes (a body view)
         self._paused = False  # the transport's buffer is over the high-water mark
@@ -288,14 +288,14 @@ class ServerConnection(asyncio.BufferedProtocol):
                 self.transport.pause_reading()  # type: ignore[union-attr]
                 self._loop.call_soon(self._resume)
 
-    def _flush(self, out: list) -> None:
+    def _flush(self, out: list[Any]) -> None:
         if self._later is not None:  # keep the order: earlier writes first
             out[:0] = self._later
             self._later = None
         if out and not self.closed:
             self._send(out)
 
-    def _send(self, parts: list) -> None:
+    def _send(self, parts: list[Any]) -> None:
         if self._views or len(parts) == 1:
             self._views = False
             self.transport.writelines(parts)  # type: ignore[union-attr]
@@ -383,7 +383,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         elif not self.closed:
             self._waiting.append(fn)
 
-    def write(self, parts: list, nbytes: int = -1) -> None:
+    def write(self, parts: list[Any], nbytes: int = -1) -> None:
         """Queue ``parts`` (bytes-like) for the transport; ``nbytes`` is their total size
         (computed when -1)."""
         if nbytes < 0:
@@ -423,7 +423,9 @@ class ServerConnection(asyncio.BufferedProtocol):
                 if queued > self.server.limits.max_queued_response_bytes:
                     self.server.overflowed(self, queued)
 
-    def respond(self, opaque: int, code: int, header: Any, bodies: list | None = None) -> None:
+    def respond(
+        self, opaque: int, code: int, header: Any, bodies: list[Any] | None = None
+    ) -> None:
         """Send a response; ``bodies`` are written after the header, each untouched."""
         if opaque == self.oneway_opaque:
             return  # a one-way request is never answered

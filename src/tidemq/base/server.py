@@ -231,7 +231,7 @@ class FrameServer:
 
     def _drop_oldest(self) -> None:
         excess = self.partial_bytes - self.limits.max_partial_frame_bytes
-        victims = []
+        victims: list[ServerConnection] = []
         for c in self._holding:
             victims.append(c)
             excess -= c.partial
@@ -260,7 +260,7 @@ class FrameServer:
         self._sweep = None
         now = self.loop.time()
         oldest = now - self.limits.partial_frame_timeout_ms / 1000
-        expired = []
+        expired: list[ServerConnection] = []
         more = False
         for c, since in self._partial.items():
             if since > oldest:

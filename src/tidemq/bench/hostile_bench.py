@@ -348,5 +348,5 @@ def bench_hostile(
         "broker_counters": {k: info.get(k) for k in (
             "connections", "connections_refused", "frames_dropped_busy",
             "partial_frame_timeouts", "connections_overflowed", "partial_frame_bytes")},
-        "loaded_errors_sample": loaded.get("errors", [])[:5],  # type: ignore[index]
+        "loaded_errors_sample": loaded.get("errors", [])[:5],
     }

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 from tidemq.protocol.codes import RequestCode
 from tidemq.protocol.frame import (
@@ -186,7 +188,10 @@ def _payload(kind: str, topic: str) -> tuple[bytes, int]:
     return one * reps, 64 * reps
 
 
-async def _connect(factory, host: str, port: int, bufsize: int) -> None:
+Factory = Callable[[], asyncio.BaseProtocol]
+
+
+async def _connect(factory: Factory, host: str, port: int, bufsize: int) -> None:
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -200,7 +205,8 @@ async def _connect(factory, host: str, port: int, bufsize: int) -> None:
         raise
 
 
-async def _keep(factory, host: str, port: int, bufsize: int, c: Counters,
+async def _keep(factory: Callable[[asyncio.Future[None]], asyncio.BaseProtocol], host: str,
+                port: int, bufsize: int, c: Counters,
                 stop: asyncio.Event, ready: asyncio.Future[None] | None) -> None:
     """One hostile connection, reconnected whenever the server closes it."""
     loop = asyncio.get_running_loop()
@@ -208,7 +214,7 @@ async def _keep(factory, host: str, port: int, bufsize: int, c: Counters,
     while not stop.is_set():
         lost: asyncio.Future[None] = loop.create_future()
         try:
-            await _connect(lambda lost=lost: factory(lost), host, port, bufsize)
+            await _connect(lambda lost=lost: factory(lost), host, port, bufsize)  # type: ignore[misc]
         except OSError:
             c.connect_failures += 1
             await asyncio.sleep(0.5)
@@ -219,8 +225,9 @@ async def _keep(factory, host: str, port: int, bufsize: int, c: Counters,
                 ready.set_result(None)
         else:
             c.reconnects += 1
-        stop_wait = asyncio.ensure_future(stop.wait())
-        await asyncio.wait([lost, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+        stop_wait: asyncio.Future[bool] = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([lost, stop_wait],  # type: ignore[type-var]
+                           return_when=asyncio.FIRST_COMPLETED)
         stop_wait.cancel()
         if not lost.done():
             return
@@ -244,12 +251,11 @@ async def _run(args: argparse.Namespace) -> None:
     for i in range(args.connections):
         ready = loop.create_future()
         readies.append(ready)
+        factory: Callable[[asyncio.Future[None]], asyncio.BaseProtocol]
         if i < n_nonreaders:
-            def factory(lost, payload=payload, per=per):
-                return NonReader(payload, per, c, lost)
+            factory = functools.partial(NonReader, payload, per, c)
         else:
-            def factory(lost):
-                return PartialSender(args.partial_rate, args.frame_size, c, lost)
+            factory = functools.partial(PartialSender, args.partial_rate, args.frame_size, c)
         tasks.append(loop.create_task(
             _keep(factory, host, port, args.socket_buffer, c, stop, ready)))
         if i % 100 == 99:

@@ -30,6 +30,7 @@ import asyncio
 import dataclasses
 import logging
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,8 +106,8 @@ class NameServer:
         self.connections: set[ServerConnection] = set()
         self.port = 0
         self.frames = FrameServer(self, self.config.connection_limits(), what="name server")
-        self._scan: asyncio.Task | None = None
-        self._handlers = {
+        self._scan: asyncio.Task[None] | None = None
+        self._handlers: dict[int, Callable[[ServerConnection, Frame], Any]] = {
             RequestCode.REGISTER_BROKER: self._register_broker,
             RequestCode.UNREGISTER_BROKER: self._unregister_broker,
             RequestCode.GET_ROUTEINFO_BY_TOPIC: self._get_route,
