@@ -34,7 +34,7 @@ from tidemq.protocol.record import (
     seal_store_header,
     unique_id,
 )
-from tidemq.store.message_store import GetResult, GetStatus, ReadBatch
+from tidemq.store.pull_outcome import GetResult, ReadBatch, position_outcome, read_outcome
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -158,17 +158,10 @@ class NonPersistentTopics:
     ) -> GetResult:
         """Same contract as ``MessageStore.get_messages`` over the in-memory window."""
         w = self._queues.get((topic, queue_id))
-        if w is None:
-            return GetResult(GetStatus.NO_MATCHED_LOGIC_QUEUE, 0, 0, 0)
-        mn, mx = w.min_offset, w.max_offset
-        if mx == 0:
-            return GetResult(GetStatus.NO_MESSAGE_IN_QUEUE, 0, mn, mx)
-        if offset < mn:
-            return GetResult(GetStatus.OFFSET_TOO_SMALL, mn, mn, mx)
-        if offset == mx:
-            return GetResult(GetStatus.OFFSET_OVERFLOW_ONE, offset, mn, mx)
-        if offset > mx:
-            return GetResult(GetStatus.OFFSET_OVERFLOW_BADLY, mx, mn, mx)
+        mn, mx = (w.min_offset, w.max_offset) if w is not None else (0, 0)
+        early = position_outcome(w is not None, offset, mn, mx)
+        if early is not None or w is None:
+            return early  # type: ignore[return-value]
         out: list[ReadBatch] = []
         n = 0
         q = offset
@@ -191,8 +184,7 @@ class NonPersistentTopics:
             n += count - first
             q = qoff + count
         w.read_upto = max(w.read_upto, q)
-        status = GetStatus.FOUND if out else GetStatus.NO_MATCHED_MESSAGE
-        return GetResult(status, q, mn, mx, out)
+        return read_outcome(q, mn, mx, out)
 
     def delete_topic(self, topic: str) -> None:
         for key in [k for k in self._queues if k[0] == topic]:

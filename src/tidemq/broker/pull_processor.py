@@ -34,8 +34,10 @@ suspend timeout, subscription). The processor
 A write-only topic cannot be pulled, with one exception: a dead-letter topic ``%DLQ%<group>``
 may be read by the admin tools' group ``TOOLS_CONSUMER`` (`tidemq dlq list|resend`).
 
-Subscriptions: ``"*"``, empty or absent = every message; ``"TagA || TagB"`` = messages whose tag
-is one of these (by ``record.tag_hash``). SQL92 is not supported yet (SUBSCRIPTION_PARSE_FAILED).
+Subscriptions are read by ``protocol/batch/tags.py`` (the one parser, shared with the client):
+``"*"``, empty or absent = every message; ``"TagA || TagB"`` = messages whose tag is one of
+these (by tag hash); ``"A || *"`` is the tags {A, *}, not everything. SQL92 is not supported
+yet (SUBSCRIPTION_PARSE_FAILED).
 Without a consumer registry (heartbeats), the broker takes the subscription from the request
 whether or not PullSysFlag.SUBSCRIPTION is set.
 
@@ -51,6 +53,7 @@ from typing import TYPE_CHECKING
 from tidemq.broker.connection import decode_request
 from tidemq.broker.errors import RequestRejected, check_group
 from tidemq.broker.long_polling import HeldPull
+from tidemq.protocol.batch.tags import tag_hashes
 from tidemq.protocol.codes import DLQ_PREFIX, TOOLS_CONSUMER_GROUP, ResponseCode
 from tidemq.protocol.headers import (
     MASTER_ID,
@@ -59,7 +62,6 @@ from tidemq.protocol.headers import (
     PullMessageResponseHeader,
     PullSysFlag,
 )
-from tidemq.protocol.record import tag_hash
 from tidemq.store.message_store import GetStatus
 
 if TYPE_CHECKING:
@@ -67,7 +69,7 @@ if TYPE_CHECKING:
     from tidemq.broker.connection import BrokerConnection
     from tidemq.protocol.frame import Frame
 
-__all__ = ["PullProcessor", "parse_tag_expression", "response_code_for"]
+__all__ = ["PullProcessor", "response_code_for"]
 
 _PHYS = struct.Struct("<Q")  # a stored batch's phys_offset, at byte 12 of its header
 
@@ -102,24 +104,6 @@ def response_code_for(status: GetStatus, requested_offset: int) -> ResponseCode:
     raise AssertionError(f"unmapped store status {status}")
 
 
-def parse_tag_expression(expression: str | None) -> frozenset[int] | None:
-    """Tag hashes of ``"TagA || TagB"``; None means every message (``"*"``, empty, None).
-
-    ValueError for an expression that names no tag ("||")."""
-    if expression is None:
-        return None
-    expr = expression.strip()
-    if not expr or expr == "*":
-        return None
-    tags = [t.strip() for t in expr.split("||")]
-    tags = [t for t in tags if t]
-    if not tags:
-        raise ValueError(f"tag expression {expression!r} names no tag; use '*' or 'TagA || TagB'")
-    if "*" in tags:
-        return None
-    return frozenset(tag_hash(t) for t in tags)
-
-
 class PullProcessor:
     """Handles PULL_MESSAGE and re-runs held pulls (event loop only)."""
 
@@ -150,7 +134,7 @@ class PullProcessor:
         if expr in cache:
             return cache[expr]
         try:
-            hashes = parse_tag_expression(expr)
+            hashes = tag_hashes(expr)
         except ValueError as exc:
             raise RequestRejected(ResponseCode.SUBSCRIPTION_PARSE_FAILED, str(exc)) from None
         if len(cache) > 4096:

@@ -61,7 +61,6 @@ __all__ = [
     "decode_batches",
     "decode_pull_body",
     "set_queue_id",
-    "parse_tag_expression",
 ]
 
 _ZERO16 = bytes(16)
@@ -422,19 +421,6 @@ def set_queue_id(batch: bytearray, queue_id: int) -> None:
 
 
 # -- decoding ------------------------------------------------------------------------------------
-
-
-def parse_tag_expression(expression: str | None) -> frozenset[str] | None:
-    """``"*"`` / empty -> None (everything); ``"TagA || TagB"`` -> {"TagA", "TagB"}."""
-    if expression is None:
-        return None
-    expression = expression.strip()
-    if not expression or expression == "*":
-        return None
-    tags = frozenset(t.strip() for t in expression.split("||") if t.strip())
-    if not tags:
-        raise ValueError(f"subscription expression {expression!r} names no tag")
-    return tags
 
 
 def decode_batches(

@@ -53,11 +53,12 @@ from collections.abc import Iterable, Sequence
 
 from tidemq.client import chunking, offsets
 from tidemq.client.chunking import ChunkAssembler
-from tidemq.client.codec import decode_pull_body, parse_tag_expression
+from tidemq.client.codec import decode_pull_body
 from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
 from tidemq.client.errors import ClientClosedError, NoRouteError
 from tidemq.client.message import ConsumeFrom, MessageExt, MessageQueue
 from tidemq.client.route import RouteCache
+from tidemq.protocol.batch.tags import parse_tag_expression
 from tidemq.protocol.codes import PullStatus, RequestCode, ResponseCode, pull_status
 from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import BrokerError, TidemqError

@@ -40,7 +40,6 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from tidemq.client.codec import parse_tag_expression
 from tidemq.client.connection import DEFAULT_TIMEOUT, Connection, ConnectionPool
 from tidemq.client.consume_concurrently import ConsumeConcurrentlyService
 from tidemq.client.consume_orderly import ConsumeOrderlyService
@@ -55,6 +54,7 @@ from tidemq.client.offset_store import (
 from tidemq.client.pull_service import PullService
 from tidemq.client.rebalance import RETRY_PREFIX, AllocateStrategy, Rebalance
 from tidemq.client.route import RouteCache
+from tidemq.protocol.batch.tags import parse_tag_expression
 from tidemq.protocol.codes import RequestCode
 from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import TidemqError

@@ -27,11 +27,12 @@ from typing import Any
 import numpy as np
 
 from tidemq.client.blocking import _run, _submit
-from tidemq.client.codec import _ARANGE_REC, _IDX_DTYPE, _REC_DTYPE, parse_tag_expression
+from tidemq.client.codec import _ARANGE_REC, _IDX_DTYPE, _REC_DTYPE
 from tidemq.client.connection import ConnectionPool, raise_for_error
 from tidemq.client.errors import ClientError
 from tidemq.client.message import MessageQueue
 from tidemq.client.route import RouteCache
+from tidemq.protocol.batch.tags import parse_tag_expression
 from tidemq.protocol.codes import PullStatus, RequestCode, pull_status
 from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import CorruptBatchError

@@ -76,13 +76,13 @@ import struct
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from hashlib import blake2b
 from typing import Any
 
 import crc32c as _crc32c_mod
 import lz4.block
 import zstandard
 
+from tidemq.protocol.batch.tags import tag_hash
 from tidemq.protocol.errors import CorruptBatchError, ProtocolError
 
 __all__ = [
@@ -260,14 +260,6 @@ def deliver_at_for(at: object) -> int:
 
 PROP_NAME_SEP = "\x01"
 PROP_SEP = "\x02"
-
-
-def tag_hash(tag: str | None) -> int:
-    """64-bit hash of a tag for broker-side filtering; 0 means "no tag"."""
-    if not tag:
-        return 0
-    h = int.from_bytes(blake2b(tag.encode(), digest_size=8).digest(), "little")
-    return h or 1
 
 
 def unique_id(producer_id: int, seq: int) -> str:

@@ -36,7 +36,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +80,15 @@ from tidemq.store.config import StoreConfig
 from tidemq.store.consume_queue import ConsumeQueue, ConsumeQueueTable
 from tidemq.store.flush import FlushCallback, FlushMode, FlushService
 from tidemq.store.index_file import IndexService, key_hash
+from tidemq.store.pull_outcome import (
+    GetResult,
+    ReadBatch,
+    position_outcome,
+    read_outcome,
+)
+
+# GetStatus is re-exported: readers of the store import it from here.
+from tidemq.store.pull_outcome import GetStatus as GetStatus
 from tidemq.store.recovery import RecoveryReport, scan
 from tidemq.store.retention import RetentionService
 
@@ -140,52 +149,6 @@ class PutResult:
     @property
     def end_offset(self) -> int:
         return self.phys_offset + self.size
-
-
-class GetStatus(enum.StrEnum):
-    """RocketMQ's GetMessageStatus."""
-
-    FOUND = "FOUND"
-    NO_MATCHED_MESSAGE = "NO_MATCHED_MESSAGE"
-    MESSAGE_WAS_REMOVING = "MESSAGE_WAS_REMOVING"
-    OFFSET_FOUND_NULL = "OFFSET_FOUND_NULL"
-    OFFSET_OVERFLOW_BADLY = "OFFSET_OVERFLOW_BADLY"
-    OFFSET_OVERFLOW_ONE = "OFFSET_OVERFLOW_ONE"
-    OFFSET_TOO_SMALL = "OFFSET_TOO_SMALL"
-    NO_MATCHED_LOGIC_QUEUE = "NO_MATCHED_LOGIC_QUEUE"
-    NO_MESSAGE_IN_QUEUE = "NO_MESSAGE_IN_QUEUE"
-
-
-@dataclass(slots=True)
-class ReadBatch:
-    """A whole stored batch (zero-copy view of the mapping) and the first message wanted."""
-
-    data: memoryview
-    first_index: int
-    queue_offset: int  # queue offset of message ``first_index``
-    count: int  # messages from first_index to the batch's end
-
-    def messages(self) -> list[StoredMessage]:
-        return list(BatchView(self.data).messages(self.first_index))
-
-
-@dataclass(slots=True)
-class GetResult:
-    status: GetStatus
-    next_begin_offset: int
-    min_offset: int
-    max_offset: int
-    batches: list[ReadBatch] = field(default_factory=list)
-
-    @property
-    def message_count(self) -> int:
-        return sum(b.count for b in self.batches)
-
-    def messages(self) -> list[StoredMessage]:
-        out: list[StoredMessage] = []
-        for b in self.batches:
-            out.extend(b.messages())
-        return out
 
 
 DispatchListener = Callable[[str, int, int, BatchView], None]
@@ -808,17 +771,10 @@ class MessageStore:
         follow RocketMQ's DefaultMessageStore.getMessage.
         """
         cq = self.cqs.find(topic, queue_id)
-        if cq is None:
-            return GetResult(GetStatus.NO_MATCHED_LOGIC_QUEUE, 0, 0, 0)
-        mn, mx = cq.min_offset, cq.max_offset
-        if mx == 0:
-            return GetResult(GetStatus.NO_MESSAGE_IN_QUEUE, 0, mn, mx)
-        if offset < mn:
-            return GetResult(GetStatus.OFFSET_TOO_SMALL, mn, mn, mx)
-        if offset == mx:
-            return GetResult(GetStatus.OFFSET_OVERFLOW_ONE, offset, mn, mx)
-        if offset > mx:
-            return GetResult(GetStatus.OFFSET_OVERFLOW_BADLY, mn if mn == 0 else mx, mn, mx)
+        mn, mx = (cq.min_offset, cq.max_offset) if cq is not None else (0, 0)
+        early = position_outcome(cq is not None, offset, mn, mx)
+        if early is not None or cq is None:
+            return early  # type: ignore[return-value]
         cl = self.commitlog
         cl_min = cl.min_offset
         write_pos = cl.write_pos  # read after mx: every unit below mx points below it
@@ -899,13 +855,7 @@ class MessageStore:
             if k < 0:
                 break
         self._get_messages += n
-        if batches:
-            status = GetStatus.FOUND
-        elif removed:
-            status = GetStatus.MESSAGE_WAS_REMOVING
-        else:
-            status = GetStatus.NO_MATCHED_MESSAGE
-        return GetResult(status, q, mn, mx, batches)
+        return read_outcome(q, mn, mx, batches, removed)
 
     def _skip_batch(self, cq, q: int, phys: int, mx: int) -> int:
         """First queue offset after ``q`` whose unit points to another batch."""
