@@ -8,13 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tidemq.client.codec import (
-    decode_batches,
-    decode_pull_body,
-    encode_messages,
-    set_queue_id,
-)
+from tidemq.client.codec import decode_batches, decode_pull_body
 from tidemq.client.message import Message
+from tidemq.protocol.batch.fast import encode_messages
+from tidemq.protocol.batch.fields import set_queue_id
 from tidemq.protocol.batch.tags import parse_tag_expression
 from tidemq.protocol.errors import CorruptBatchError
 from tidemq.protocol.record import BatchView, MessageData, encode_batch, pack_host

@@ -25,13 +25,11 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from tidemq.protocol.batch.fields import stamp_store_fields
 from tidemq.protocol.codes import ResponseCode
 from tidemq.protocol.headers import SendMessageResponseHeader
 from tidemq.protocol.record import (
-    STORE_FIELDS,
-    STORE_FIELDS_OFFSET,
     BatchView,
-    seal_store_header,
     unique_id,
 )
 from tidemq.store.pull_outcome import GetResult, ReadBatch, position_outcome, read_outcome
@@ -46,7 +44,6 @@ __all__ = ["NonPersistentTopics", "NON_PERSISTENT_PREFIX", "is_non_persistent"]
 log = logging.getLogger(__name__)
 
 NON_PERSISTENT_PREFIX = "%NP%"
-_QUEUE_ID_OFFSET = 44
 
 
 def is_non_persistent(topic: str) -> bool:
@@ -105,10 +102,9 @@ class NonPersistentTopics:
         qoff = w.max_offset
         buf = bytearray(body)
         now = time.time_ns() // 1_000_000
-        STORE_FIELDS.pack_into(buf, STORE_FIELDS_OFFSET, 0, qoff, now)
-        buf[_QUEUE_ID_OFFSET : _QUEUE_ID_OFFSET + 4] = queue_id.to_bytes(4, "little")
-        buf[54:72] = self.store_host
-        seal_store_header(buf, 0, v.producer_start)
+        stamp_store_fields(buf, phys_offset=0, queue_offset=qoff, store_ts=now,
+                           queue_id=queue_id, store_addr=self.store_host,
+                           producer_start=v.producer_start)
         w.batches.append((qoff, v.count, buf))
         w.offs.append(qoff)
         w.max_offset = qoff + v.count

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 from tidemq.broker.durable_file import read_file, write_atomic
 from tidemq.broker.envelope import REAL_QID, REAL_TOPIC, wrap
 from tidemq.broker.errors import RequestRejected, check_group
+from tidemq.protocol.batch import fields
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import OffsetOutOfRangeError, TidemqError
 from tidemq.protocol.frame import FLAG_ONEWAY, Frame, encode_frame_parts
@@ -59,13 +60,10 @@ from tidemq.protocol.headers import (
     HeartbeatRequestHeader,
 )
 from tidemq.protocol.record import (
-    STORE_HEADER,
-    STORE_HEADER_SIZE,
     BatchView,
     MessageData,
     TxnType,
     encode_batch,
-    seal_store_header,
     unique_id,
 )
 from tidemq.store.message_store import GetStatus, PutResult
@@ -88,7 +86,6 @@ TRAN_ID = "TRAN_ID"
 CHECK_TIMES = "TRANSACTION_CHECK_TIMES"
 FIRST_BORN = "FIRST_BORN"
 IMMUNITY = "CHECK_IMMUNITY_TIME_IN_SECONDS"
-_PREPARED_OFFSET_AT = 36
 _SLICE = 256  # half messages judged per turn of the event loop in a check round
 
 
@@ -96,18 +93,7 @@ def with_topic(data: bytes | bytearray | memoryview, topic: str) -> bytearray:
     """A copy of the batch with another topic in its store header (the producer section and
     its CRC unchanged): how a batch is moved to the discard topic."""
     v = BatchView(data)
-    tb = topic.encode()
-    rest = bytes(memoryview(data)[v.producer_start : v.total_size])
-    total = STORE_HEADER_SIZE + len(tb) + len(rest)
-    buf = bytearray(total)
-    buf[:STORE_HEADER_SIZE] = bytes(memoryview(data)[:STORE_HEADER_SIZE])
-    fields = list(STORE_HEADER.unpack_from(buf, 0))
-    fields[0], fields[11] = total, len(tb)
-    STORE_HEADER.pack_into(buf, 0, *fields)
-    buf[STORE_HEADER_SIZE : STORE_HEADER_SIZE + len(tb)] = tb
-    buf[STORE_HEADER_SIZE + len(tb) :] = rest
-    seal_store_header(buf, 0, STORE_HEADER_SIZE + len(tb))
-    return buf
+    return fields.with_topic(data, topic, v.producer_start, v.total_size)
 
 
 def _now() -> int:
@@ -302,9 +288,7 @@ class TransactionService:
         elif state == TxnType.COMMIT:
             inner = bytearray(m.body)
             # the committed copy names its half message (RocketMQ's prepared offset)
-            inner[_PREPARED_OFFSET_AT : _PREPARED_OFFSET_AT + 8] = h.commit_log_offset.to_bytes(
-                8, "little", signed=True
-            )
+            fields.set_prepared_offset(inner, h.commit_log_offset)
             self.broker.put_internal(inner, real_qid, on_durable=_ignore_durable)
             self._resolve(txn, v.queue_offset, "commit")
             # durable, and under SYNC_MASTER held by the slaves, like a send (RocketMQ)

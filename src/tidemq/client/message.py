@@ -21,6 +21,24 @@ from typing import Any
 
 import msgspec
 
+from tidemq.protocol.batch.layout import (
+    H_ATTRIBUTES,
+    H_BASE_SEQ,
+    H_BORN_HOST,
+    H_BORN_PORT,
+    H_COUNT,
+    H_DELIVER_AT,
+    H_KEYS_SIZE,
+    H_PHYS_OFFSET,
+    H_PRODUCER_ID,
+    H_QUEUE_ID,
+    H_QUEUE_OFFSET,
+    H_RECONSUME,
+    H_STORE_HOST,
+    H_STORE_PORT,
+    H_STORE_TS,
+    H_TOPIC_LEN,
+)
 from tidemq.protocol.errors import CorruptBatchError
 from tidemq.protocol.record import (
     ATTR_DELAY_MASK,
@@ -174,12 +192,8 @@ class ConsumeFrom(enum.StrEnum):
     TIMESTAMP = "timestamp"  # the first message stored at or after consume_timestamp
 
 
-# Fields of ``_BatchMeta.h``: STORE_HEADER's 14 fields, then PRODUCER_HEADER's 11 (record.py),
-# as one struct.unpack_from of both headers returns them (codec.py).
-_H_PHYS_OFFSET, _H_QUEUE_OFFSET, _H_STORE_TS, _H_QUEUE_ID, _H_RECONSUME = 5, 6, 7, 9, 10
-_H_TOPIC_LEN, _H_STORE_PORT, _H_STORE_HOST = 11, 12, 13
-_H_ATTRIBUTES, _H_BORN_PORT, _H_COUNT, _H_KEYS_SIZE = 15, 16, 17, 18
-_H_PRODUCER_ID, _H_BASE_SEQ, _H_DELIVER_AT, _H_BORN_HOST = 21, 22, 23, 24
+# Fields of ``_BatchMeta.h``: the tuple of ``batch.layout.heads_struct``, read by the
+# layout's H_* indexes.
 _INDEX_AT = STORE_HEADER_SIZE + PRODUCER_HEADER_SIZE  # + topic_len: the index in a batch
 
 
@@ -203,70 +217,70 @@ class _BatchMeta(msgspec.Struct, gc=False):
 
     @property
     def queue_id(self) -> int:
-        return self.h[_H_QUEUE_ID]
+        return self.h[H_QUEUE_ID]
 
     @property
     def queue_offset(self) -> int:
-        return self.h[_H_QUEUE_OFFSET]
+        return self.h[H_QUEUE_OFFSET]
 
     @property
     def phys_offset(self) -> int:
-        return self.h[_H_PHYS_OFFSET]
+        return self.h[H_PHYS_OFFSET]
 
     @property
     def store_ts(self) -> int:
-        return self.h[_H_STORE_TS]
+        return self.h[H_STORE_TS]
 
     @property
     def reconsume_times(self) -> int:
-        return self.h[_H_RECONSUME]
+        return self.h[H_RECONSUME]
 
     @property
     def producer_id(self) -> int:
-        return self.h[_H_PRODUCER_ID]
+        return self.h[H_PRODUCER_ID]
 
     @property
     def base_seq(self) -> int:
-        return self.h[_H_BASE_SEQ]
+        return self.h[H_BASE_SEQ]
 
     @property
     def born_host_raw(self) -> bytes:
-        return self.h[_H_BORN_HOST]
+        return self.h[H_BORN_HOST]
 
     @property
     def born_port(self) -> int:
-        return self.h[_H_BORN_PORT]
+        return self.h[H_BORN_PORT]
 
     @property
     def store_host_raw(self) -> bytes:
-        return self.h[_H_STORE_HOST]
+        return self.h[H_STORE_HOST]
 
     @property
     def store_port(self) -> int:
-        return self.h[_H_STORE_PORT]
+        return self.h[H_STORE_PORT]
 
     @property
     def delay_level(self) -> int:
-        return (self.h[_H_ATTRIBUTES] & ATTR_DELAY_MASK) >> ATTR_DELAY_SHIFT
+        return (self.h[H_ATTRIBUTES] & ATTR_DELAY_MASK) >> ATTR_DELAY_SHIFT
 
     @property
     def deliver_at(self) -> int:
-        return self.h[_H_DELIVER_AT]
+        return self.h[H_DELIVER_AT]
 
     @property
     def count(self) -> int:
-        return self.h[_H_COUNT]
+        return self.h[H_COUNT]
 
     def index_pos(self) -> int:
         """Where the message index starts in ``src``."""
-        return self.pos + _INDEX_AT + self.h[_H_TOPIC_LEN]
+        return self.pos + _INDEX_AT + self.h[H_TOPIC_LEN]
 
     def keys(self) -> dict[int, str]:
         if self._keys is None:
             out: dict[int, str] = {}
             h = self.h
-            q = self.index_pos() + h[_H_COUNT] * INDEX_ENTRY_SIZE
-            end = q + h[_H_KEYS_SIZE]
+            q = self.index_pos() + h[H_COUNT] * INDEX_ENTRY_SIZE
+            end = q + h[H_KEYS_SIZE]
             raw = self.src
             while q + 6 <= end:
                 i, n = KEYS_ENTRY.unpack_from(raw, q)

@@ -1,7 +1,7 @@
 """The asyncio producer (SPEC PR1, PR2, PR6 sequence ids, PR9).
 
 Sending one message or a batch is the same path: pick a queue, encode the messages into one
-batch (``codec.encode_messages``; the broker stores those bytes as received), send it as
+batch (``batch.fast.encode_messages``; the broker stores those bytes as received), send it as
 SEND_MESSAGE / SEND_BATCH and turn the response into a SendResult.
 
 Queue choice (PR2): round robin over the topic's writable queues; ``queue_id=`` (an index into
@@ -47,7 +47,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tidemq.client import chunking
-from tidemq.client.codec import encode_messages, set_queue_id
 from tidemq.client.columns import Columns
 from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
 from tidemq.client.errors import (
@@ -61,6 +60,8 @@ from tidemq.client.errors import (
 from tidemq.client.latency_fault import FAILURE_LATENCY_MS, LatencyFaultTable
 from tidemq.client.message import Message, MessageQueue, SendResult, SendStatus
 from tidemq.client.route import RouteCache, TopicRoute
+from tidemq.protocol.batch.fast import encode_messages
+from tidemq.protocol.batch.fields import set_queue_id
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import BrokerError, LocalProtocolError
 from tidemq.protocol.headers import (

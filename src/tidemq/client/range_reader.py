@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 
 from tidemq.client.blocking import _run, _submit
-from tidemq.client.codec import _ARANGE_REC, _IDX_DTYPE, _REC_DTYPE
 from tidemq.client.connection import ConnectionPool, raise_for_error
 from tidemq.client.errors import ClientError
 from tidemq.client.message import MessageQueue
 from tidemq.client.route import RouteCache
+from tidemq.protocol.batch.layout import ARANGE_REC, IDX_DTYPE, REC_DTYPE
 from tidemq.protocol.batch.tags import parse_tag_expression
 from tidemq.protocol.codes import PullStatus, RequestCode, pull_status
 from tidemq.protocol.corrupt import CorruptRecords
@@ -152,12 +152,12 @@ def _decode_batch(view: BatchView, start: int, stop: int, tags: frozenset[str] |
         rawb, off = bytes(view.raw_records(max_raw)), 0
     rlen = off + view.records_size if off else len(rawb)
     count = view.count
-    idx = np.frombuffer(view.index_view(), dtype=_IDX_DTYPE, count=count)[start:stop]
+    idx = np.frombuffer(view.index_view(), dtype=IDX_DTYPE, count=count)[start:stop]
     rel = idx["rel"].astype(np.int64) + off
     if len(rel) and (int(rel.max()) + RECORD_HEADER_SIZE > rlen or int(rel.min()) < off):
         raise CorruptBatchError("a message of a pulled batch starts outside its records section")
-    hdr = np.frombuffer(rawb, dtype=np.uint8)[rel[:, None] + _ARANGE_REC].view(
-        _REC_DTYPE).reshape(-1)
+    hdr = np.frombuffer(rawb, dtype=np.uint8)[rel[:, None] + ARANGE_REC].view(
+        REC_DTYPE).reshape(-1)
     tl = hdr["tl"].astype(np.int64)
     pl = hdr["pl"].astype(np.int64)
     bl = hdr["bl"].astype(np.int64)

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tidemq.protocol.batch.layout import IDX_DTYPE
 from tidemq.protocol.errors import CorruptBatchError, MessageTooLargeError
 from tidemq.protocol.record import (
     DEFAULT_MAX_PROPERTIES_SIZE,
@@ -75,8 +76,6 @@ RESERVED_ATTRIBUTES = 0xFC00
 _CODECS = (Compression.NONE, Compression.LZ4, Compression.ZSTD, Compression.ZLIB)
 _SMALL = 16  # batches up to this many messages are checked without numpy
 
-_IDX_DTYPE = np.dtype([("hash", "<u8"), ("rel", "<u4")])
-assert _IDX_DTYPE.itemsize == INDEX_ENTRY_SIZE
 _REC_VOID = np.dtype(f"V{RECORD_HEADER_SIZE}")
 _SIZE_WORDS = [0, 4, 5, 6]  # record_size, tags_len | reserved, props_len, body_len
 _WINDOW = 256  # texts up to this long are checked through a fixed window (_ascii)
@@ -175,7 +174,7 @@ def _check_records_small(v: BatchView, raw: memoryview, max_props: int) -> None:
 def _check_records(v: BatchView, raw: memoryview, max_props: int) -> None:
     n = v.count
     rlen = len(raw)
-    idx = np.frombuffer(v.buf, dtype=_IDX_DTYPE, count=n, offset=v.pos + v.index_start)
+    idx = np.frombuffer(v.buf, dtype=IDX_DTYPE, count=n, offset=v.pos + v.index_start)
     rel = idx["rel"].astype(np.int64)
     arr = np.frombuffer(raw, dtype=np.uint8)
     # Record headers gathered through an overlapping view of the records, one 28-byte item

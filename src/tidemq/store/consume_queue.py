@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tidemq.protocol.batch.layout import index_hashes
 from tidemq.protocol.errors import StoreClosedError, StoreError
 from tidemq.protocol.record import INDEX_ENTRY, INDEX_ENTRY_SIZE, MAX_BATCH_SIZE
 from tidemq.store.mapped_file import ALLOCATE_CHUNK, MappedFile, fsync_dir
@@ -55,8 +56,6 @@ UNIT_DTYPE = np.dtype([("phys", "<u8"), ("size", "<u4"), ("tag", "<u8")])
 assert UNIT_DTYPE.itemsize == UNIT_SIZE
 
 # A batch's message index entry (protocol.record INDEX_ENTRY) as a numpy record.
-_INDEX_DTYPE = np.dtype([("tag", "<u8"), ("rel", "<u4")])
-assert _INDEX_DTYPE.itemsize == INDEX_ENTRY_SIZE
 
 _NAME_DIGITS = 20
 _PHYS_LIMIT = 1 << 63  # CommitLog offsets are i64 in the batch header; anything above is garbage
@@ -285,7 +284,7 @@ class ConsumeQueue:
             units = np.empty(n, UNIT_DTYPE)
             units["phys"] = phys_offset
             units["size"] = size
-            units["tag"] = np.frombuffer(view, _INDEX_DTYPE)["tag"]
+            units["tag"] = index_hashes(view)
             self._write_units(queue_offset, units)
         if end >= mx:
             self._max_phys = phys_offset + size

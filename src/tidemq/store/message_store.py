@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tidemq.protocol.batch.layout import index_hashes
 from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import (
     CorruptBatchError,
@@ -95,8 +96,6 @@ from tidemq.store.retention import RetentionService
 log = logging.getLogger(__name__)
 
 _TAG_HASH = struct.Struct("<Q")  # the first field of a message index entry
-_TAG_DTYPE = np.dtype([("tag", "<u8"), ("rel", "<u4")])
-assert _TAG_DTYPE.itemsize == INDEX_ENTRY_SIZE
 
 #: Messages per id-index block: a batch is indexed once per block of sequence ids it covers.
 ID_BLOCK_BITS = 10
@@ -840,7 +839,7 @@ class MessageStore:
                     continue
                 if wanted is not None:
                     v = BatchView(seg_mv, rel)
-                    tags = np.frombuffer(v.index_view(), dtype=_TAG_DTYPE)["tag"][first:]
+                    tags = index_hashes(v.index_view())[first:]
                     mask = np.isin(tags, wanted)
                     if not mask.any():
                         q = bq + bc
