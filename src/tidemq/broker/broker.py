@@ -693,7 +693,7 @@ def _ignore_durable(err: object) -> None:
 
 
 def _write(path: str, data: bytes) -> None:
-    from tidemq.broker.durable_file import write_atomic
+    from tidemq.base.atomic_file import write_atomic
 
     write_atomic(path, data)
 

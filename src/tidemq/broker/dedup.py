@@ -46,8 +46,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from tidemq.base.atomic_file import read_file, write_atomic
 from tidemq.broker.connection import decode_request
-from tidemq.broker.durable_file import read_file, write_atomic
 from tidemq.broker.errors import RequestRejected
 from tidemq.protocol.batch.fields import dedup_fields_at
 from tidemq.protocol.codes import ResponseCode

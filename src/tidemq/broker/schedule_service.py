@@ -30,7 +30,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from tidemq.broker.durable_file import read_file, write_atomic
+from tidemq.base.atomic_file import read_file, write_atomic
 from tidemq.broker.envelope import REAL_QID, REAL_TOPIC, delivered_copy_exists, wrap
 from tidemq.protocol.errors import CorruptBatchError, MessageTooLargeError, TidemqError
 from tidemq.protocol.record import BatchView

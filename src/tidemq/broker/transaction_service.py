@@ -47,7 +47,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from tidemq.broker.durable_file import read_file, write_atomic
+from tidemq.base.atomic_file import read_file, write_atomic
 from tidemq.broker.envelope import REAL_QID, REAL_TOPIC, wrap
 from tidemq.broker.errors import RequestRejected, check_group
 from tidemq.protocol.batch import fields

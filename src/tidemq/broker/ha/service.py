@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from tidemq.broker.durable_file import read_file, write_atomic
+from tidemq.base.atomic_file import read_file, write_atomic
 from tidemq.broker.errors import RequestRejected
 from tidemq.broker.ha.election import Election, EtcdUnavailable, GroupView, new_member_id
 from tidemq.broker.ha.epoch import EpochFile
