@@ -20,6 +20,7 @@ from tidemq.store.flush import FlushMode
 __all__ = ["BrokerConfig", "apply_overrides", "apply_setting_overrides", "MiB"]
 
 MiB = 1 << 20
+_STORE = StoreConfig(data_dir="")  # the store's defaults
 
 
 @dataclass
@@ -64,8 +65,11 @@ class BrokerConfig:
     # -- storage ------------------------------------------------------------------------------
     data_dir: str = os.path.join("~", "tidemq", "store")
     flush_mode: str = "async"  # "sync" (SYNC_FLUSH) or "async" (ASYNC_FLUSH)
-    #: Extra StoreConfig fields by name (segment_size, cq_units_per_file, ...).
-    store: dict[str, object] = field(default_factory=dict)
+    #: The store's settings (store/config.py: segment_size, cq_units_per_file, ...; ``-o
+    #: store.KEY=VALUE`` sets one). The broker fills in ``data_dir`` and ``flush_mode`` from
+    #: its own fields, and ``max_batch_bytes``, ``store_host`` and ``store_port`` unless they
+    #: are set here. A dict of StoreConfig fields is accepted and turned into one.
+    store: StoreConfig = field(default_factory=lambda: StoreConfig(data_dir=""))
 
     # -- topics -------------------------------------------------------------------------------
     #: RocketMQ autoCreateTopicEnable: a send to an unknown topic creates it.
@@ -201,6 +205,11 @@ class BrokerConfig:
     # -- files under data_dir -----------------------------------------------------------------
     config_dir_name: str = "config"
 
+    def __post_init__(self) -> None:
+        store: object = self.store
+        if isinstance(store, dict):  # the untyped form of earlier versions
+            self.store = StoreConfig(**{"data_dir": "", **store})
+
     @property
     def flush(self) -> FlushMode:
         return FlushMode(self.flush_mode)
@@ -225,17 +234,19 @@ class BrokerConfig:
         return f"{host}:{port}"
 
     def store_config(self, port: int = 0) -> StoreConfig:
-        opts: dict[str, object] = {
-            "data_dir": self.store_path,
-            "flush_mode": self.flush,
+        s = self.store
+        return dataclasses.replace(
+            s,
+            data_dir=self.store_path,
+            flush_mode=self.flush,
             # The store refuses batches above this; the broker checks first with a clearer
             # message, this only keeps the two limits consistent.
-            "max_batch_bytes": self.max_message_size + self.batch_overhead_allowance,
-            "store_host": self.announce_host or self.listen_host,
-            "store_port": port,
-        }
-        opts.update(self.store)
-        return StoreConfig(**opts)  # type: ignore[arg-type]
+            max_batch_bytes=s.max_batch_bytes if s.max_batch_bytes != _STORE.max_batch_bytes
+            else self.max_message_size + self.batch_overhead_allowance,
+            store_host=s.store_host if s.store_host != _STORE.store_host
+            else self.announce_host or self.listen_host,
+            store_port=s.store_port or port,
+        )
 
     def connection_limits(self) -> ConnectionLimits:
         return ConnectionLimits(
@@ -357,7 +368,7 @@ def apply_overrides(config: BrokerConfig, pairs: list[str]) -> BrokerConfig:
     Raises ValueError naming the key for unknown keys and values of the wrong type."""
     fields = {f.name: f for f in dataclasses.fields(config)}
     store_fields = {f.name: f for f in dataclasses.fields(StoreConfig)}
-    store_defaults = StoreConfig(data_dir="")
+    store_defaults = _STORE
     for pair in pairs:
         key, sep, value = pair.partition("=")
         key = key.strip().replace("-", "_")
@@ -373,7 +384,7 @@ def apply_overrides(config: BrokerConfig, pairs: list[str]) -> BrokerConfig:
             if isinstance(like, FlushMode):
                 config.flush_mode = FlushMode(value).value
                 continue
-            config.store[skey] = _convert(value, like, key)
+            setattr(config.store, skey, _convert(value, like, key))
             continue
         if key not in fields or key == "store":
             raise ValueError(f"unknown broker setting {key!r}; known: {', '.join(sorted(fields))}")
