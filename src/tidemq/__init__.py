@@ -28,6 +28,7 @@ __all__ = [
     "TransactionSendResult",
     "PullConsumer",
     "PushConsumer",
+    "PushConsumerOptions",
     "ConsumeStatus",
     "ConsumeOrderlyStatus",
     "ConsumeContext",
@@ -62,6 +63,7 @@ _WHERE = {
     "TransactionSendResult": "tidemq.client.transaction_producer",
     "PullConsumer": "tidemq.client.blocking",
     "PushConsumer": "tidemq.client.blocking",
+    "PushConsumerOptions": "tidemq.client.consumer_options",
     "ConsumeStatus": "tidemq.client.listener",
     "ConsumeOrderlyStatus": "tidemq.client.listener",
     "ConsumeContext": "tidemq.client.listener",
@@ -98,6 +100,7 @@ if TYPE_CHECKING:
         PushConsumer,
         TransactionProducer,
     )
+    from tidemq.client.consumer_options import PushConsumerOptions
     from tidemq.client.errors import (
         BrokerError,
         ClientClosedError,
