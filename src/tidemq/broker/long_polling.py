@@ -1,4 +1,4 @@
-"""Long polling: pulls that found nothing wait here for messages (SPEC BR3; seeds 000, 004 §4.3.4).
+"""Long polling: pulls that found nothing wait here for messages (reference BR3; RocketMQ's PullRequestHoldService).
 
 This is RocketMQ's PullRequestHoldService plus its NotifyMessageArrivingListener:
 

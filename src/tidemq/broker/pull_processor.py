@@ -1,4 +1,5 @@
-"""PULL_MESSAGE (RocketMQ's PullMessageProcessor; SPEC BR2, seed 004 §4.3.2).
+"""PULL_MESSAGE (RocketMQ's PullMessageProcessor; reference BR2; the
+status table is in docs/protocol.md, "Pull").
 
 A pull names (group, topic, queue id, queue offset, max messages, sys flags, commit offset,
 suspend timeout, subscription). The processor
@@ -26,7 +27,7 @@ suspend timeout, subscription). The processor
 5. answers FOUND with the stored batches, unmodified, as the body: the first batch may start
    before the requested offset and the last may run past max_msg_nums; the client skips and
    re-filters by tag string (the broker filters by tag hash only).
-6. suggests the broker to pull from next (``suggest_which_broker_id``, seed 004): with
+6. suggests the broker to pull from next (``suggest_which_broker_id``, as RocketMQ): with
    ``slave_read_enable``, a consumer left more than ``access_message_in_memory_max_ratio`` % of
    memory behind the CommitLog's end is sent to the group's ``which_broker_when_consume_slowly``
    (a slave), any other to the master (docs/cluster.md).
@@ -95,7 +96,7 @@ _EMPTY_QUEUE = frozenset({_S.NO_MESSAGE_IN_QUEUE, _S.NO_MATCHED_LOGIC_QUEUE})
 
 
 def response_code_for(status: GetStatus, requested_offset: int) -> ResponseCode:
-    """RocketMQ's GetMessageStatus -> ResponseCode table (seed 004 §4.3.2, step 8)."""
+    """RocketMQ's GetMessageStatus -> ResponseCode table (docs/protocol.md, "Pull")."""
     code = _FIXED_CODES.get(status)
     if code is not None:
         return code

@@ -1,5 +1,5 @@
-"""Transactional messages: half messages, END_TRANSACTION and the check service (SPEC BR9,
-seed 003 "事务消息").
+"""Transactional messages: half messages, END_TRANSACTION and the check service (reference BR9,
+RocketMQ 4.9's transactional messages).
 
 Flow (RocketMQ's TransactionalMessageServiceImpl / EndTransactionProcessor /
 TransactionalMessageCheckService)::

@@ -1,5 +1,5 @@
 """The pull loop of a push consumer (RocketMQ's PullMessageService and
-DefaultMQPushConsumerImpl#pullMessage; SPEC CO2, seed 004 §4.1, §4.3).
+DefaultMQPushConsumerImpl#pullMessage; reference CO2).
 
 One :class:`PullService` per client instance owns every queue's pull request. A pull request
 (queue, ProcessQueue, next offset) is executed at once or later; each execution sends one
@@ -16,7 +16,7 @@ Before a pull (flow control, each case retried after 50 ms and logged every 1000
 - orderly consumption: the queue is not locked by this client on the broker (retry in 3 s);
 - the consumer is paused (retry in 1 s, or at once when it is resumed).
 
-Pull statuses, as seed 004 §4.3.3:
+Pull statuses (docs/protocol.md, "Pull"), as RocketMQ's push consumer handles them:
 
 - FOUND: next offset = next_begin_offset; messages are filtered by tag string again (the broker
   filtered by tag hash), put in the ProcessQueue and handed to the consume service; the next
@@ -31,7 +31,7 @@ Pull statuses, as seed 004 §4.3.3:
 Messages of the retry topic ``%RETRY%<group>`` get their original topic back (property
 ``RETRY_TOPIC``) before the listener sees them.
 
-Which broker of the queue's group (seed 004, RocketMQ's pullFromWhichNodeTable): the broker id
+Which broker of the queue's group (RocketMQ's pullFromWhichNodeTable): the broker id
 the last pull response suggested (``suggest_which_broker_id``: a slave while this consumer is
 far behind and the group reads from slaves, the master again once it caught up), else the
 master, else a slave when the master is down. A pull to a slave carries no commit offset (a
