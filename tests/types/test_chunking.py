@@ -1,4 +1,4 @@
-"""Chunked messages (reference PR5): split above the broker limit, reassembled by the consumer."""
+"""Chunked messages (ref PR5): split above the broker limit, reassembled by the consumer."""
 
 from __future__ import annotations
 

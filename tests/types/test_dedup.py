@@ -1,4 +1,4 @@
-"""Deduplication by producer name and sequence id (reference PR6, BR12)."""
+"""Deduplication by producer name and sequence id (ref PR6, BR12)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Delayed delivery end to end (reference BR8, PR8): delay levels through SCHEDULE_TOPIC_XXXX (test-sized
+"""Delayed delivery end to end (ref BR8, PR8): delay levels through SCHEDULE_TOPIC_XXXX (test-sized
 levels), delivery at any time to the millisecond from the durable time index, cancel, the
 40-day limit, and a kill -9 of the broker with messages pending: none lost, none doubled, none
 early. Lateness is measured and printed.

@@ -1,4 +1,4 @@
-"""`tidemq bench delay-index|txn|dedup`: the message-type targets of reference BR8/BR9/BR12, each
+"""`tidemq bench delay-index|txn|dedup`: the message-type targets of ref BR8/BR9/BR12, each
 against a fresh `tidemq dev` (name server + broker in one process) that the bench starts in a
 temporary directory and stops afterwards, so the numbers are the broker's alone.
 

@@ -77,7 +77,7 @@ class BrokerConfig:
     #: Queues of an auto-created topic (RocketMQ defaultTopicQueueNums).
     default_topic_queue_nums: int = 8
 
-    # -- send limits (reference BR1) ---------------------------------------------------------------
+    # -- send limits (ref BR1) ---------------------------------------------------------------
     #: Largest batch accepted, as sent (RocketMQ maxMessageSize, 4 MiB) ...
     max_message_size: int = 4 * MiB
     #: ... plus this much for the batch's own headers and message index.
@@ -85,7 +85,7 @@ class BrokerConfig:
     #: Properties of one message (checked for single-message, uncompressed sends).
     max_properties_size: int = 32 * 1024
 
-    # -- long polling (reference BR3) --------------------------------------------------------------
+    # -- long polling (ref BR3) --------------------------------------------------------------
     long_polling_enable: bool = True
     #: Period of the fallback check of held pulls (PullRequestHoldService: 5 s).
     long_polling_check_ms: int = 5000
@@ -94,20 +94,20 @@ class BrokerConfig:
     #: Upper bound of a pull's suspend_timeout_millis (a client cannot pin a request forever).
     max_suspend_ms: int = 60_000
 
-    # -- name server registration (reference NS1) --------------------------------------------------
+    # -- name server registration (ref NS1) --------------------------------------------------
     register_interval_ms: int = 30_000
     register_timeout_ms: int = 6000  # RocketMQ registerBrokerTimeoutMills
     #: How long the name server keeps this broker without a registration (120 s).
     heartbeat_timeout_ms: int = 120_000
 
-    # -- consumer offsets and stats (reference BR4, BR14) ------------------------------------------
+    # -- consumer offsets and stats (ref BR4, BR14) ------------------------------------------
     offset_persist_interval_ms: int = 5000  # RocketMQ flushConsumerOffsetInterval
     stats_sample_interval_ms: int = 5000
     #: Prometheus metrics at http://listen_host:PORT/metrics (docs/operations.md);
     #: -1 = off, 0 = any free port.
     metrics_port: int = -1
 
-    # -- consumer groups (reference BR5-BR7, BR11) -------------------------------------------------
+    # -- consumer groups (ref BR5-BR7, BR11) -------------------------------------------------
     #: A client silent this long is dropped from its groups (RocketMQ channelExpiredTimeout).
     client_channel_expired_ms: int = 120_000
     #: Period of the scan for silent clients (RocketMQ ClientHousekeepingService: 10 s).
@@ -117,7 +117,7 @@ class BrokerConfig:
     #: Auto-create subscription groups on first heartbeat (autoCreateSubscriptionGroup).
     auto_create_subscription_group: bool = True
 
-    # -- producer path (reference BR12, BR13; docs/producer-path.md) -------------------------------
+    # -- producer path (ref BR12, BR13; docs/producer-path.md) -------------------------------
     #: Deduplicate batches of named producers (producer_id bit 63) by sequence id.
     dedup_enabled: bool = True
     #: How often the dedup table is snapshotted (restart replays the CommitLog after it).
@@ -128,7 +128,7 @@ class BrokerConfig:
     non_persistent_max_pending_messages: int = 10_000
     non_persistent_max_pending_bytes: int = 64 * MiB
 
-    # -- delayed and timed delivery (reference BR8; docs/delayed-and-transactional.md) -------------
+    # -- delayed and timed delivery (ref BR8; docs/delayed-and-transactional.md) -------------
     #: The delay levels (RocketMQ messageDelayLevel); units ms, s, m, h, d.
     message_delay_level: str = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
     #: Time slice of one bucket file of the timer index.
@@ -138,7 +138,7 @@ class BrokerConfig:
     #: Farthest deliver_at accepted, ahead of now (40 days).
     timer_max_delay_ms: int = 40 * 86_400_000
 
-    # -- transactions (reference BR9) ---------------------------------------------------------------
+    # -- transactions (ref BR9) ---------------------------------------------------------------
     #: Period of the check of unresolved half messages (transactionCheckInterval: 60 s).
     transaction_check_interval_ms: int = 60_000
     #: A half message younger than this is not checked (transactionTimeOut: 6 s); a message
@@ -149,7 +149,7 @@ class BrokerConfig:
     #: A half message older than this is dropped unchecked (fileReservedTime: 72 h).
     transaction_skip_ms: int = 72 * 3_600_000
 
-    # -- replication (reference BR15; docs/cluster.md) ---------------------------------------------
+    # -- replication (ref BR15; docs/cluster.md) ---------------------------------------------
     #: SYNC_MASTER (a send is acknowledged once min_in_sync_replicas slaves hold it),
     #: ASYNC_MASTER (at once; slaves copy behind) or SLAVE (RocketMQ brokerRole).
     broker_role: str = "ASYNC_MASTER"

@@ -1,4 +1,4 @@
-"""Consumer groups on the broker: who is in which group (RocketMQ's ConsumerManager; reference BR5).
+"""Consumer groups on the broker: who is in which group (RocketMQ's ConsumerManager; ref BR5).
 
 A push consumer sends HEART_BEAT every 30 s with its client id and, per group, its message model,
 consume-from and subscriptions. The broker keeps, per group, the member clients with the

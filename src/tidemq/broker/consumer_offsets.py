@@ -1,4 +1,4 @@
-"""Committed consumer offsets (RocketMQ's ConsumerOffsetManager; reference BR4, CO7).
+"""Committed consumer offsets (RocketMQ's ConsumerOffsetManager; ref BR4, CO7).
 
 An offset is the next queue offset the group will consume, per (group, topic, queue id). It is
 committed explicitly (UPDATE_CONSUMER_OFFSET) or piggy-backed on a pull (PullSysFlag

@@ -1,5 +1,5 @@
 """Message deduplication by producer name and sequence id (Pulsar's MessageDeduplication;
-reference BR12, PR6; docs/producer-path.md).
+ref BR12, PR6; docs/producer-path.md).
 
 A named producer stamps every batch with ``producer_id = dedup_producer_id(name)`` (bit 63 set)
 and ``base_seq``; message ``i`` has sequence ``base_seq + i``. Per producer id this broker keeps

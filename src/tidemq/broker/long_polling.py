@@ -1,4 +1,4 @@
-"""Long polling: pulls that found nothing wait here for messages (reference BR3; RocketMQ's PullRequestHoldService).
+"""Long polling: pulls that found nothing wait here for messages (ref BR3).
 
 This is RocketMQ's PullRequestHoldService plus its NotifyMessageArrivingListener:
 

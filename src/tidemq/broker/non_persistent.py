@@ -1,4 +1,4 @@
-"""Non-persistent topics: never written to disk (Pulsar's NonPersistentTopic; reference BR13).
+"""Non-persistent topics: never written to disk (Pulsar's NonPersistentTopic; ref BR13).
 
 A topic whose name starts with ``%NP%`` (``NON_PERSISTENT_PREFIX``; RocketMQ marks its system
 topics with ``%`` the same way, and Pulsar spells it ``non-persistent://``) is non-persistent:

@@ -1,4 +1,4 @@
-"""PULL_MESSAGE (RocketMQ's PullMessageProcessor; reference BR2; the
+"""PULL_MESSAGE (RocketMQ's PullMessageProcessor; ref BR2; the
 status table is in docs/protocol.md, "Pull").
 
 A pull names (group, topic, queue id, queue offset, max messages, sys flags, commit offset,

@@ -1,4 +1,4 @@
-"""Queue locks for ordered consumption (RocketMQ's RebalanceLockManager; reference BR6).
+"""Queue locks for ordered consumption (RocketMQ's RebalanceLockManager; ref BR6).
 
 An orderly consumer may consume a queue only while it holds the broker's lock on it, so that
 during a rebalance the old owner and the new one never consume the same queue at once. A client

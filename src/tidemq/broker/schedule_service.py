@@ -1,4 +1,4 @@
-"""Delay levels: RocketMQ's ScheduleMessageService (reference BR8).
+"""Delay levels: RocketMQ's ScheduleMessageService (ref BR8).
 
 A batch whose attributes carry delay level ``L`` (1..18 by default) is parked in an envelope
 (``broker/envelope.py``) on ``SCHEDULE_TOPIC_XXXX``, queue ``L - 1``. Every message of one level

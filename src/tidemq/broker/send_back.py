@@ -1,5 +1,5 @@
 """CONSUMER_SEND_MSG_BACK: retry and dead-letter queues (RocketMQ's
-SendMessageProcessor#consumerSendMsgBack; reference BR7).
+SendMessageProcessor#consumerSendMsgBack; ref BR7).
 
 A concurrent consumer whose listener failed (RECONSUME_LATER or an exception) sends the message
 back by its place in the CommitLog: the physical offset of its batch and its index inside it.

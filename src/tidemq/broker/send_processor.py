@@ -1,4 +1,4 @@
-"""SEND_MESSAGE / SEND_BATCH (RocketMQ's SendMessageProcessor; reference BR1, ST9).
+"""SEND_MESSAGE / SEND_BATCH (RocketMQ's SendMessageProcessor; ref BR1, ST9).
 
 The body is exactly one batch as the producer encoded it (``record.encode_batch``). Per batch,
 never per message, the processor checks, in this order:

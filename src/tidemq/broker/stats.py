@@ -1,4 +1,4 @@
-"""Broker statistics (RocketMQ's BrokerStatsManager / StoreStatsService; reference BR14).
+"""Broker statistics (RocketMQ's BrokerStatsManager / StoreStatsService; ref BR14).
 
 Counters only grow: messages and bytes put per topic, messages and bytes got per
 ``topic@group``, batches, and a histogram of store put latency. They are updated once per batch

@@ -1,4 +1,4 @@
-"""Subscription group configs (RocketMQ's SubscriptionGroupManager; reference BR11).
+"""Subscription group configs (RocketMQ's SubscriptionGroupManager; ref BR11).
 
 Per consumer group: whether it may consume, whether broadcasting is allowed, how many queues its
 retry topic has (1) and how many times a message is retried before it goes to the dead-letter

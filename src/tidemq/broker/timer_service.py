@@ -1,4 +1,4 @@
-"""Delivery at any time, to the millisecond (reference BR8 "beyond"; RocketMQ 5's timer messages).
+"""Delivery at any time, to the millisecond (ref BR8 "beyond"; RocketMQ 5's timer messages).
 
 A batch whose ``deliver_at`` is in the future (at most ``timer_max_delay_ms`` ahead, 40 days by
 default) is parked in an envelope (``broker/envelope.py``) on the timer topic

@@ -1,4 +1,4 @@
-"""Topic configs of one broker (RocketMQ's TopicConfigManager; reference BR11).
+"""Topic configs of one broker (RocketMQ's TopicConfigManager; ref BR11).
 
 A topic has read and write queue counts, permission bits (``Perm``) and an order flag. Producers
 send only to queues below ``write_queue_nums``; consumers pull only from queues below

@@ -1,4 +1,4 @@
-"""Transactional messages: half messages, END_TRANSACTION and the check service (reference BR9,
+"""Transactional messages: half messages, END_TRANSACTION and the check service (ref BR9,
 RocketMQ 4.9's transactional messages).
 
 Flow (RocketMQ's TransactionalMessageServiceImpl / EndTransactionProcessor /

@@ -1,5 +1,5 @@
 """Consumer-group commands: `tidemq group describe|update|reset-offset` (next to `group lag`)
-and `tidemq dlq list|resend` (reference BR7, BR11, OP1).
+and `tidemq dlq list|resend` (ref BR7, BR11, OP1).
 
 - ``group describe``: the members each broker knows, message model, subscriptions, the group's
   config (retry_max_times, ...) and its backlog per topic.

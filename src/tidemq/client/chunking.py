@@ -1,4 +1,4 @@
-"""Chunking of messages above the broker's size limit (Pulsar's chunked messages; reference PR5,
+"""Chunking of messages above the broker's size limit (Pulsar's chunked messages; ref PR5,
 CO9).
 
 Producer side (:func:`split`): a message whose body does not fit one batch under

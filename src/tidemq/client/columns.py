@@ -9,7 +9,7 @@ general path (``batch.fast.encode_messages`` over ``Message`` objects), which is
 
 ``producer_id`` (optional) stamps the batch with another producer's id than the sending
 Producer's: with ``dedup_producer_id(name)`` it makes the batch deduplicated by that name's
-sequences (reference BR12), which is how the Spark sink gives every (query, task, queue) its own
+sequences (ref BR12), which is how the Spark sink gives every (query, task, queue) its own
 deterministic producer without one Producer instance each. Send with
 ``Producer.send_columns`` (always to an explicit queue, with an explicit ``sequence_id``).
 

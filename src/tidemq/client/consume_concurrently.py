@@ -1,4 +1,4 @@
-"""Concurrent consumption (RocketMQ's ConsumeMessageConcurrentlyService; reference CO5).
+"""Concurrent consumption (RocketMQ's ConsumeMessageConcurrentlyService; ref CO5).
 
 Every pull result is cut into pages of ``consume_message_batch_max_size`` messages (1 by
 default: one message per listener call) and the pages run on the consumer's thread pool

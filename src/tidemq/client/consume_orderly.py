@@ -1,4 +1,4 @@
-"""Ordered consumption (RocketMQ's ConsumeMessageOrderlyService; reference CO6).
+"""Ordered consumption (RocketMQ's ConsumeMessageOrderlyService; ref CO6).
 
 Messages of one queue are consumed strictly in queue order, by one listener call at a time:
 

@@ -1,4 +1,4 @@
-"""The asyncio lite pull consumer (reference CO8; RocketMQ's DefaultLitePullConsumer).
+"""The asyncio lite pull consumer (ref CO8; RocketMQ's DefaultLitePullConsumer).
 
 The user calls :meth:`PullConsumer.poll`; underneath, one prefetch task per assigned queue keeps
 a long-polling PULL_MESSAGE in flight (suspend 20 s: the broker holds the request until a
@@ -12,9 +12,10 @@ Per queue three offsets matter:
 
 A new queue starts at the group's committed offset, else by ``consume_from`` (LAST: the max
 offset; FIRST: the min offset; TIMESTAMP: the first message stored at or after
-``consume_timestamp``). Pull statuses are handled as RocketMQ's push consumer does (docs/protocol.md, "Pull"): FOUND buffers the
-messages (skipping those before the requested offset and re-checking tags); NO_NEW_MSG and
-NO_MATCHED_MSG move on to next_begin_offset; OFFSET_ILLEGAL jumps to the broker's corrected
+``consume_timestamp``). Pull statuses are handled as RocketMQ's push consumer does
+(docs/protocol.md, "Pull"): FOUND buffers the messages (skipping those before the
+requested offset and re-checking tags); NO_NEW_MSG and NO_MATCHED_MSG move on to
+next_begin_offset; OFFSET_ILLEGAL jumps to the broker's corrected
 offset (logged). Errors back off 1 s and retry, except the broker's refusals that no retry
 can fix -- INVALID_ARGUMENT (a queue id the topic does not have, a bad group name),
 NO_PERMISSION (a write-only topic), SUBSCRIPTION_PARSE_FAILED, REQUEST_CODE_NOT_SUPPORTED:
@@ -37,7 +38,7 @@ messages and resumes when ``poll`` drains it below that.
 
 ``subscribe`` assigns every readable queue of the topic to this consumer and follows route
 changes every 30 s. Sharing a topic's queues between several members of one group (rebalance,
-reference CO4) needs the broker's consumer registry and comes with the push consumer; until then run
+ref CO4) needs the broker's consumer registry and comes with the push consumer; until then run
 one subscriber per group, or ``assign`` queues explicitly.
 
 Threading: one event loop. Use ``tidemq.PullConsumer`` from threads.

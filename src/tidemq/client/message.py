@@ -1,4 +1,4 @@
-"""The values a user handles: Message, MessageExt, MessageQueue, SendResult (reference PR9).
+"""The values a user handles: Message, MessageExt, MessageQueue, SendResult (ref PR9).
 
 ``Message`` is what a producer sends; ``MessageExt`` is what a consumer receives. Both are
 msgspec Structs (``gc=False``) because the consume path creates one per message and a Struct is
@@ -74,7 +74,7 @@ class Message(msgspec.Struct, gc=False):
     consumers); ``keys`` a str or a list of str (indexed for lookup, no spaces inside a key);
     ``properties`` user properties (str -> str).
 
-    Delayed delivery (reference PR8): ``delay_level`` 1..18 waits the broker's level time (RocketMQ's
+    Delayed delivery (ref PR8): ``delay_level`` 1..18 waits the broker's level time (RocketMQ's
     "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"; a higher level waits the
     highest, as in RocketMQ; a negative one is a ValueError); ``deliver_at`` (ms since the
     epoch, or a ``datetime``) delivers at that time to the millisecond, up to the broker's

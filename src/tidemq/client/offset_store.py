@@ -1,4 +1,4 @@
-"""Where a push consumer keeps its consume offsets (RocketMQ's OffsetStore; reference CO7).
+"""Where a push consumer keeps its consume offsets (RocketMQ's OffsetStore; ref CO7).
 
 - :class:`RemoteOffsetStore` (CLUSTERING): offsets are the group's, on the broker of each
   queue. Updates stay in memory and are sent every 5 s (``persist_all``), when a queue is

@@ -1,4 +1,4 @@
-"""The asyncio producer (reference PR1, PR2, PR6 sequence ids, PR9).
+"""The asyncio producer (ref PR1, PR2, PR6 sequence ids, PR9).
 
 Sending one message or a batch is the same path: pick a queue, encode the messages into one
 batch (``batch.fast.encode_messages``; the broker stores those bytes as received), send it as
@@ -94,7 +94,7 @@ Selector = Callable[[list[MessageQueue], Message, Any], MessageQueue]
 SendCallback = Callable[[SendResult | None, BaseException | None], None]
 
 DEFAULT_GROUP = "DEFAULT_PRODUCER"
-MAX_MESSAGE_SIZE = 4 * 1024 * 1024  # the broker's default batch limit (reference BR1)
+MAX_MESSAGE_SIZE = 4 * 1024 * 1024  # the broker's default batch limit (ref BR1)
 
 # Keyed by plain ints: a frame's code is an int, and ResponseCode(code) costs more than the
 # lookup (IntEnum members hash and compare as their int, so either key finds the entry).

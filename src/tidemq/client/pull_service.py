@@ -1,5 +1,5 @@
 """The pull loop of a push consumer (RocketMQ's PullMessageService and
-DefaultMQPushConsumerImpl#pullMessage; reference CO2).
+DefaultMQPushConsumerImpl#pullMessage; ref CO2).
 
 One :class:`PullService` per client instance owns every queue's pull request. A pull request
 (queue, ProcessQueue, next offset) is executed at once or later; each execution sends one

@@ -1,4 +1,4 @@
-"""The asyncio push consumer (RocketMQ's DefaultMQPushConsumer; reference CO1-CO7).
+"""The asyncio push consumer (RocketMQ's DefaultMQPushConsumer; ref CO1-CO7).
 
 ::
 
@@ -20,7 +20,7 @@ How it fits together (one instance = RocketMQ's MQClientInstance + the consumer)
 
 In clustering the consumer also subscribes to its group's retry topic ``%RETRY%<group>``,
 where failed messages come back (with their original topic restored) after the delay of their
-retry level. Settings are RocketMQ's defaults (reference CO1); see the constructor.
+retry level. Settings are RocketMQ's defaults (ref CO1); see the constructor.
 
 ``close()`` stops pulling, waits for nothing more than the listener calls in flight, persists
 offsets, releases queue locks and unregisters from the brokers, which tell the remaining members

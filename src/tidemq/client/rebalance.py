@@ -1,5 +1,5 @@
 """Rebalance: which member of a group consumes which queue (RocketMQ's RebalanceImpl and
-AllocateMessageQueueStrategy; reference CO4).
+AllocateMessageQueueStrategy; ref CO4).
 
 Every member runs the same pure function over the same *sorted* views -- all queues of the
 topic, all member ids of the group (GET_CONSUMER_LIST_BY_GROUP) -- so the members agree on an

@@ -1,4 +1,4 @@
-"""The transactional producer (reference PR7; RocketMQ's TransactionMQProducer).
+"""The transactional producer (ref PR7; RocketMQ's TransactionMQProducer).
 
 ``send_in_transaction(msg, execute)``:
 

@@ -1,4 +1,4 @@
-"""The name server's tables (RocketMQ's RouteInfoManager; reference NS1).
+"""The name server's tables (RocketMQ's RouteInfoManager; ref NS1).
 
 ::
 

@@ -1,4 +1,4 @@
-"""What may be stored: the rules a batch must meet before a broker takes it (reference ST9).
+"""What may be stored: the rules a batch must meet before a broker takes it (ref ST9).
 
 "Validate at the door, tolerate on the way out": the broker refuses every batch a reader could
 not decode, so that no consumer, timer, recovery or Spark reader ever meets one. This module

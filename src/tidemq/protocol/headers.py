@@ -471,7 +471,7 @@ class BrokerRuntimeInfo(Header):
     table: dict[str, str | int | float | bool] = {}
 
 
-# -- consumer groups (reference BR5-BR7, CO4; docs/consumer-groups.md) --------------------------------
+# -- consumer groups (ref BR5-BR7, CO4; docs/consumer-groups.md) --------------------------------
 
 
 class SubscriptionData(Header):
@@ -609,7 +609,7 @@ def is_dedup_producer(producer_id: int) -> bool:
     return producer_id >= DEDUP_PRODUCER_BIT
 
 
-# -- replication (reference BR15; docs/cluster.md) --------------------------------------------------
+# -- replication (ref BR15; docs/cluster.md) --------------------------------------------------
 
 
 class BrokerMetadata(Header):
@@ -654,7 +654,7 @@ class PromoteResponseHeader(Header):
 
 # -- which header for which frame ---------------------------------------------------------------
 
-# -- delayed and transactional messages (reference BR8, BR9; docs/delayed-and-transactional.md) ------
+# -- delayed and transactional messages (ref BR8, BR9; docs/delayed-and-transactional.md) ------
 
 
 class EndTransactionRequestHeader(Header):

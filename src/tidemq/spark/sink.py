@@ -1,11 +1,11 @@
-"""The ``tidemq`` sink: batch and streaming writes, exactly once (reference SP3).
+"""The ``tidemq`` sink: batch and streaming writes, exactly once (ref SP3).
 
 Columns: ``body`` (binary or string, required); optional ``topic`` (else the ``topic``
 option), ``keys`` (string or array<string>), ``tags``, ``properties`` (map<string,string>),
 ``queue_id`` (pin a queue: an index into the topic's sorted writable queues) or ``hash_key``
 (CRC32C of the key modulo the writable queue count, as the producer's ``hash_key=``).
 
-How exactly-once works: producer deduplication (reference BR12, docs/producer-path.md). The rows
+How exactly-once works: producer deduplication (ref BR12, docs/producer-path.md). The rows
 of one task are split by target (topic, queue) into *substreams*; each substream is written
 under its own deterministic producer id and deterministic sequence ids:
 

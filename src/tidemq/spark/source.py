@@ -6,7 +6,7 @@
     df = (spark.readStream.format("tidemq").option("namesrv", "127.0.0.1:9876")
           .option("topics", "orders").option("startingOffsets", "earliest").load())
 
-Reading (reference SP1, SP2, SP4): the driver plans ``[start, end)`` offset ranges per queue
+Reading (ref SP1, SP2, SP4): the driver plans ``[start, end)`` offset ranges per queue
 (planner.py); each task reads exactly its range with a :class:`RangeReader` built from its
 :class:`QueueRange` and yields Arrow RecordBatches (schema.py). In streaming, the checkpoint
 holds per-queue offsets; new queues and, with ``topicPattern``, new topics are picked up at
@@ -15,7 +15,7 @@ consumer group's, at the next trigger (``latestOffset(start)``: ``start`` is whe
 batches end) or at ``commit(end)`` (which Spark calls at the start of the next batch), whichever
 comes first; ``tidemq group lag`` then shows how far behind the query is.
 
-Writing (reference SP3): sink.py.
+Writing (ref SP3): sink.py.
 
 Threading: Spark calls the readers from one thread of the driver's Python process; ``read``
 runs in executor Python workers on an unpickled copy of a partition.

@@ -1,4 +1,4 @@
-"""The store checkpoint: what is durable, written atomically (reference ST6).
+"""The store checkpoint: what is durable, written atomically (ref ST6).
 
 File ``<data>/checkpoint`` is JSON (msgspec), replaced by write-tmp, fsync, rename, fsync-dir:
 

@@ -1,4 +1,4 @@
-"""The CommitLog (reference ST1): one append-only log of batches for every topic, in segments.
+"""The CommitLog (ref ST1): one append-only log of batches for every topic, in segments.
 
 Invariants:
 - Segments are contiguous: segment k starts where segment k-1 ends; names are start offsets.

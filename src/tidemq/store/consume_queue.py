@@ -1,4 +1,4 @@
-"""ConsumeQueue: the per (topic, queue id) index of fixed-size units into the CommitLog (reference ST3).
+"""ConsumeQueue: the per (topic, queue id) index of fixed-size units into the CommitLog (ref ST3).
 
 A queue is a directory ``<root>/<topic>/<queue_id>/`` of files, each ``units_per_file`` units
 long, named by the 20-digit zero-padded *byte* offset of its first unit within the queue (unit
@@ -15,7 +15,7 @@ prefix of its last file. All integers are little-endian. One unit::
     +-----+------+------------------+---------------------------------------------------+
 
 The logical queue offset of a message is its unit number. Batches are stored whole in the
-CommitLog yet every message has its own queue offset (reference ST9): a batch of N messages at
+CommitLog yet every message has its own queue offset (ref ST9): a batch of N messages at
 CommitLog offset P of total size S is N consecutive units that all carry (P, S), each with its
 own tag hash, taken in order from the batch's message index. So ``phys_offset`` never decreases
 along a queue, runs of equal ``phys_offset`` have equal ``size``, and two different batches do

@@ -1,4 +1,4 @@
-"""IndexFile: RocketMQ's persistent hash index from a key to CommitLog offsets (reference ST4).
+"""IndexFile: RocketMQ's persistent hash index from a key to CommitLog offsets (ref ST4).
 
 Files live in ``<root>/`` and are named by their creation time ``yyyyMMddHHmmssSSS`` (UTC, so
 names sort in time order; it is the first entry's store time, bumped by 1 ms when needed so

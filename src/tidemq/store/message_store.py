@@ -1,4 +1,4 @@
-"""MessageStore: the facade of the storage engine (reference ST1-ST9).
+"""MessageStore: the facade of the storage engine (ref ST1-ST9).
 
 It owns one data directory::
 

@@ -1,4 +1,4 @@
-"""Recovery (reference ST6): walk the CommitLog from a trusted point, check every batch, find the end.
+"""Recovery (ref ST6): walk the CommitLog from a trusted point, check every batch, find the end.
 
 The CommitLog is the only source of truth. ``scan`` walks batches from ``start`` (a batch
 boundary: the checkpoint's ``dispatched`` offset, or the CommitLog's first offset when indexes are

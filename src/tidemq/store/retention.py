@@ -1,4 +1,4 @@
-"""Retention (reference ST7): delete old CommitLog segments and the index entries below them.
+"""Retention (ref ST7): delete old CommitLog segments and the index entries below them.
 
 RocketMQ's CleanCommitLogService, with its defaults: a segment whose last write is older than
 ``file_reserved_hours`` (72 h) is deleted at ``delete_when_hour`` (04:00) or at any time once disk

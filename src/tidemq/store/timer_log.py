@@ -1,4 +1,4 @@
-"""TimerLog: the durable time index of messages held for delivery at a given time (reference BR8).
+"""TimerLog: the durable time index of messages held for delivery at a given time (ref BR8).
 
 The messages themselves stay in the CommitLog (the broker wraps each held batch in an envelope
 on the timer topic); the TimerLog only says *when* each envelope is due. It is a directory of

@@ -1,4 +1,4 @@
-"""The broker's replication role (reference BR15; docs/cluster.md): master or slave of its group.
+"""The broker's replication role (ref BR15; docs/cluster.md): master or slave of its group.
 
 ::
 

@@ -1,4 +1,4 @@
-"""A slave's link to its master (RocketMQ's HAClient; reference BR15; wire format ``protocol/ha.py``).
+"""A slave's link to its master (RocketMQ's HAClient; ref BR15; wire format ``protocol/ha.py``).
 
 One thread: connect to the master's replication address, say hello (what this broker holds and
 its epoch history), do what the welcome says (continue, cut a divergent tail, or start over at

@@ -162,7 +162,7 @@ ZERO_HOST = bytes(16)
 
 
 class Compression:
-    """Codec ids kept in attribute bits 0-2 (reference PR4)."""
+    """Codec ids kept in attribute bits 0-2 (ref PR4)."""
 
     NONE = 0
     LZ4 = 1
