@@ -10,7 +10,7 @@ import tempfile
 import pytest
 from producer_path_helpers import dev_cluster, drain, make_topic, runtime_info
 
-from client.conftest import start_dev, stop_dev
+from support.cluster import start_dev, stop_dev
 from tidemq import aio
 from tidemq.broker.dedup import DupStatus, MessageDeduplication
 from tidemq.protocol.headers import dedup_producer_id, is_dedup_producer

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import pytest
 from producer_path_helpers import make_topic, runtime_info
 
-from client.conftest import DevCluster, start_dev, stop_dev
+from support.cluster import DevCluster, start_dev, stop_dev
 from tidemq import aio
 from tidemq.protocol.codes import ResponseCode
 
