@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -58,8 +59,11 @@ def _text(body: bytes) -> str:
         return "0x" + body.hex()
 
 
-def register(cli: click.Group, group_group: click.Group, namesrv_option: Any,
-             friendly: Any) -> None:
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def register(cli: click.Group, group_group: click.Group, namesrv_option: Decorator,
+             friendly: Decorator) -> None:
     """Add describe/update/reset-offset to `tidemq group` and the `tidemq dlq` group."""
 
     @group_group.command("describe")

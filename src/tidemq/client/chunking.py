@@ -194,7 +194,7 @@ class _Assembled(MessageExt, array_like=True, gc=False):
 
     @property
     def properties(self) -> dict[str, str]:
-        props = MessageExt.properties.fget(self)  # type: ignore[attr-defined]
+        props: dict[str, str] = MessageExt.properties.fget(self)  # type: ignore[attr-defined]
         for k in _CHUNK_PROPS:
             props.pop(k, None)
         return props

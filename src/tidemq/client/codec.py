@@ -14,6 +14,7 @@ Pure functions: any thread may call them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -288,7 +289,8 @@ def _keys_checked(src: bytes, q: int, size: int, count: int
 
 
 def _decode_general(
-    mv: memoryview, buf: bytes, a: int, pos: int, h: tuple, rec: int, start: int, topic: str,
+    mv: memoryview, buf: bytes, a: int, pos: int, h: tuple[Any, ...], rec: int, start: int,
+    topic: str,
     broker_name: str, tags: frozenset[str] | None, max_raw: int,
     bad: list[tuple[int, str]] | None,
 ) -> list[MessageExt]:

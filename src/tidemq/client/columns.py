@@ -48,15 +48,19 @@ class Columns:
         return int(self.offsets[-1] - self.offsets[0])
 
     def body(self, i: int) -> bytes:
-        return bytes(memoryview(self.data)[int(self.offsets[i]) : int(self.offsets[i + 1])])
+        data: bytes | memoryview = self.data  # type: ignore[assignment]  # an ndarray is a buffer
+        return bytes(memoryview(data)[int(self.offsets[i]) : int(self.offsets[i + 1])])
 
     def __getitem__(self, i: int) -> Message:
         """Row ``i`` as a Message (the slow path; selectors and the general encoder use it)."""
         return Message(self.topic, self.body(i),
                        tags=self.tags[i] if self.tags is not None else None,
                        keys=self.keys[i] if self.keys is not None else None,  # type: ignore[arg-type]
-                       properties=dict(self.properties[i]) if self.properties is not None
-                       and self.properties[i] else None)
+                       properties=self._properties(i))
+
+    def _properties(self, i: int) -> dict[str, str] | None:
+        props = self.properties[i] if self.properties is not None else None
+        return dict(props) if props else None
 
     def encode(self, queue_id: int, producer_id: int, base_seq: int, born_ts: int,
                born_host: bytes, born_port: int) -> bytearray:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -491,14 +492,14 @@ class PullConsumer:
             if self.auto_commit:
                 loop.create_task(self._commit_quietly(q))
         for mq in sorted(want):
-            q = self._queues.get(mq)
-            if q is None:
+            have = self._queues.get(mq)
+            if have is None:
                 q = _Queue(mq)
                 self._queues[mq] = q
                 q.task = loop.create_task(self._pull_loop(q))
-            elif q.failed is not None:  # assigned again: try again
-                q.failed = None
-                q.task = loop.create_task(self._pull_loop(q))
+            elif have.failed is not None:  # assigned again: try again
+                have.failed = None
+                have.task = loop.create_task(self._pull_loop(have))
         self._order = [self._queues[mq] for mq in sorted(self._queues)]
         self._rr = 0
 
@@ -567,7 +568,7 @@ class PullConsumer:
                     msgs, end = decode_pull_body(
                         frame.body, from_offset=offset, broker_name=mq.broker_name, tags=tags,
                         check_crc=self.check_crc, topic=mq.topic,
-                        on_corrupt=lambda qo, n, why, mq=mq: self._corrupt(mq, qo, n, why),
+                        on_corrupt=functools.partial(self._corrupt, mq),
                         max_uncompressed=self.max_uncompressed_bytes,
                     )
                     nxt = max(h.next_begin_offset, end) if end > offset else h.next_begin_offset

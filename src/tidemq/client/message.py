@@ -207,8 +207,8 @@ class _BatchMeta(msgspec.Struct, gc=False):
 
     topic: str
     broker_name: str
-    #: STORE_HEADER + PRODUCER_HEADER fields (may carry more after them; see _H_*)
-    h: tuple
+    #: STORE_HEADER + PRODUCER_HEADER fields (may carry more after them; see layout.H_*)
+    h: tuple[Any, ...]
     src: bytes  # holds the batch as received (index, keys) at ``pos``
     pos: int
     raw: bytes  # holds the records section, uncompressed, at raw_off
@@ -217,63 +217,78 @@ class _BatchMeta(msgspec.Struct, gc=False):
 
     @property
     def queue_id(self) -> int:
-        return self.h[H_QUEUE_ID]
+        v: int = self.h[H_QUEUE_ID]
+        return v
 
     @property
     def queue_offset(self) -> int:
-        return self.h[H_QUEUE_OFFSET]
+        v: int = self.h[H_QUEUE_OFFSET]
+        return v
 
     @property
     def phys_offset(self) -> int:
-        return self.h[H_PHYS_OFFSET]
+        v: int = self.h[H_PHYS_OFFSET]
+        return v
 
     @property
     def store_ts(self) -> int:
-        return self.h[H_STORE_TS]
+        v: int = self.h[H_STORE_TS]
+        return v
 
     @property
     def reconsume_times(self) -> int:
-        return self.h[H_RECONSUME]
+        v: int = self.h[H_RECONSUME]
+        return v
 
     @property
     def producer_id(self) -> int:
-        return self.h[H_PRODUCER_ID]
+        v: int = self.h[H_PRODUCER_ID]
+        return v
 
     @property
     def base_seq(self) -> int:
-        return self.h[H_BASE_SEQ]
+        v: int = self.h[H_BASE_SEQ]
+        return v
 
     @property
     def born_host_raw(self) -> bytes:
-        return self.h[H_BORN_HOST]
+        v: bytes = self.h[H_BORN_HOST]
+        return v
 
     @property
     def born_port(self) -> int:
-        return self.h[H_BORN_PORT]
+        v: int = self.h[H_BORN_PORT]
+        return v
 
     @property
     def store_host_raw(self) -> bytes:
-        return self.h[H_STORE_HOST]
+        v: bytes = self.h[H_STORE_HOST]
+        return v
 
     @property
     def store_port(self) -> int:
-        return self.h[H_STORE_PORT]
+        v: int = self.h[H_STORE_PORT]
+        return v
 
     @property
     def delay_level(self) -> int:
-        return (self.h[H_ATTRIBUTES] & ATTR_DELAY_MASK) >> ATTR_DELAY_SHIFT
+        v: int = (self.h[H_ATTRIBUTES] & ATTR_DELAY_MASK) >> ATTR_DELAY_SHIFT
+        return v
 
     @property
     def deliver_at(self) -> int:
-        return self.h[H_DELIVER_AT]
+        v: int = self.h[H_DELIVER_AT]
+        return v
 
     @property
     def count(self) -> int:
-        return self.h[H_COUNT]
+        v: int = self.h[H_COUNT]
+        return v
 
     def index_pos(self) -> int:
         """Where the message index starts in ``src``."""
-        return self.pos + _INDEX_AT + self.h[H_TOPIC_LEN]
+        at: int = self.pos + _INDEX_AT + self.h[H_TOPIC_LEN]
+        return at
 
     def keys(self) -> dict[int, str]:
         if self._keys is None:

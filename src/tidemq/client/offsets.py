@@ -35,7 +35,8 @@ def _offset(header: object) -> int:
     if isinstance(header, OffsetResponseHeader | QueryConsumerOffsetResponseHeader):
         return header.offset
     if isinstance(header, dict) and isinstance(header.get("offset"), int):
-        return header["offset"]
+        off: int = header["offset"]
+        return off
     raise TypeError(f"response carries no offset: {header!r}")
 
 

@@ -44,6 +44,7 @@ Threads: the consumer's event loop only.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -211,7 +212,7 @@ class PullService:
                 msgs, _end = decode_pull_body(
                     frame.body, from_offset=req.next_offset, broker_name=mq.broker_name,
                     tags=tags, check_crc=c.check_crc, topic=None,
-                    on_corrupt=lambda qo, n, why, mq=mq: _skipped(c.corrupt, mq, qo, n, why),
+                    on_corrupt=functools.partial(_skipped, c.corrupt, mq),
                     max_uncompressed=c.max_uncompressed_bytes,
                 )
                 req.next_offset = h.next_begin_offset

@@ -150,7 +150,7 @@ class PushConsumer:
         self.subscriptions: dict[str, tuple[str, frozenset[str] | None]] = {}
         self._started = False
         self._closed = False
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._wake: asyncio.Event | None = None
         self.pool: ConnectionPool = None  # type: ignore[assignment]  # set by start()
         self.routes: RouteCache = None  # type: ignore[assignment]

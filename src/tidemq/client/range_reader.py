@@ -18,6 +18,7 @@ the process's shared ``tidemq-io`` loop (``tidemq.client.blocking``).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -204,7 +205,7 @@ def _decode_batch(view: BatchView, start: int, stop: int, tags: frozenset[str] |
             except CorruptBatchError as exc:
                 props.append({})
                 drop(j, f"message {start + j} {exc.message}")
-    keys = None
+    keys: list[list[str]] | None = None
     if view.keys_size:
         kmap = view.raw_keys()
         keys = []
@@ -424,6 +425,7 @@ class RangeReader:
         status = pull_status(frame.code)  # not-found statuses are answers, not errors
         if status is None:
             raise_for_error(frame)
+            raise AssertionError("unreachable: raise_for_error raised")
         h = frame.header
         assert isinstance(h, PullMessageResponseHeader)
         body = frame.body if status is PullStatus.FOUND else b""
@@ -448,7 +450,7 @@ class RangeReader:
                     chunk, after = decode_columns(
                         pulled.body, mq.topic, mq.queue_id, offset, end, tag_set, self.check_crc,
                         self.max_uncompressed_bytes,
-                        lambda qo, n, why, mq=mq: self._corrupt(mq, qo, n, why))
+                        functools.partial(self._corrupt, mq))
                     nxt = max(after, pulled.next_begin)
                     # Skipped-as-corrupt is not lost: only a gap before the first batch the
                     # body holds is.

@@ -236,7 +236,7 @@ class Rebalance:
     async def compute_pull_from(self, mq: MessageQueue) -> int:
         c = self.c
         store = c.offset_store
-        off = await store.read_from_store(mq)
+        off: int = await store.read_from_store(mq)
         if off >= 0:
             return off
         addr = await c.routes.addr_for_admin(mq)

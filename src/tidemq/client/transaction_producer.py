@@ -131,8 +131,8 @@ class TransactionProducer(Producer):
         self.client_id = f"{socket.gethostname()}@{os.getpid()}@{self.producer_id:016X}"
         self.checks_answered = 0
         self.pool.on_request = self._on_request
-        self._hb_task: asyncio.Task | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._hb_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> TransactionProducer:

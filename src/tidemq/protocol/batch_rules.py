@@ -273,7 +273,8 @@ def _gather(arr: np.ndarray, starts: np.ndarray, lens: np.ndarray, clip: bool = 
     index += np.arange(len(index), dtype=np.int64)
     if clip:
         np.minimum(index, len(arr) - 1, out=index)
-    return arr[index]
+    out: np.ndarray = arr[index]
+    return out
 
 
 def _utf8(data: memoryview, i: int, what: str) -> None:

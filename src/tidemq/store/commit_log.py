@@ -49,7 +49,7 @@ _NEVER = 1 << 63
 class CommitLog:
     def __init__(
         self,
-        directory: str | os.PathLike,
+        directory: str | os.PathLike[str],
         segment_size: int,
         *,
         preallocate: bool = True,

@@ -29,6 +29,7 @@ empty unit of the last file.
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import struct
@@ -237,6 +238,8 @@ class ConsumeQueue:
         loc = self._locate(offset - 1, files) if files and offset > files[0].base else None
         if loc is None:
             return -1
+        phys: int
+        size: int
         phys, size, _tag = UNIT.unpack_from(loc[0].mm, loc[1])
         return phys + size
 
@@ -395,7 +398,8 @@ class ConsumeQueue:
             first = o - mf.base
             k = min(n - i, upf - first)
             mf.ensure_allocated((first + k) * UNIT_SIZE)
-            mf.mm[first * UNIT_SIZE : (first + k) * UNIT_SIZE] = units[i : i + k]
+            # an ndarray is a buffer (numpy declares it so only for Python 3.12+)
+            mf.mm[first * UNIT_SIZE : (first + k) * UNIT_SIZE] = units[i : i + k]  # type: ignore[call-overload]
             mf.dirty = True
             i += k
 
@@ -580,7 +584,7 @@ class ConsumeQueue:
         )
 
 
-def _count_prefix(mm: memoryview | bytes, units_per_file: int) -> int:
+def _count_prefix(mm: mmap.mmap | memoryview | bytes, units_per_file: int) -> int:
     """Number of units before the first empty one (binary search: units are a prefix)."""
     lo, hi = 0, units_per_file
     while lo < hi:

@@ -155,6 +155,12 @@ class IndexFile:
         "mf", "name", "name_ms", "slots", "max_entries", "entries_start", "begin_ts", "end_ts",
         "begin_phys", "end_phys", "hash_slot_count", "index_count",
     )
+    begin_ts: int
+    end_ts: int
+    begin_phys: int
+    end_phys: int
+    hash_slot_count: int
+    index_count: int
 
     def __init__(self, mf: MappedFile, slots: int, max_entries: int) -> None:
         self.mf = mf

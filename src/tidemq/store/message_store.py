@@ -29,6 +29,7 @@ import contextlib
 import enum
 import fcntl
 import logging
+import mmap
 import os
 import resource
 import shutil
@@ -410,6 +411,7 @@ class MessageStore:
             mm = seg.mm
             phys = seg.start + rel
             p_start = v.producer_start
+            buf: mmap.mmap | bytearray
             if size < self._pwrite_min:  # copy through the mapping, then stamp it in place
                 buf, at = mm, rel
                 mm[rel : rel + size] = data
@@ -423,7 +425,7 @@ class MessageStore:
                 buf, at + STORE_CRC_OFFSET,
                 crc32c(memoryview(buf)[at + STORE_CRC_FROM : at + p_start]),
             )
-            if buf is not mm:
+            if not isinstance(buf, mmap.mmap):
                 cl.pwrite(seg, rel, (buf, memoryview(data)[p_start:]), size)
             cl.advance(size)
             self._write_dispatch(v, cq, hashes, phys, qoff, size, now)
@@ -856,7 +858,7 @@ class MessageStore:
         self._get_messages += n
         return read_outcome(q, mn, mx, batches, removed)
 
-    def _skip_batch(self, cq, q: int, phys: int, mx: int) -> int:
+    def _skip_batch(self, cq: ConsumeQueue, q: int, phys: int, mx: int) -> int:
         """First queue offset after ``q`` whose unit points to another batch."""
         q += 1
         while q < mx:

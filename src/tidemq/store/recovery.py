@@ -175,6 +175,8 @@ def _has_data(cl: CommitLog, pos: int) -> bool:
 def _is_filler(seg: Segment, rel: int) -> bool:
     if rel + 6 > seg.size:
         return False
+    total: int
+    magic: int
     total, magic = TOTAL_SIZE_MAGIC.unpack_from(seg.mm, rel)
     return magic == FILLER_MAGIC and total == seg.size - rel
 

@@ -78,7 +78,7 @@ class RetentionResult:
     dropped: list[DroppedRange] = field(default_factory=list)
 
 
-def disk_used_ratio(path: str | os.PathLike) -> float:
+def disk_used_ratio(path: str | os.PathLike[str]) -> float:
     u = shutil.disk_usage(path)
     return (u.total - u.free) / u.total if u.total else 0.0
 

@@ -194,7 +194,8 @@ def decode_utf8(raw: bytes | memoryview, what: str) -> str:
 
 def _compress(codec: int, raw: bytes) -> bytes:
     if codec == Compression.LZ4:
-        return lz4.block.compress(raw, store_size=False)
+        packed: bytes = lz4.block.compress(raw, store_size=False)
+        return packed
     if codec == Compression.ZSTD:
         return zstandard.ZstdCompressor(level=1).compress(raw)
     if codec == Compression.ZLIB:
@@ -230,7 +231,7 @@ def _decompress(
         raise CorruptBatchError(f"records section declares {raw_size} bytes uncompressed")
     try:
         if codec == Compression.LZ4:
-            out = lz4.block.decompress(data, uncompressed_size=raw_size)
+            out: bytes = lz4.block.decompress(data, uncompressed_size=raw_size)
         elif codec == Compression.ZSTD:
             declared = zstandard.frame_content_size(data)
             if declared not in (-1, raw_size):
@@ -418,6 +419,34 @@ class BatchView:
         "keys_size", "records_size", "raw_size", "producer_id", "base_seq", "deliver_at",
         "born_host_raw", "index_start", "keys_start", "records_start", "_keys",
     )
+    buf: memoryview
+    pos: int
+    total_size: int
+    store_crc: int
+    phys_offset: int
+    queue_offset: int
+    store_ts: int
+    prepared_offset: int
+    queue_id: int
+    reconsume_times: int
+    topic_len: int
+    store_port: int
+    store_host_raw: bytes
+    producer_start: int
+    batch_crc: int
+    attributes: int
+    born_port: int
+    count: int
+    keys_size: int
+    records_size: int
+    raw_size: int
+    producer_id: int
+    base_seq: int
+    deliver_at: int
+    born_host_raw: bytes
+    index_start: int
+    keys_start: int
+    records_start: int
 
     def __init__(self, buf: bytes | bytearray | memoryview, pos: int = 0) -> None:
         mv = buf if isinstance(buf, memoryview) else memoryview(buf)
@@ -511,7 +540,8 @@ class BatchView:
         return self.buf[s : s + self.count * INDEX_ENTRY_SIZE]
 
     def tag_hash_at(self, i: int) -> int:
-        return INDEX_ENTRY.unpack_from(self.buf, self.pos + self.index_start + i * 12)[0]
+        h: int = INDEX_ENTRY.unpack_from(self.buf, self.pos + self.index_start + i * 12)[0]
+        return h
 
     def keys(self) -> dict[int, str]:
         """message index -> keys string, for messages that have keys; CorruptBatchError for a
