@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tidemq.broker.connection import decode_request
@@ -90,7 +91,7 @@ class ConsumerManager:
         self.groups: dict[str, ConsumerGroupInfo] = {}
         self.notifications = 0  # NOTIFY_CONSUMER_IDS_CHANGED frames sent (runtime info)
 
-    def handlers(self) -> dict:
+    def handlers(self) -> dict[int, Callable[..., None]]:
         return {
             RequestCode.HEART_BEAT: self.heart_beat,
             RequestCode.UNREGISTER_CLIENT: self.unregister_client,

@@ -42,6 +42,7 @@ import asyncio
 import enum
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -94,7 +95,8 @@ class MessageDeduplication:
     """Highest pushed / persisted sequence per named producer (event loop only)."""
 
     def __init__(self, path: str, *, enabled: bool = True, snapshot_interval_s: float = 10.0,
-                 inactivity_s: float = 6 * 3600.0, clock=time.time) -> None:
+                 inactivity_s: float = 6 * 3600.0,
+                 clock: Callable[[], float] = time.time) -> None:
         self.path = path
         self.enabled = enabled
         self.snapshot_interval_s = snapshot_interval_s
@@ -212,7 +214,7 @@ class MessageDeduplication:
                 continue
             if magic != BATCH_MAGIC:
                 break
-            got = dedup_fields_at(seg.mm, rel, seg.size)
+            got = dedup_fields_at(memoryview(seg.mm), rel, seg.size)
             if got is None:
                 break
             pid, base, count, stored_ms = got

@@ -107,7 +107,7 @@ class PullRequestHoldService:
         self.check_interval_s = check_interval_s
         self.table: dict[str, list[HeldPull]] = {}
         self._loop_thread = threading.get_ident()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self.woken_by_arrival = 0
         self.woken_by_check = 0
         self.timed_out = 0

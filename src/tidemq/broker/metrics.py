@@ -191,7 +191,7 @@ class MetricsServer:
 
     def __init__(self, broker: Broker) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(BrokerCollector(broker))  # type: ignore[arg-type]
+        self.registry.register(BrokerCollector(broker))
         self._server: asyncio.Server | None = None
         self.port = 0
 

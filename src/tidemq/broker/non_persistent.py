@@ -92,8 +92,8 @@ class NonPersistentTopics:
 
     # -- publish -------------------------------------------------------------------------------
     def publish(
-        self, conn: BrokerConnection, opaque: int, oneway: int, body: bytes | memoryview,
-        v: BatchView, queue_id: int,
+        self, conn: BrokerConnection, opaque: int, oneway: int,
+        body: bytes | bytearray | memoryview, v: BatchView, queue_id: int,
     ) -> None:
         topic = v.topic
         w = self._queues.get((topic, queue_id))

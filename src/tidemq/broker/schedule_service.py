@@ -85,7 +85,7 @@ class ScheduleMessageService:
         self.lateness_ms: list[int] = []  # recent (delivery - due), for stats and tests
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._persisting: asyncio.Task | None = None
+        self._persisting: asyncio.Task[None] | None = None
         self._dirty = False
         self._closed = False
 

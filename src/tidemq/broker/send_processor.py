@@ -47,7 +47,7 @@ import collections
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tidemq.broker.connection import decode_request
 from tidemq.broker.dedup import DupStatus, MessageDeduplication
@@ -446,8 +446,8 @@ class SendProcessor:
             )
 
     def _put(
-        self, h: SendMessageRequestHeader, conn: BrokerConnection, body: bytes, qid: int,
-        v: BatchView, on_durable: object = None,
+        self, h: SendMessageRequestHeader, conn: BrokerConnection,
+        body: bytes | bytearray | memoryview, qid: int, v: BatchView, on_durable: Any = None,
     ) -> PutResult:
         """Half messages to the transaction service; everything else through
         ``Broker.put_internal`` (which holds delayed and timed batches)."""

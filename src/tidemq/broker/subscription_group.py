@@ -76,7 +76,7 @@ class SubscriptionGroupManager:
     def persist(self) -> None:
         write_atomic(self.path, self.snapshot())
 
-    def handlers(self) -> dict:
+    def handlers(self) -> dict[int, Callable[..., None]]:
         return {RequestCode.UPDATE_AND_CREATE_SUBSCRIPTION_GROUP: self.update_request}
 
     def update_request(self, conn: BrokerConnection, frame: Frame) -> None:

@@ -90,7 +90,7 @@ class TimerMessageService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._armed_for: int | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------------

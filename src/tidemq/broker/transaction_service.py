@@ -44,7 +44,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from tidemq.base.atomic_file import read_file, write_atomic
@@ -62,6 +62,7 @@ from tidemq.protocol.headers import (
 from tidemq.protocol.record import (
     BatchView,
     MessageData,
+    StoredMessage,
     TxnType,
     encode_batch,
     unique_id,
@@ -116,7 +117,7 @@ class TransactionService:
         self._ops: deque[tuple[int, int, str]] = deque()  # (op offset, half offset, txn id)
         self.stats = {"prepared": 0, "committed": 0, "rolled_back": 0, "checks_sent": 0,
                       "discarded": 0, "skipped": 0, "duplicate_ends": 0, "corrupt_skipped": 0}
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -163,7 +164,9 @@ class TransactionService:
         self.store.corrupt.skipped("transaction", f"{topic} queue 0 offset {queue_offset}",
                                    f"passed over: {exc}")
 
-    def _scan(self, topic: str, off: int, end: int | None = None):
+    def _scan(
+        self, topic: str, off: int, end: int | None = None
+    ) -> Iterator[tuple[int, BatchView]]:
         """(queue offset, batch view) of every single-message batch of ``topic``/0 from
         ``off`` up to ``end`` (the queue's end when None)."""
         end = self.store.max_offset(topic, 0) if end is None else end
@@ -185,7 +188,9 @@ class TransactionService:
         if group:
             self.producers.setdefault(group, {})[conn] = time.monotonic()
 
-    def wrap_heartbeat(self, inner):
+    def wrap_heartbeat(
+        self, inner: Callable[[BrokerConnection, Frame], None] | None
+    ) -> Callable[[BrokerConnection, Frame], None]:
         """A HEART_BEAT handler that records the producer groups it lists, then runs
         ``inner`` (the consumer-group handler) or answers SUCCESS itself when there is none."""
 
@@ -421,7 +426,7 @@ class TransactionService:
             return max(base, int(sec) * 1000)
         return base
 
-    def _check(self, v: BatchView, m, q: int, checks: int) -> None:
+    def _check(self, v: BatchView, m: StoredMessage, q: int, checks: int) -> None:
         """Put the half back with one more check, and ask a live producer of its group."""
         props = dict(m.properties)
         props[CHECK_TIMES] = str(checks + 1)

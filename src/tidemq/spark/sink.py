@@ -178,7 +178,8 @@ class _PartitionWriter:
             return self.opts.topic
         col = rb.column(i)
         if col.null_count == 0 and pc.all(pc.equal(col, col[0])).as_py():
-            return col[0].as_py()
+            first: str = col[0].as_py()
+            return first
         out = []
         for k, t in enumerate(col.to_pylist()):
             t = t or self.opts.topic
@@ -247,8 +248,8 @@ class _PartitionWriter:
                 part = body.take(idx)
                 ex = {k: v.take(idx) for k, v in extras.items()}
             sub.bodies.append(part)
-            for k, v in ex.items():
-                sub.extras.setdefault(k, []).append(v)
+            for name, v in ex.items():
+                sub.extras.setdefault(name, []).append(v)
             sub.rows += len(part)
             sub.nbytes += int(pc.sum(pc.binary_length(part)).as_py() or 0)
             while sub.rows >= self.opts.batch_rows or sub.nbytes >= self.opts.batch_bytes:

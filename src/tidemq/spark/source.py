@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pyarrow as pa
 from pyspark.sql.datasource import (
@@ -121,10 +122,10 @@ class TideMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._initial: Offsets | None = None
         self._latest: Offsets | None = None
         self._available_now: Offsets | None = None
-        self._group_committed: dict | None = None
+        self._group_committed: dict[str, Any] | None = None
 
     # -- offsets -----------------------------------------------------------------------------
-    def initialOffset(self) -> dict:
+    def initialOffset(self) -> dict[str, Any]:
         # Spark calls this twice on a fresh start: answer the same both times ("latest" must
         # not move between the calls).
         if self._initial is None:
@@ -134,7 +135,7 @@ class TideMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                                                  default=-2 if o.starting != "latest" else -1)
         return self._initial
 
-    def _current(self) -> tuple[Offsets, dict]:
+    def _current(self) -> tuple[Offsets, dict[str, Any]]:
         queues = self.planner.queues()
         latest = {t: {k: q.max_offset for k, q in qs.items()} for t, qs in queues.items()}
         if self._available_now is not None:
@@ -145,7 +146,7 @@ class TideMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._latest = latest
         return latest, queues
 
-    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         # Spark asks for the next batch's end only once every batch up to ``start`` is done,
         # and asks at every trigger, data or not: the right moment to show the group's lag.
         self._commit_group(start)
@@ -178,7 +179,7 @@ class TideMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return ReadMaxBytes(self.opts.max_bytes_per_trigger)
         return ReadAllAvailable()
 
-    def reportLatestOffset(self) -> dict | None:
+    def reportLatestOffset(self) -> dict[str, Any] | None:
         return self._latest
 
     def prepareForTriggerAvailableNow(self) -> None:
@@ -186,16 +187,16 @@ class TideMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._available_now, _ = self._current()
 
     # -- planning and reading ----------------------------------------------------------------
-    def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         return self.planner.ranges(start, end, None)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return read_range(partition)
 
-    def commit(self, end: dict) -> None:
+    def commit(self, end: dict[str, Any]) -> None:
         self._commit_group(end)
 
-    def _commit_group(self, offsets: dict) -> None:
+    def _commit_group(self, offsets: dict[str, Any]) -> None:
         if not self.opts.group or offsets == self._group_committed:
             return
         try:

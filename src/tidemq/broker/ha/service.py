@@ -69,6 +69,8 @@ from tidemq.protocol.headers import (
 if TYPE_CHECKING:
     from tidemq.broker.broker import Broker
     from tidemq.broker.connection import BrokerConnection
+    from tidemq.protocol.errors import StoreError
+    from tidemq.store.flush import FlushCallback
 
 __all__ = ["HAService", "ROLES", "SYNC_MASTER", "ASYNC_MASTER", "SLAVE"]
 
@@ -118,7 +120,7 @@ class HAService:
         self.offsets_flowed_back = 0
         self._guarded: dict[int, Callable[..., None]] = {}
         self._handlers: dict[int, Callable[..., None]] | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._kick: asyncio.Event | None = None
         self._last_register_kick = 0.0
         self._pool: Any = None
@@ -895,10 +897,10 @@ class HAService:
         await self.promote(role, epoch)
         await el.put_member(self._member_info(), force=True)
 
-    def _gate(self, callback: Callable[[object], None], end: int) -> Callable[[object], None]:
+    def _gate(self, callback: FlushCallback, end: int) -> FlushCallback:
         """MessageStore.replication_gate: a broker-made write's callback waits for the
         slaves (SYNC_MASTER) once it is durable."""
-        def after_durable(err: object) -> None:
+        def after_durable(err: StoreError | None) -> None:
             w = self.waiters
             if err is not None or w is None or self.fenced:
                 callback(err)

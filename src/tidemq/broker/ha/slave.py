@@ -66,9 +66,9 @@ class MasterLink:
         broker_id: Callable[[], int],
         broker_addr: str,
         master_addr: Callable[[], str],
-        on_reset: Callable[[str], None],
-        on_meta_version: Callable[[int], None],
-        on_connected: Callable[[bool], None],
+        on_reset: Callable[[str], object],
+        on_meta_version: Callable[[int], object],
+        on_connected: Callable[[bool], object],
         min_epoch: Callable[[], int] | None = None,
     ) -> None:
         self.store = store
