@@ -7,7 +7,7 @@ send, and the client's encoders apply the per-message parts (``record.properties
 ``record.delay_level_for``, ``record.deliver_at_for``) while they build a batch, so a batch a
 tidemq client builds passes.
 
-A batch (``record.py`` layout) that passed ``BatchView`` framing is further refused
+A batch (``batch/layout.py``) that passed ``BatchView`` framing is further refused
 (CorruptBatchError -> MESSAGE_ILLEGAL, or MessageTooLargeError -> MESSAGE_TOO_LARGE) when
 (its CRC is the store's check, at the put):
 
@@ -16,7 +16,7 @@ A batch (``record.py`` layout) that passed ``BatchView`` framing is further refu
   ``records_size``; compressed, the batch with its records uncompressed would exceed
   ``max_batch_bytes`` (the same limit an uncompressed batch has);
 - a compressed records section does not decompress to exactly ``raw_size`` bytes (the
-  decompression is capped at ``raw_size``: ``record._decompress``);
+  decompression is capped at ``raw_size``: ``batch.codec._decompress``);
 - the records do not tile the records section: record 0 starts at 0, each next one right after
   the one before, the last one ends at its end, and every record's sizes add up
   (``record_size + 4 == 28 + tags_len + props_len + body_len``), so the message index and the

@@ -1,7 +1,7 @@
 """The tidemq wire frame: one request, response or one-way message on a connection (sans-IO).
 
 A connection carries a stream of frames, each prefixed by its length. All integers are
-little-endian, like the batch format in ``record.py``. The layout, field by field::
+little-endian, like the batch format in ``batch/layout.py``. The layout, field by field::
 
     +------+------+------------------+------------------------------------------------------+
     |  off | size | field            | meaning                                              |
@@ -20,7 +20,7 @@ little-endian, like the batch format in ``record.py``. The layout, field by fiel
     |   18 |    H | header           | one MessagePack map (a ``headers.py`` Struct or a    |
     |      |      |                  | dict with str keys); H = 0 means "no header"         |
     | 18+H |    B | body             | opaque bytes: B = total_len - 14 - H; for sends and  |
-    |      |      |                  | pulls, one or more batches (``record.py``), as is    |
+    |      |      |                  | pulls, one or more batches (``batch/``), as is      |
     +------+------+------------------+------------------------------------------------------+
 
 The body is never re-encoded: :func:`encode_frame_parts` hands it to the transport untouched

@@ -3,7 +3,7 @@
 Every header is a msgspec Struct encoded as a map keyed by field name; fields equal to their
 default are left out, and unknown keys are ignored on decode, so a peer may add a field with a
 default without breaking older peers (renaming or removing one is a protocol change). Bodies
-are not described here: a send request and a pull response carry batches (``record.py``).
+are not described here: a send request and a pull response carry batches (``batch/``).
 
 Which header goes with which frame (request code -> request header / response header)::
 
