@@ -20,7 +20,7 @@ little-endian, like the batch format in ``batch/layout.py``. The layout, field b
     |   18 |    H | header           | one MessagePack map (a ``headers.py`` Struct or a    |
     |      |      |                  | dict with str keys); H = 0 means "no header"         |
     | 18+H |    B | body             | opaque bytes: B = total_len - 14 - H; for sends and  |
-    |      |      |                  | pulls, one or more batches (``batch/``), as is      |
+    |      |      |                  | pulls, one or more batches (``batch/``), as is       |
     +------+------+------------------+------------------------------------------------------+
 
 The body is never re-encoded: :func:`encode_frame_parts` hands it to the transport untouched
