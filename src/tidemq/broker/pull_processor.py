@@ -48,12 +48,12 @@ Threads: the broker's event loop only.
 from __future__ import annotations
 
 import os
-import struct
 from typing import TYPE_CHECKING
 
 from tidemq.broker.connection import decode_request
 from tidemq.broker.errors import RequestRejected, check_group
 from tidemq.broker.long_polling import HeldPull
+from tidemq.protocol.batch.fields import phys_offset_at
 from tidemq.protocol.batch.tags import tag_hashes
 from tidemq.protocol.codes import DLQ_PREFIX, TOOLS_CONSUMER_GROUP, ResponseCode
 from tidemq.protocol.headers import (
@@ -72,7 +72,6 @@ if TYPE_CHECKING:
 
 __all__ = ["PullProcessor", "response_code_for"]
 
-_PHYS = struct.Struct("<Q")  # a stored batch's phys_offset, at byte 12 of its header
 
 
 def _memory_bytes() -> int:
@@ -238,11 +237,11 @@ class PullProcessor:
         )
 
     def _suggest(self, group: str, last: memoryview) -> int:
-        """Seed 004 / RocketMQ's suggestWhichBrokerId: a consumer more than
+        """RocketMQ's suggestWhichBrokerId: a consumer more than
         ``access_message_in_memory_max_ratio`` % of memory behind the CommitLog's end reads
         from the group's ``which_broker_when_consume_slowly`` (a slave, 1 by default); one
         that caught up goes back to the master."""
-        behind = self.store.max_phys_offset - (_PHYS.unpack_from(last, 12)[0] + len(last))
+        behind = self.store.max_phys_offset - (phys_offset_at(last) + len(last))
         if behind > self.slow_backlog:
             sg = self.broker.subscription_groups.get(group)
             return sg.which_broker_when_consume_slowly if sg is not None else 1

@@ -33,7 +33,6 @@ import mmap
 import os
 import resource
 import shutil
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -96,7 +95,6 @@ from tidemq.store.retention import RetentionService
 
 log = logging.getLogger(__name__)
 
-_TAG_HASH = struct.Struct("<Q")  # the first field of a message index entry
 
 #: Messages per id-index block: a batch is indexed once per block of sequence ids it covers.
 ID_BLOCK_BITS = 10
@@ -675,7 +673,7 @@ class MessageStore:
     ) -> None:
         """The batch's consume queue units (per batch, not per message) and index entries."""
         if v.count == 1:
-            cq.append_one(qoff, phys, size, _TAG_HASH.unpack_from(v.buf, v.pos + v.index_start)[0])
+            cq.append_one(qoff, phys, size, v.tag_hash_at(0))
         else:
             cq.append_batch(qoff, phys, size, v.index_view())
         if hashes:

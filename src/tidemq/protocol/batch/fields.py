@@ -21,6 +21,7 @@ from tidemq.protocol.batch.layout import (
     P_BASE_SEQ_OFFSET,
     P_COUNT_OFFSET,
     P_PRODUCER_ID_OFFSET,
+    PHYS_OFFSET_OFFSET,
     PREPARED_OFFSET_OFFSET,
     PRODUCER_HEADER_SIZE,
     QUEUE_ID_OFFSET,
@@ -39,6 +40,7 @@ from tidemq.protocol.batch.layout import (
 __all__ = [
     "topic_len_at",
     "producer_start_at",
+    "phys_offset_at",
     "set_queue_id",
     "mark_prepared",
     "with_topic",
@@ -58,6 +60,11 @@ def topic_len_at(buf: Buffer, pos: int = 0) -> int:
 def producer_start_at(buf: Buffer, pos: int = 0) -> int:
     """Where the producer section of the batch at ``pos`` starts, relative to ``pos``."""
     return STORE_HEADER_SIZE + topic_len_at(buf, pos)
+
+
+def phys_offset_at(buf: Buffer, pos: int = 0) -> int:
+    """phys_offset (the CommitLog offset the store stamped) of the stored batch at ``pos``."""
+    return int.from_bytes(buf[pos + PHYS_OFFSET_OFFSET : pos + PHYS_OFFSET_OFFSET + 8], "little")
 
 
 def set_queue_id(batch: bytearray, queue_id: int) -> None:

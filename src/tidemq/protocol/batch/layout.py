@@ -196,6 +196,7 @@ PROP_SEP = "\x02"
 # -- named offsets of single fields (for the in-place patches in ``patch.py`` and the readers
 # that take one field without unpacking a header) ----------------------------------------------
 TOTAL_SIZE_OFFSET = 0
+PHYS_OFFSET_OFFSET = 12
 STORE_TS_OFFSET = 28
 PREPARED_OFFSET_OFFSET = 36
 QUEUE_ID_OFFSET = 44
