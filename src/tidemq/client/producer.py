@@ -71,6 +71,8 @@ from tidemq.protocol.headers import (
     QueueData,
     SendMessageRequestHeader,
     SendMessageResponseHeader,
+    SendMultiQueueRequestHeader,
+    SendMultiQueueResponseHeader,
     TopicRouteData,
     dedup_producer_id,
 )
@@ -171,6 +173,7 @@ class Producer:
         max_pending_messages: int = 100_000,
         retry_another_broker_when_not_store_ok: bool = False,
         max_properties_size: int = DEFAULT_MAX_PROPERTIES_SIZE,
+        multi_queue: bool = True,
     ) -> None:
         problem = group_name_problem(group, "producer group") if group is not None else None
         if problem:
@@ -221,6 +224,9 @@ class Producer:
         # without limit (Pulsar's maxPendingMessages).
         self.max_pending_messages = max_pending_messages
         self._npending = 0
+        #: send the open batches of many topics as one SEND_MULTI_QUEUE frame per broker
+        self.multi_queue = multi_queue
+        self._no_multi: set[str] = set()  # brokers that answered REQUEST_CODE_NOT_SUPPORTED
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> Producer:
@@ -504,8 +510,95 @@ class Producer:
         self._pending_flush = False
         pending, self._pending = self._pending, {}
         loop = asyncio.get_running_loop()
+        if len(pending) > 1 and self.multi_queue and self.producer_name is None:
+            # Spread traffic: the open batches of many topics leave together, one
+            # SEND_MULTI_QUEUE frame per broker (issue 17), not one request per topic.
+            by_broker: dict[str, list[tuple[str, MessageQueue, list[Message], list[Any]]]] = {}
+            for topic, (msgs, futs, _size, _loop) in pending.items():
+                route = self.routes.cached(topic)
+                if route is None or not route.write_queues or self._faults.avoiding:
+                    self._track(loop.create_task(self._send_pending(topic, msgs, futs)))
+                    continue
+                mq, _ = self._select(route, msgs[0], None, None, None, None, None)
+                addr = route.broker_addrs[mq.broker_name]
+                if addr in self._no_multi:
+                    self._track(loop.create_task(self._send_pending(topic, msgs, futs)))
+                    continue
+                by_broker.setdefault(addr, []).append((topic, mq, msgs, futs))
+            for addr, items in by_broker.items():
+                if len(items) == 1:
+                    topic, _mq, msgs, futs = items[0]
+                    self._track(loop.create_task(self._send_pending(topic, msgs, futs)))
+                else:
+                    self._track(loop.create_task(self._send_multi(addr, items)))
+            return
         for topic, (msgs, futs, _size, _loop) in pending.items():
             self._track(loop.create_task(self._send_pending(topic, msgs, futs)))
+
+    async def _send_multi(
+        self, addr: str, items: list[tuple[str, MessageQueue, list[Message], list[Any]]]
+    ) -> None:
+        """The open batches of several topics, for queues of one broker, as one
+        SEND_MULTI_QUEUE frame. A batch the broker refuses with a retryable code, and every
+        batch when the frame itself fails, goes again through the single-batch path (its
+        retries, other brokers); a broker that does not know the request is remembered."""
+        n_msgs = sum(len(it[2]) for it in items)
+        batches: list[bytearray] = []
+        seqs: list[int] = []
+        try:
+            conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
+            born_ts = int(time.time() * 1000)
+            for topic, mq, msgs, _futs in items:
+                b, seq = self._encode(topic, msgs, mq.queue_id, conn.local_host,
+                                      conn.local_port, None, born_ts)
+                batches.append(b)
+                seqs.append(seq)
+            header = SendMultiQueueRequestHeader(producer_group=self.group,
+                                                 batches=len(batches), born_timestamp=born_ts)
+            if not conn.writable:
+                await conn.drain()
+            t0 = time.monotonic()
+            frame = await conn.start_request(RequestCode.SEND_MULTI_QUEUE, header,
+                                             b"".join(batches), self.send_timeout)
+            if frame.code == ResponseCode.REQUEST_CODE_NOT_SUPPORTED:
+                self._no_multi.add(addr)
+                raise_for_error(frame)
+            raise_for_error(frame)
+            if self.latency_fault:
+                self._faults.update(items[0][1].broker_name, (time.monotonic() - t0) * 1000)
+            h = frame.header
+            assert isinstance(h, SendMultiQueueResponseHeader)
+            if len(h.results) != len(items):
+                raise BrokerError(f"SEND_MULTI_QUEUE answered {len(h.results)} results for "
+                                  f"{len(items)} batches", response_code=ResponseCode.SYSTEM_ERROR)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                self._npending -= n_msgs
+                raise
+            for topic, _mq, msgs, futs in items:  # each batch on its own, with retries
+                self._track(asyncio.ensure_future(self._send_pending(topic, msgs, futs)))
+            return
+        pid = self.producer_id
+        prefix = f"{pid:016X}"
+        for (topic, mq, msgs, futs), r, seq in zip(items, h.results, seqs, strict=True):
+            status = _STATUS.get(r.code)
+            if status is None:
+                if r.code in _RETRY_CODES:
+                    self._track(asyncio.ensure_future(self._send_pending(topic, msgs, futs)))
+                    continue
+                self._npending -= len(msgs)
+                exc2 = BrokerError(r.message or f"batch refused ({r.code})",
+                                   response_code=r.code)
+                for f in futs:
+                    if not f.done():
+                        f.set_exception(exc2)
+                continue
+            self._npending -= len(msgs)
+            for i, f in enumerate(futs):
+                if not f.done():
+                    s = seq + i
+                    f.set_result(SendResult(status, f"{prefix}{s:016X}", topic, mq.queue_id,
+                                            r.queue_offset + i, 1, mq.broker_name, pid, s))
 
     def _dispatch(self, topic: str) -> None:
         """Send the full batch of ``topic`` now."""
