@@ -431,6 +431,14 @@ class Producer:
             fut.add_done_callback(done)
         return fut
 
+    async def write_queues(self, topic: str) -> list[MessageQueue]:
+        """The writable queues a send to ``topic`` chooses from, sorted (``queue_id=`` indexes
+        this list). For a topic no broker has yet, the queues of the default route a send
+        would use (the broker creates the topic on the first send, ``auto_create_route``)."""
+        await self._ensure_started()
+        route = self.routes.cached(topic) or await self._route(topic)
+        return list(route.write_queues)
+
     async def cancel(self, result: SendResult, *, timeout: float | None = None) -> None:
         """Cancel a pending timed message (sent with ``deliver_at`` / ``deliver_after``) by
         the SendResult of its send. Raises BrokerError (QUERY_NOT_FOUND) when it is not
