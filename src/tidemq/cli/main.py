@@ -7,6 +7,7 @@ import sys
 import click
 
 from tidemq.cli.admin import register as register_admin
+from tidemq.cli.bench_app import register as register_bench_app
 from tidemq.cli.bench_hostile import register as register_bench_hostile
 from tidemq.cli.bench_types import register as register_bench_types
 from tidemq.cli.cluster import register as register_cluster
@@ -102,6 +103,7 @@ register_admin(cli)
 register_bench_types(cli)
 register_bench_hostile(cli)
 register_spark_bench(cli)
+register_bench_app(cli)
 register_cluster(cli)
 
 
