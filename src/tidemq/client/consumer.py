@@ -53,11 +53,12 @@ from collections.abc import Iterable, Sequence
 
 from tidemq.client import chunking, offsets
 from tidemq.client.chunking import ChunkAssembler
-from tidemq.client.codec import decode_pull_body, parse_tag_expression
+from tidemq.client.codec import decode_pull_body
 from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
 from tidemq.client.errors import ClientClosedError, NoRouteError
 from tidemq.client.message import ConsumeFrom, MessageExt, MessageQueue
 from tidemq.client.route import RouteCache
+from tidemq.client.selection import EVERYTHING, Selection
 from tidemq.protocol.codes import PullStatus, RequestCode, ResponseCode, pull_status
 from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import BrokerError, TidemqError
@@ -170,7 +171,7 @@ class PullConsumer:
         self.routes = RouteCache(self.pool, namesrv, refresh_interval=route_refresh,
                                  timeout=request_timeout)
         self.route_refresh = route_refresh
-        self._subs: dict[str, tuple[str, frozenset[str] | None]] = {}
+        self._subs: dict[str, Selection] = {}
         self._assigned: list[MessageQueue] | None = None
         self._queues: dict[MessageQueue, _Queue] = {}
         self._order: list[_Queue] = []  # poll's round-robin order
@@ -183,11 +184,13 @@ class PullConsumer:
         self._errors: deque[BrokerError] = deque()  # refusals poll has not raised yet
 
     # -- configuration -------------------------------------------------------------------------
-    def subscribe(self, topic: str, expression: str = "*") -> None:
-        """Consume every queue of ``topic``; ``expression`` is "*" or "TagA || TagB"."""
+    def subscribe(self, topic: str, expression: str = "*", *, sql: str | None = None) -> None:
+        """Consume every queue of ``topic``: ``expression`` is "*" or "TagA || TagB"; or
+        ``sql="region = 'eu' AND amount > 100"`` selects by properties (SQL92,
+        docs/consumer-groups.md). A bad SQL92 expression raises SqlFilterError here."""
         if self._assigned is not None:
             raise ValueError("this consumer uses assign(); subscribe and assign do not mix")
-        self._subs[topic] = (expression, parse_tag_expression(expression))
+        self._subs[topic] = Selection(expression, sql=sql)
         if self._started:
             asyncio.get_running_loop().create_task(self._rebalance_quietly())
 
@@ -205,7 +208,7 @@ class PullConsumer:
             self._apply(set(self._assigned))
 
     def subscription(self) -> dict[str, str]:
-        return {t: e for t, (e, _) in self._subs.items()}
+        return {t: s.expression for t, s in self._subs.items()}
 
     def assignment(self) -> set[MessageQueue]:
         return set(self._queues)
@@ -526,9 +529,9 @@ class PullConsumer:
 
     async def _pull_loop(self, q: _Queue) -> None:
         mq = q.mq
-        sub = self._subs.get(mq.topic)
-        expression, tags = sub if sub is not None else ("*", None)
-        flags = PullSysFlag.SUSPEND | (PullSysFlag.SUBSCRIPTION if tags is not None else 0)
+        sel = self._subs.get(mq.topic, EVERYTHING)
+        tags = sel.tags
+        flags = PullSysFlag.SUSPEND | (PullSysFlag.SUBSCRIPTION if sel.filters else 0)
         suspend_ms = int(self.suspend_timeout * 1000)
         timeout = self.suspend_timeout + max(self.request_timeout, 10.0)
         while True:
@@ -552,7 +555,8 @@ class PullConsumer:
                     consumer_group=self.group, topic=mq.topic, queue_id=mq.queue_id,
                     queue_offset=offset, max_msg_nums=self.pull_batch_size, sys_flag=flags,
                     suspend_timeout_millis=suspend_ms,
-                    subscription=expression if tags is not None else None,
+                    subscription=sel.expression if sel.filters else None,
+                    expression_type=sel.expression_type,
                 )
                 frame = await conn.request(RequestCode.PULL_MESSAGE, header, timeout=timeout)
                 status = pull_status(frame.code)
@@ -568,6 +572,8 @@ class PullConsumer:
                         on_corrupt=lambda qo, n, why, mq=mq: self._corrupt(mq, qo, n, why),
                         max_uncompressed=self.max_uncompressed_bytes,
                     )
+                    if sel.sql is not None:
+                        msgs = sel.keep(msgs, frame.body, h.members)
                     nxt = max(h.next_begin_offset, end) if end > offset else h.next_begin_offset
                     self._push(q, self._assemble(q, msgs), nxt)
                 elif status is PullStatus.OFFSET_ILLEGAL:
