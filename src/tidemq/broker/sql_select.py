@@ -37,6 +37,7 @@ __all__ = ["read_selected", "sql_filter_for", "check_subscription", "SCAN_LIMIT"
 #: messages one pull may examine at most (RocketMQ's maxFilterMessageCount is 16 000 queue
 #: units; a Python broker answers sooner so one consumer's scan cannot hold the loop long)
 SCAN_LIMIT = 4096
+_SCAN_STEP = 256  # messages per store read once the first read selected too few
 
 
 class _Source(Protocol):
@@ -87,7 +88,9 @@ def read_selected(
         if (selected >= max_messages or examined >= scan_limit or nbytes >= max_read_bytes
                 or nxt >= r.max_offset):
             break
-        r = src.get_messages(topic, queue_id, nxt, max_messages)
+        # read on in bigger steps: most of what is read now is examined and dropped
+        r = src.get_messages(topic, queue_id, nxt, max(max_messages, min(scan_limit - examined,
+                                                                        _SCAN_STEP)))
     if examined == 0:
         return first, [], 0  # the store's own answer: empty queue, offset moved, ...
     status = GetStatus.FOUND if kept else GetStatus.NO_MATCHED_MESSAGE

@@ -7,6 +7,7 @@ import sys
 import click
 
 from tidemq.cli.admin import register as register_admin
+from tidemq.cli.bench_consumers import register as register_bench_consumers
 from tidemq.cli.bench_hostile import register as register_bench_hostile
 from tidemq.cli.bench_types import register as register_bench_types
 from tidemq.cli.cluster import register as register_cluster
@@ -101,6 +102,7 @@ register_servers(cli)
 register_admin(cli)
 register_bench_types(cli)
 register_bench_hostile(cli)
+register_bench_consumers(cli)
 register_spark_bench(cli)
 register_cluster(cli)
 
