@@ -66,12 +66,14 @@ def read_selected(
     selected = examined = nbytes = 0
     r = first = src.get_messages(topic, queue_id, offset, max_messages)
     end = offset
+    full = False
     while True:
-        end = max(end, r.next_begin_offset)
         if r.status is not GetStatus.FOUND:
+            end = max(end, r.next_begin_offset)
             break
         for b in r.batches:
             examined += b.count
+            end = b.queue_offset + b.count  # right after this batch
             try:
                 view = BatchView(b.data)
                 picked = [i for i, tag, props in filter_fields(view, b.first_index)
@@ -84,10 +86,15 @@ def read_selected(
                 bitmaps.append(bitmap(picked))
                 selected += len(picked)
                 nbytes += len(b.data)
-        nxt = r.next_begin_offset
-        if (selected >= max_messages or examined >= scan_limit or nbytes >= max_read_bytes
-                or nxt >= r.max_offset):
+            if selected >= max_messages or nbytes >= max_read_bytes:
+                full = True  # the batches after this one are left for the next pull
+                break
+        if full:
             break
+        end = max(end, r.next_begin_offset)  # past units skipped as removed or corrupt
+        if examined >= scan_limit or end >= r.max_offset:
+            break
+        nxt = end
         # read on in bigger steps: most of what is read now is examined and dropped
         r = src.get_messages(topic, queue_id, nxt, max(max_messages, min(scan_limit - examined,
                                                                         _SCAN_STEP)))

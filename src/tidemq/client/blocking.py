@@ -218,6 +218,10 @@ class PullConsumer(_Facade):
             _make(lambda: AioPullConsumer(namesrv, group, **options))
         )
 
+    @property
+    def client_id(self) -> str:
+        return self._aio.client_id
+
     def subscribe(self, topic: str, expression: str = "*", *, sql: str | None = None) -> None:
         async def go() -> None:
             self._aio.subscribe(topic, expression, sql=sql)
