@@ -212,12 +212,18 @@ def bench_hostile(
     rate: int = 100,
     partial_rate: int = 64 * 1024,
     settle_seconds: float = 2.0,
+    driver_nice: int = 10,
     options: tuple[str, ...] = (),
     data_dir: str | None = None,
     progress: Callable[[int], None] = lambda n: None,
 ) -> dict[str, Any]:
     """Run the benchmark (module docstring); ``progress`` gets one call per second.
-    ``options`` (``KEY=VALUE``) are given to both servers: connection settings."""
+    ``options`` (``KEY=VALUE``) are given to both servers: connection settings.
+
+    The hostile drivers run ``driver_nice`` steps below this process's CPU priority: on one
+    machine they share the cores with the servers they attack, which attackers on other machines
+    would not; what they still sent is in the result (``drivers``: bytes and requests written),
+    so a starved attack shows. ``driver_nice=0`` measures the shared-core case."""
     from tidemq.broker.config import apply_setting_overrides
     from tidemq.namesrv.server import NamesrvConfig
 
@@ -272,6 +278,7 @@ def bench_hostile(
                              srv.addr, "--kind", kind, "--connections", str(connections),
                              "--topic", topic, "--partial-rate", str(partial_rate)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            preexec_fn=(lambda: os.nice(driver_nice)) if driver_nice else None,
                         ))
                     stop = asyncio.Event()
                     sampler = loop.create_task(sample(stop))
@@ -328,6 +335,7 @@ def bench_hostile(
         "seconds": seconds,
         "rate_per_op": rate,
         "settle_seconds": settle_seconds,
+        "driver_nice": driver_nice,
         "seconds_from_attack_to_loaded": round(attack_started, 1),
         "unloaded": u,
         "ramp": ra,

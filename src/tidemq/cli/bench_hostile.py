@@ -26,6 +26,10 @@ __all__ = ["register"]
 @click.option("--settle-seconds", default=2.0, show_default=True,
               help="Seconds between the end of the ramp (servers quiet again) and the loaded "
               "measurement.")
+@click.option("--driver-nice", default=10, show_default=True, type=click.IntRange(0, 19),
+              help="CPU priority steps the hostile drivers run below the servers: on one "
+              "machine they would otherwise take the servers' cores, as attackers elsewhere "
+              "would not (0: share the cores).")
 @click.option("-o", "--option", "options", multiple=True, metavar="KEY=VALUE",
               help="A connection setting for both servers, e.g. "
               "-o max_partial_frame_bytes=67108864.")
@@ -33,7 +37,8 @@ __all__ = ["register"]
               help="Parent of the temporary directory (default: the temp dir).")
 @click.option("--json", "as_json", is_flag=True)
 def bench_hostile_cmd(connections: int, seconds: float, unloaded_seconds: float, rate: int,
-                      partial_rate: int, settle_seconds: float, options: tuple[str, ...],
+                      partial_rate: int, settle_seconds: float, driver_nice: int,
+                      options: tuple[str, ...],
                       data_dir: str | None, as_json: bool) -> None:
     """Latency of a well-behaved client and both servers' RSS under CONNECTIONS hostile
     connections per server (docs/operations.md, "Memory limits")."""
@@ -46,7 +51,7 @@ def bench_hostile_cmd(connections: int, seconds: float, unloaded_seconds: float,
         result = bench_hostile(
             connections=connections, seconds=seconds, unloaded_seconds=unloaded_seconds,
             rate=rate, partial_rate=partial_rate, settle_seconds=settle_seconds,
-            options=options, data_dir=data_dir,
+            driver_nice=driver_nice, options=options, data_dir=data_dir,
             progress=bar.update,
         )
     emit_result(result, as_json)
