@@ -180,6 +180,11 @@ class Producer(_Facade):
         SendResult."""
         return _submit(self._aio.send_columns(cols, **options))
 
+    def write_queues(self, topic: str) -> list[MessageQueue]:
+        """The writable queues a send to ``topic`` chooses from (a new topic: those of the
+        default route, as a send would use)."""
+        return _run(self._aio.write_queues(topic))
+
     def cancel(self, result: SendResult, **options: Any) -> None:
         """Cancel a pending timed message by the SendResult of its send."""
         _run(self._aio.cancel(result, **options))
@@ -218,9 +223,13 @@ class PullConsumer(_Facade):
             _make(lambda: AioPullConsumer(namesrv, group, **options))
         )
 
-    def subscribe(self, topic: str, expression: str = "*") -> None:
+    @property
+    def client_id(self) -> str:
+        return self._aio.client_id
+
+    def subscribe(self, topic: str, expression: str = "*", *, sql: str | None = None) -> None:
         async def go() -> None:
-            self._aio.subscribe(topic, expression)
+            self._aio.subscribe(topic, expression, sql=sql)
 
         _run(go())
 
@@ -316,9 +325,9 @@ class PushConsumer(_Facade):
     def client_id(self) -> str:
         return self._aio.client_id
 
-    def subscribe(self, topic: str, expression: str = "*") -> None:
+    def subscribe(self, topic: str, expression: str = "*", *, sql: str | None = None) -> None:
         async def go() -> None:
-            self._aio.subscribe(topic, expression)
+            self._aio.subscribe(topic, expression, sql=sql)
 
         _run(go())
 
