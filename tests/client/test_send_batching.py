@@ -174,3 +174,33 @@ def test_the_pending_bound_blocks_or_raises(dev):
     raised = _run(main(False))
     full = [r for r in raised if isinstance(r, tidemq.ProducerQueueFullError)]
     assert full and len(full) < 40
+
+
+def test_a_forked_child_gets_a_fresh_producer(dev):
+    """fork() after the parent used the producer: the child's producer builds its own loop
+    thread and connections on its next call (the parent's do not exist there)."""
+    with tidemq.Producer(dev.namesrv) as p:
+        p.send(tidemq.Message("ab-fork", b"parent"))
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if its sends were stored
+            code = 1
+            try:
+                r = p.send(tidemq.Message("ab-fork", b"child"), timeout=10)
+                f = p.send_async(tidemq.Message("ab-fork", b"child-async"))
+                if r.status == tidemq.SendStatus.SEND_OK and f.result(10).queue_offset >= 0:
+                    code = 0
+                p.close()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        p.send(tidemq.Message("ab-fork", b"parent again"))  # the parent's is untouched
+    assert sorted(_bodies(dev, "ab-fork")) == [b"child", b"child-async", b"parent",
+                                               b"parent again"]
+
+
+def test_write_queues_of_a_new_topic_are_those_of_the_default_route(dev):
+    with tidemq.Producer(dev.namesrv, default_topic_queues=3) as p:
+        assert [q.queue_id for q in p.write_queues("ab-not-yet")] == [0, 1, 2]
+        _run(ensure_topic(dev.namesrv, "ab-five", 5))
+        assert [q.queue_id for q in p.write_queues("ab-five")] == [0, 1, 2, 3, 4]

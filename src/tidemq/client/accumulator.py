@@ -136,18 +136,42 @@ class Accumulator:
             self._room.set()
 
     # -- adding ------------------------------------------------------------------------------
+    async def send(self, msg: Message, key: Hashable | None, mq: MessageQueue | None,
+                   deadline: float) -> SendResult:
+        """A waiting sender's message (counted in ``npending`` by the caller). When its bucket
+        is idle (nothing gathered, nothing in flight) it leaves at once, sent by this very
+        coroutine (no task, no hop: an idle producer costs what a direct send costs), and the
+        sends arriving meanwhile gather behind it; else it joins the bucket."""
+        k = msg.topic if key is None else key
+        b = self._buckets.get(k)
+        if b is not None and (b.msgs or b.inflight):
+            return await self.add(msg, key, mq, deadline)
+        if b is None:
+            b = self._buckets[k] = _Bucket(k, msg.topic, mq, asyncio.get_running_loop())
+        b.inflight += 1
+        self.batches += 1
+        self.batched_messages += 1
+        try:
+            return await self._send(b.topic, mq, [msg], max(deadline - b.loop.time(), 0.0))
+        finally:
+            self._answered(1)
+            self._after(b)
+
     def add(self, msg: Message, key: Hashable | None = None, mq: MessageQueue | None = None,
-            deadline: float = 0.0) -> asyncio.Future[SendResult]:
+            deadline: float = 0.0, fut: Any = None) -> asyncio.Future[SendResult]:
         """Queue ``msg`` (the caller checked room and counted it in ``npending``); its future.
         ``key``: the bucket (default: the topic); ``mq``: the queue a pinned bucket goes to;
         ``deadline`` (loop time): a caller waits for this message until then (0: a
-        ``send_async`` message, which may linger ``batch_max_delay``)."""
+        ``send_async`` message, which may linger ``batch_max_delay``); ``fut``: where the
+        result goes instead of a new future (anything with ``done()``, ``set_result()``,
+        ``set_exception()``, completed on the loop: the blocking facade's waiters)."""
         b = self._buckets.get(msg.topic if key is None else key)
         if b is None:
             loop = asyncio.get_running_loop()
             k = msg.topic if key is None else key
             b = self._buckets[k] = _Bucket(k, msg.topic, mq, loop)
-        fut: asyncio.Future[SendResult] = _Future(loop=b.loop)
+        if fut is None:
+            fut = _Future(loop=b.loop)
         msgs = b.msgs
         msgs.append(msg)
         b.futs.append(fut)
@@ -194,9 +218,18 @@ class Accumulator:
             b.timer = b.loop.call_at(min(waiting), self._expire, b)
 
     def _leave(self, b: _Bucket) -> None:
+        if not b.scheduled:  # left already (kick)
+            return
         b.scheduled = False
         if b.msgs and not b.inflight:
             self._dispatch(b)
+
+    def kick(self) -> None:
+        """Send now the buckets that would leave at the end of this loop iteration (a caller
+        that added everything it had, the blocking facade's inbox: no further wait)."""
+        for b in self._buckets.values():
+            if b.scheduled:
+                self._leave(b)
 
     @property
     def has_open(self) -> bool:
@@ -249,11 +282,15 @@ class Accumulator:
         try:
             await self._send_some(b, msgs, futs, deadlines)
         finally:
-            b.inflight -= 1
-            if b.msgs and (b.waiting or b.mq is not None) and not b.inflight:
-                self._dispatch(b)  # what gathered while this batch was in flight
-            elif not b.msgs and not b.inflight and self._buckets.get(b.key) is b:
-                del self._buckets[b.key]
+            self._after(b)
+
+    def _after(self, b: _Bucket) -> None:
+        """A batch of ``b`` was answered: send what gathered meanwhile."""
+        b.inflight -= 1
+        if b.msgs and (b.waiting or b.mq is not None) and not b.inflight:
+            self._dispatch(b)
+        # An idle bucket stays (one per topic, and per queue of ordered sends): the next send
+        # finds it ready.
 
     async def _send_some(self, b: _Bucket, msgs: list[Message],
                          futs: list[asyncio.Future[SendResult]], deadlines: list[float],

@@ -47,7 +47,13 @@ __all__ = ["Producer", "Selector", "SendCallback"]
 SendCallback = Callable[[SendResult | None, BaseException | None], None]
 
 DEFAULT_GROUP = "DEFAULT_PRODUCER"
+_ROUTING_OPTIONS = frozenset({"timeout", "queue_id", "selector", "arg", "hash_key"})
 MAX_MESSAGE_SIZE = 4 * 1024 * 1024  # the broker's default batch limit (SPEC BR1)
+
+
+def _pins(options: dict[str, Any]) -> bool:
+    return (options.get("queue_id") is not None or options.get("selector") is not None
+            or options.get("hash_key") is not None)
 
 
 class Producer:
@@ -234,7 +240,7 @@ class Producer:
                 acc.check_room()
             await acc.room(deadline)
         acc.npending += 1
-        return await acc.add(msg, key, mq, deadline)
+        return await acc.send(msg, key, mq, deadline)
 
     async def send_batch(
         self,
@@ -346,6 +352,64 @@ class Producer:
             fut.add_done_callback(done)
         return fut
 
+    def _hand_over(self, msg: Message, options: dict[str, Any], sink: Any, wait: bool) -> None:
+        """On the loop: a message of the blocking facade (``send`` when ``wait``, else
+        ``send_async``) into the batch container, its answer to ``sink`` (anything with
+        ``done()``, ``set_result()``, ``set_exception()``; completed on the loop). The
+        facade calls :meth:`Accumulator.kick` after handing over what it had."""
+        acc = self.accumulator
+        try:
+            if (
+                self._started and not self._closed and self.auto_batch
+                and type(msg) is Message and len(msg.body) < acc.batch_max_bytes
+                and not msg.delay_level and not msg.deliver_at
+                and set(options) <= _ROUTING_OPTIONS
+            ):
+                key: Any = None
+                mq: MessageQueue | None = None
+                full = acc.npending >= acc.max_pending_messages
+                if full and (not wait or not self.block_if_queue_full):
+                    acc.check_room()  # raises
+                route = self.routes.cached(msg.topic)
+                if not full and (route is not None or not _pins(options)):
+                    if route is not None and _pins(options):
+                        mq, _pinned = self.router.select(
+                            route, msg, options.get("queue_id"), options.get("selector"),
+                            options.get("arg"), options.get("hash_key"), None)
+                        key = (msg.topic, mq)
+                    deadline = 0.0
+                    if wait:
+                        timeout = options.get("timeout")
+                        deadline = asyncio.get_running_loop().time() + (
+                            self.send_timeout if timeout is None else timeout)
+                    acc.npending += 1
+                    acc.add(msg, key, mq, deadline, sink)
+                    return
+        except Exception as exc:  # refused before it was queued: this sender's error
+            sink.set_exception(exc)
+            return
+        # Everything else (a route not known yet, a full container, chunks, delays, ...):
+        # the coroutine path.
+        try:
+            task = asyncio.ensure_future(self.send(msg, **options) if wait
+                                         else self.send_async(msg, **options))
+        except Exception as exc:
+            sink.set_exception(exc)
+            return
+        self.accumulator.track(task)
+
+        def done(t: asyncio.Future[SendResult]) -> None:
+            if sink.done():
+                return
+            if t.cancelled():
+                sink.set_exception(asyncio.CancelledError())
+            elif t.exception() is not None:
+                sink.set_exception(t.exception())
+            else:
+                sink.set_result(t.result())
+
+        task.add_done_callback(done)
+
     def _pinned_async(self, msg: Message, options: dict[str, Any]) -> asyncio.Future[SendResult]:
         """``send_async`` with routing options: straight into the queue's bucket when the
         route is known (so sends keep the order of the calls), else through ``send``."""
@@ -364,6 +428,14 @@ class Producer:
         fut = asyncio.ensure_future(self.send(msg, **options))
         self.accumulator.track(fut)
         return fut
+
+    async def write_queues(self, topic: str) -> list[MessageQueue]:
+        """The writable queues a send to ``topic`` chooses from, sorted (``queue_id=`` indexes
+        this list). For a topic no broker has yet, the queues of the default route a send
+        would use (the broker creates the topic on the first send, ``auto_create_route``)."""
+        await self._ensure_started()
+        route = self.routes.cached(topic) or await self._route(topic)
+        return list(route.write_queues)
 
     async def cancel(self, result: SendResult, *, timeout: float | None = None) -> None:
         """Cancel a pending timed message (sent with ``deliver_at`` / ``deliver_after``) by
