@@ -53,6 +53,7 @@ __all__ = [
     "NoRouteError",
     "MessageRejectedError",
     "ProducerQueueFullError",
+    "SqlFilterError",
 ]
 
 _WHERE = {
@@ -87,6 +88,7 @@ _WHERE = {
     "NoRouteError": "tidemq.client.errors",
     "MessageRejectedError": "tidemq.client.errors",
     "ProducerQueueFullError": "tidemq.client.errors",
+    "SqlFilterError": "tidemq.client.selection",
 }
 
 if TYPE_CHECKING:
@@ -125,6 +127,7 @@ if TYPE_CHECKING:
         SendStatus,
     )
     from tidemq.client.rebalance import AllocateStrategy
+    from tidemq.client.selection import SqlFilterError
     from tidemq.client.transaction_producer import LocalTransactionState, TransactionSendResult
 
 

@@ -150,10 +150,13 @@ def test_bad_topic_names(wire):
 
 
 def test_unsupported_subscription_and_request_code(wire):
-    h = wire.pull_header("ok", 0, subscription="a > 1")
+    h = wire.pull_header("ok", 0, subscription="a >")
     h.expression_type = "SQL92"
     r = wire.request(RequestCode.PULL_MESSAGE, h)
     assert r.code == R.SUBSCRIPTION_PARSE_FAILED and "SQL92" in error_message(r)
+    h.expression_type = "XPATH"
+    r = wire.request(RequestCode.PULL_MESSAGE, h)
+    assert r.code == R.SUBSCRIPTION_PARSE_FAILED and "XPATH" in error_message(r)
     r = wire.pull("ok", 0, subscription="||")
     assert r.code == R.SUBSCRIPTION_PARSE_FAILED
     r = wire.request(999, {"x": 1})

@@ -14,6 +14,10 @@ every remaining member over its own connection, so they rebalance at once instea
 for their 20 s timer (RocketMQ's ``notifyConsumerIdsChangedEnable``). GET_CONSUMER_LIST_BY_GROUP
 answers the member ids, which every member sorts the same way before allocating queues.
 
+A heartbeat whose subscription does not parse (an SQL92 expression that does not compile, an
+unknown expression type) is refused whole with SUBSCRIPTION_PARSE_FAILED and the reason, as
+RocketMQ's heartbeat does, so the consumer learns it at start rather than at its first pull.
+
 The first heartbeat of a clustering group creates its retry topic ``%RETRY%<group>``
 (RocketMQ does this in its heartbeat handler too), so the retry topic has a route before the
 first message is sent back.
@@ -29,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from tidemq.broker.connection import decode_request
 from tidemq.broker.errors import RequestRejected, check_group
+from tidemq.broker.sql_select import check_subscription
 from tidemq.protocol.codes import DLQ_PREFIX, RETRY_PREFIX, RequestCode, ResponseCode
 from tidemq.protocol.headers import (
     ConsumerData,
@@ -106,6 +111,9 @@ class ConsumerManager:
         now = time.monotonic()
         for cd in h.consumers:
             self._check_group(cd.group)
+            for sd in cd.subscriptions:
+                check_subscription(sd.expression_type, sd.expression, sd.topic)
+        for cd in h.consumers:
             self.register(conn, h.client_id, cd, now)
         if not frame.is_oneway:
             conn.respond(frame.opaque, ResponseCode.SUCCESS, _EMPTY)

@@ -35,7 +35,10 @@ A write-only topic cannot be pulled, with one exception: a dead-letter topic ``%
 may be read by the admin tools' group ``TOOLS_CONSUMER`` (`tidemq dlq list|resend`).
 
 Subscriptions: ``"*"``, empty or absent = every message; ``"TagA || TagB"`` = messages whose tag
-is one of these (by ``record.tag_hash``). SQL92 is not supported yet (SUBSCRIPTION_PARSE_FAILED).
+is one of these (by ``record.tag_hash``); expression type ``SQL92``: messages the expression
+selects (``protocol/sql_filter.py``), evaluated per message as the batches are read
+(``broker/sql_select.py``), the answer naming them in ``members``. An expression that does not
+compile is SUBSCRIPTION_PARSE_FAILED, with the reason.
 Without a consumer registry (heartbeats), the broker takes the subscription from the request
 whether or not PullSysFlag.SUBSCRIPTION is set.
 
@@ -51,6 +54,7 @@ from typing import TYPE_CHECKING
 from tidemq.broker.connection import decode_request
 from tidemq.broker.errors import RequestRejected, check_group
 from tidemq.broker.long_polling import HeldPull
+from tidemq.broker.sql_select import read_selected, sql_filter_for
 from tidemq.protocol.codes import DLQ_PREFIX, TOOLS_CONSUMER_GROUP, ResponseCode
 from tidemq.protocol.headers import (
     MASTER_ID,
@@ -137,11 +141,17 @@ class PullProcessor:
         self.slow_backlog = int(_memory_bytes() * cfg.access_message_in_memory_max_ratio / 100)
 
     def _tag_hashes(self, h: PullMessageRequestHeader) -> frozenset[int] | None:
-        if h.expression_type.upper() != "TAG":
+        """The tag filter of a pull (None: none); an SQL92 subscription is compiled here to
+        refuse a bad one at the door, and filtered by ``process``."""
+        kind = h.expression_type.upper()
+        if kind == "SQL92":
+            sql_filter_for(h.subscription)
+            return None
+        if kind != "TAG":
             raise RequestRejected(
                 ResponseCode.SUBSCRIPTION_PARSE_FAILED,
                 f"expression type {h.expression_type!r} is not supported by this broker; "
-                "use TAG with '*' or 'TagA || TagB' (SQL92 filtering is not implemented yet)",
+                "use TAG ('*' or 'TagA || TagB') or SQL92",
             )
         expr = h.subscription
         if expr is None:
@@ -207,7 +217,14 @@ class PullProcessor:
         """Read and answer (or hold) one validated pull."""
         np = self.broker.non_persistent
         src = np if np.owns(h.topic) else self.store
-        r = src.get_messages(h.topic, h.queue_id, h.queue_offset, h.max_msg_nums, tags)
+        members: list[bytes] = []
+        if h.expression_type == "SQL92" or h.expression_type.upper() == "SQL92":
+            r, members, _examined = read_selected(
+                src, h.topic, h.queue_id, h.queue_offset, h.max_msg_nums,
+                sql_filter_for(h.subscription), max_read_bytes=self.store.config.max_read_bytes,
+            )
+        else:
+            r = src.get_messages(h.topic, h.queue_id, h.queue_offset, h.max_msg_nums, tags)
         status = r.status
         if status is _S.FOUND:
             bodies = [b.data for b in r.batches]
@@ -219,6 +236,7 @@ class PullProcessor:
                 next_begin_offset=r.next_begin_offset,
                 min_offset=r.min_offset,
                 max_offset=r.max_offset,
+                members=members,
             )
             if self.config.slave_read_enable and src is self.store:
                 header.suggest_which_broker_id = self._suggest(h.consumer_group, bodies[-1])

@@ -353,9 +353,13 @@ class PullConsumer(_Facade):
             _make(lambda: AioPullConsumer(namesrv, group, **options))
         )
 
-    def subscribe(self, topic: str, expression: str = "*") -> None:
+    @property
+    def client_id(self) -> str:
+        return self._aio.client_id
+
+    def subscribe(self, topic: str, expression: str = "*", *, sql: str | None = None) -> None:
         async def go() -> None:
-            self._aio.subscribe(topic, expression)
+            self._aio.subscribe(topic, expression, sql=sql)
 
         _run(go())
 
@@ -451,9 +455,9 @@ class PushConsumer(_Facade):
     def client_id(self) -> str:
         return self._aio.client_id
 
-    def subscribe(self, topic: str, expression: str = "*") -> None:
+    def subscribe(self, topic: str, expression: str = "*", *, sql: str | None = None) -> None:
         async def go() -> None:
-            self._aio.subscribe(topic, expression)
+            self._aio.subscribe(topic, expression, sql=sql)
 
         _run(go())
 

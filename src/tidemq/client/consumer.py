@@ -35,10 +35,13 @@ position never passes the first chunk of a message still being assembled.
 Flow control: a queue stops pulling while it holds ``pull_threshold_per_queue`` unpolled
 messages and resumes when ``poll`` drains it below that.
 
-``subscribe`` assigns every readable queue of the topic to this consumer and follows route
-changes every 30 s. Sharing a topic's queues between several members of one group (rebalance,
-SPEC CO4) needs the broker's consumer registry and comes with the push consumer; until then run
-one subscriber per group, or ``assign`` queues explicitly.
+``subscribe`` makes this consumer a member of its group (``membership.py``): it heartbeats to
+the brokers (``tidemq group describe`` lists it) and the group's members share the topic's
+queues by the same rebalance as push consumers (``allocate_strategy``, AVG by default), every
+``rebalance_interval`` (20 s) and at once when a member joins or leaves. A queue taken away is
+committed at its consumed position and its unpolled messages dropped, so the next owner starts
+right after what this consumer handed out. ``assign`` stays manual: no membership, exactly the
+queues given.
 
 Threading: one event loop. Use ``tidemq.PullConsumer`` from threads.
 """
@@ -50,14 +53,18 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from tidemq.client import chunking, offsets
 from tidemq.client.chunking import ChunkAssembler
-from tidemq.client.codec import decode_pull_body, parse_tag_expression
+from tidemq.client.codec import decode_pull_body
 from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
 from tidemq.client.errors import ClientClosedError, NoRouteError
+from tidemq.client.membership import GroupMembership, make_client_id
 from tidemq.client.message import ConsumeFrom, MessageExt, MessageQueue
+from tidemq.client.rebalance import AllocateStrategy
 from tidemq.client.route import RouteCache
+from tidemq.client.selection import EVERYTHING, Selection
 from tidemq.protocol.codes import PullStatus, RequestCode, ResponseCode, pull_status
 from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import BrokerError, TidemqError
@@ -69,6 +76,10 @@ from tidemq.protocol.headers import (
 )
 from tidemq.protocol.names import group_name_problem
 from tidemq.protocol.record import DEFAULT_MAX_RAW_SIZE
+
+if TYPE_CHECKING:
+    from tidemq.client.connection import Connection
+    from tidemq.protocol.frame import Frame
 
 __all__ = ["PullConsumer"]
 
@@ -118,7 +129,9 @@ class PullConsumer:
     long a broker holds a pull), ``check_crc`` (True: verify each batch's CRC32C),
     ``max_uncompressed_bytes`` (4 MiB + 64 KiB: the largest records section of one received
     batch, uncompressed; raise it with the broker's ``max_message_size``), ``request_timeout``
-    (3 s for other requests), ``pool``.
+    (3 s for other requests), ``pool``; group membership when subscribing:
+    ``heartbeat_interval`` (30 s), ``rebalance_interval`` (20 s), ``allocate_strategy``
+    (AllocateStrategy.AVG), ``instance_name`` (part of ``client_id``).
     """
 
     def __init__(
@@ -140,6 +153,10 @@ class PullConsumer:
         pool: ConnectionPool | None = None,
         chunk_expire: float = 60.0,
         max_uncompressed_bytes: int = DEFAULT_MAX_RAW_SIZE,
+        heartbeat_interval: float = 30.0,
+        rebalance_interval: float = 20.0,
+        allocate_strategy: AllocateStrategy | str = AllocateStrategy.AVG,
+        instance_name: str | None = None,
     ) -> None:
         problem = group_name_problem(group)
         if problem:
@@ -166,11 +183,19 @@ class PullConsumer:
         self.corrupt = CorruptRecords(log)
         self.request_timeout = request_timeout
         self._own_pool = pool is None
-        self.pool = pool if pool is not None else ConnectionPool(connect_timeout=request_timeout)
+        self.client_id = make_client_id(instance_name)
+        self.heartbeat_interval = heartbeat_interval
+        self.rebalance_interval = rebalance_interval
+        self.pool = pool if pool is not None else ConnectionPool(
+            connect_timeout=request_timeout, on_request=self._on_request)
         self.routes = RouteCache(self.pool, namesrv, refresh_interval=route_refresh,
                                  timeout=request_timeout)
+        self.membership = GroupMembership(
+            group, self.client_id, self.pool, self.routes,
+            consume_from=self.consume_from.value, strategy=AllocateStrategy(allocate_strategy),
+            request_timeout=request_timeout)
         self.route_refresh = route_refresh
-        self._subs: dict[str, tuple[str, frozenset[str] | None]] = {}
+        self._subs: dict[str, Selection] = {}
         self._assigned: list[MessageQueue] | None = None
         self._queues: dict[MessageQueue, _Queue] = {}
         self._order: list[_Queue] = []  # poll's round-robin order
@@ -183,18 +208,20 @@ class PullConsumer:
         self._errors: deque[BrokerError] = deque()  # refusals poll has not raised yet
 
     # -- configuration -------------------------------------------------------------------------
-    def subscribe(self, topic: str, expression: str = "*") -> None:
-        """Consume every queue of ``topic``; ``expression`` is "*" or "TagA || TagB"."""
+    def subscribe(self, topic: str, expression: str = "*", *, sql: str | None = None) -> None:
+        """Consume every queue of ``topic``: ``expression`` is "*" or "TagA || TagB"; or
+        ``sql="region = 'eu' AND amount > 100"`` selects by properties (SQL92,
+        docs/consumer-groups.md). A bad SQL92 expression raises SqlFilterError here."""
         if self._assigned is not None:
             raise ValueError("this consumer uses assign(); subscribe and assign do not mix")
-        self._subs[topic] = (expression, parse_tag_expression(expression))
+        self._subs[topic] = Selection(expression, sql=sql)
         if self._started:
-            asyncio.get_running_loop().create_task(self._rebalance_quietly())
+            asyncio.get_running_loop().create_task(self._rebalance_quietly(heartbeat=True))
 
     def unsubscribe(self, topic: str) -> None:
         self._subs.pop(topic, None)
         if self._started:
-            asyncio.get_running_loop().create_task(self._rebalance_quietly())
+            asyncio.get_running_loop().create_task(self._rebalance_quietly(heartbeat=True))
 
     def assign(self, queues: Iterable[MessageQueue]) -> None:
         """Consume exactly these queues (replacing any earlier assignment)."""
@@ -205,7 +232,7 @@ class PullConsumer:
             self._apply(set(self._assigned))
 
     def subscription(self) -> dict[str, str]:
-        return {t: e for t, (e, _) in self._subs.items()}
+        return {t: s.expression for t, s in self._subs.items()}
 
     def assignment(self) -> set[MessageQueue]:
         return set(self._queues)
@@ -226,10 +253,12 @@ class PullConsumer:
         if self._assigned is not None:
             self._apply(set(self._assigned))
         elif self._subs:
+            await self.membership.heartbeat(self._subs)  # a refused subscription raises here
             await self._rebalance()
         if self.auto_commit:
             self._tasks.append(loop.create_task(self._auto_commit_loop()))
         self._tasks.append(loop.create_task(self._rebalance_loop()))
+        self._tasks.append(loop.create_task(self._heartbeat_loop()))
         return self
 
     async def close(self) -> None:
@@ -249,6 +278,9 @@ class PullConsumer:
                 await self._commit(list(self._queues.values()))
             except TidemqError as exc:
                 log.warning("final commit of group %s failed: %s", self.group, exc)
+        if self._started and self._assigned is None and self.membership.heartbeats:
+            # after the commit: the members that take these queues start where this one ended
+            await self.membership.unregister(list(self._subs))
         await self.routes.close()
         if self._own_pool:
             self.pool.close()
@@ -450,19 +482,19 @@ class PullConsumer:
         want: set[MessageQueue] = set()
         for topic in list(self._subs):
             try:
-                route = await self.routes.get(topic, refresh=True)
+                want |= await self.membership.share(topic, set(self._queues), self._subs)
             except NoRouteError as exc:
                 if topic not in self._warned:  # once: the loop retries every second
                     self._warned.add(topic)
                     log.warning("subscription to %r: %s", topic, exc.message)
                 # Keep the queues we have: the name server may be briefly unreachable.
                 want |= {mq for mq in self._queues if mq.topic == topic}
-                continue
-            want |= set(route.read_queues)
         self._apply(want)
 
-    async def _rebalance_quietly(self) -> None:
+    async def _rebalance_quietly(self, *, heartbeat: bool = False) -> None:
         try:
+            if heartbeat and self._subs and self._assigned is None:
+                await self.membership.heartbeat(self._subs)
             await self._rebalance()
         except Exception as exc:  # keep consuming what we have; the loop tries again
             log.warning("rebalance of group %s failed: %s", self.group, exc)
@@ -470,15 +502,36 @@ class PullConsumer:
     async def _rebalance_loop(self) -> None:
         loop = asyncio.get_running_loop()
         last = loop.time()
+        changed = self.membership.changed
         while True:
-            await asyncio.sleep(min(self.route_refresh, 1.0))
             # A subscribed topic without queues yet (just created, or the name server was
-            # unreachable) is looked up again every second; the others every route_refresh.
+            # unreachable) is looked up again every second; the others every route_refresh
+            # or rebalance_interval, and at once when a broker says the group changed.
+            try:
+                async with asyncio.timeout(min(self.route_refresh, 1.0)):
+                    await changed.wait()
+            except TimeoutError:
+                pass
+            woken = changed.is_set()
+            changed.clear()
             have = {mq.topic for mq in self._queues}
             missing = any(t not in have for t in self._subs)
-            if missing or loop.time() - last >= self.route_refresh:
+            every = min(self.route_refresh, self.rebalance_interval)
+            if woken or missing or loop.time() - last >= every:
                 last = loop.time()
                 await self._rebalance_quietly()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            if self._subs and self._assigned is None:
+                try:
+                    await self.membership.heartbeat(self._subs)
+                except TidemqError as exc:
+                    log.warning("heartbeat of group %s failed: %s", self.group, exc)
+
+    def _on_request(self, conn: Connection, frame: Frame) -> None:
+        self.membership.on_request(conn, frame)
 
     def _apply(self, want: set[MessageQueue]) -> None:
         loop = asyncio.get_running_loop()
@@ -526,9 +579,9 @@ class PullConsumer:
 
     async def _pull_loop(self, q: _Queue) -> None:
         mq = q.mq
-        sub = self._subs.get(mq.topic)
-        expression, tags = sub if sub is not None else ("*", None)
-        flags = PullSysFlag.SUSPEND | (PullSysFlag.SUBSCRIPTION if tags is not None else 0)
+        sel = self._subs.get(mq.topic, EVERYTHING)
+        tags = sel.tags
+        flags = PullSysFlag.SUSPEND | (PullSysFlag.SUBSCRIPTION if sel.filters else 0)
         suspend_ms = int(self.suspend_timeout * 1000)
         timeout = self.suspend_timeout + max(self.request_timeout, 10.0)
         while True:
@@ -552,7 +605,8 @@ class PullConsumer:
                     consumer_group=self.group, topic=mq.topic, queue_id=mq.queue_id,
                     queue_offset=offset, max_msg_nums=self.pull_batch_size, sys_flag=flags,
                     suspend_timeout_millis=suspend_ms,
-                    subscription=expression if tags is not None else None,
+                    subscription=sel.expression if sel.filters else None,
+                    expression_type=sel.expression_type,
                 )
                 frame = await conn.request(RequestCode.PULL_MESSAGE, header, timeout=timeout)
                 status = pull_status(frame.code)
@@ -568,6 +622,8 @@ class PullConsumer:
                         on_corrupt=lambda qo, n, why, mq=mq: self._corrupt(mq, qo, n, why),
                         max_uncompressed=self.max_uncompressed_bytes,
                     )
+                    if sel.sql is not None:
+                        msgs = sel.keep(msgs, frame.body, h.members)
                     nxt = max(h.next_begin_offset, end) if end > offset else h.next_begin_offset
                     self._push(q, self._assemble(q, msgs), nxt)
                 elif status is PullStatus.OFFSET_ILLEGAL:

@@ -177,9 +177,9 @@ class PullService:
         sub = c.subscriptions.get(mq.topic)
         if sub is None:
             return  # unsubscribed meanwhile; the rebalance drops the queue
-        expression, tags = sub
+        tags = sub.tags
         flags = PullSysFlag.SUSPEND
-        if tags is not None:
+        if sub.filters:
             flags |= PullSysFlag.SUBSCRIPTION
         commit = 0
         addr = ""
@@ -195,7 +195,8 @@ class PullService:
                 consumer_group=c.group, topic=mq.topic, queue_id=mq.queue_id,
                 queue_offset=req.next_offset, max_msg_nums=c.pull_batch_size, sys_flag=flags,
                 commit_offset=commit, suspend_timeout_millis=c.suspend_ms,
-                subscription=expression if tags is not None else None,
+                subscription=sub.expression if sub.filters else None,
+                expression_type=sub.expression_type,
             )
             self.pulls += 1
             frame = await conn.request(RequestCode.PULL_MESSAGE, header,
@@ -214,6 +215,8 @@ class PullService:
                     on_corrupt=lambda qo, n, why, mq=mq: _skipped(c.corrupt, mq, qo, n, why),
                     max_uncompressed=c.max_uncompressed_bytes,
                 )
+                if sub.sql is not None:
+                    msgs = sub.keep(msgs, frame.body, h.members)
                 req.next_offset = h.next_begin_offset
                 if msgs:
                     if mq.topic.startswith(RETRY_PREFIX):

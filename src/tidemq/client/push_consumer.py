@@ -40,7 +40,6 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from tidemq.client.codec import parse_tag_expression
 from tidemq.client.connection import DEFAULT_TIMEOUT, Connection, ConnectionPool
 from tidemq.client.consume_concurrently import ConsumeConcurrentlyService
 from tidemq.client.consume_orderly import ConsumeOrderlyService
@@ -55,6 +54,7 @@ from tidemq.client.offset_store import (
 from tidemq.client.pull_service import PullService
 from tidemq.client.rebalance import RETRY_PREFIX, AllocateStrategy, Rebalance
 from tidemq.client.route import RouteCache
+from tidemq.client.selection import EVERYTHING, Selection
 from tidemq.protocol.codes import RequestCode
 from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import TidemqError
@@ -194,8 +194,8 @@ class PushConsumer:
         self.paused = False
         self._namesrv = namesrv
         self._route_refresh = route_refresh
-        #: topic -> (expression, tag set or None)
-        self.subscriptions: dict[str, tuple[str, frozenset[str] | None]] = {}
+        #: topic -> what is subscribed there (tags or SQL92)
+        self.subscriptions: dict[str, Selection] = {}
         self._started = False
         self._closed = False
         self._tasks: list[asyncio.Task] = []
@@ -204,9 +204,11 @@ class PushConsumer:
         self.routes: RouteCache = None  # type: ignore[assignment]
 
     # -- configuration -------------------------------------------------------------------------
-    def subscribe(self, topic: str, expression: str = "*") -> None:
-        """Consume ``topic``: ``expression`` is "*" or "TagA || TagB"."""
-        self.subscriptions[topic] = (expression, parse_tag_expression(expression))
+    def subscribe(self, topic: str, expression: str = "*", *, sql: str | None = None) -> None:
+        """Consume ``topic``: ``expression`` is "*" or "TagA || TagB"; or
+        ``sql="region = 'eu' AND amount > 100"`` selects by properties (SQL92,
+        docs/consumer-groups.md). A bad SQL92 expression raises SqlFilterError here."""
+        self.subscriptions[topic] = Selection(expression, sql=sql)
         if self._started:
             self._kick(heartbeat=True)
 
@@ -255,7 +257,7 @@ class PushConsumer:
                                  timeout=self.request_timeout)
         self.routes.start()
         if not self.broadcasting:
-            self.subscriptions.setdefault(RETRY_PREFIX + self.group, ("*", None))
+            self.subscriptions.setdefault(RETRY_PREFIX + self.group, EVERYTHING)
             self.offset_store: Any = RemoteOffsetStore(self.pool, self.routes, self.group,
                                                        self.request_timeout)
         else:
@@ -323,7 +325,9 @@ class PushConsumer:
 
     # -- heartbeats and membership ---------------------------------------------------------------
     def _heartbeat_header(self) -> HeartbeatRequestHeader:
-        subs = [SubscriptionData(topic=t, expression=e) for t, (e, _) in self.subscriptions.items()]
+        subs = [SubscriptionData(topic=t, expression=s.expression,
+                                 expression_type=s.expression_type)
+                for t, s in self.subscriptions.items()]
         cd = ConsumerData(
             group=self.group, message_model=self.message_model.value.upper(),
             consume_from=self.consume_from.value, subscriptions=subs,

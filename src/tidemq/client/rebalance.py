@@ -57,9 +57,10 @@ from tidemq.protocol.headers import (
 )
 
 if TYPE_CHECKING:
+    from tidemq.client.connection import ConnectionPool
     from tidemq.client.push_consumer import PushConsumer
 
-__all__ = ["AllocateStrategy", "allocate", "Rebalance", "RETRY_PREFIX"]
+__all__ = ["AllocateStrategy", "allocate", "find_consumer_ids", "Rebalance", "RETRY_PREFIX"]
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,25 @@ def allocate(
     return _avg(cid, mqs, cids)
 
 
+async def find_consumer_ids(pool: ConnectionPool, group: str, broker_addrs: dict[str, str],
+                            timeout: float) -> list[str]:
+    """The member ids of ``group`` from the first of ``broker_addrs`` that answers (push and
+    lite pull consumers alike); [] when none does."""
+    for addr in sorted(broker_addrs.values()):
+        try:
+            f = await pool.request(addr, RequestCode.GET_CONSUMER_LIST_BY_GROUP,
+                                   ConsumerGroupRequestHeader(consumer_group=group),
+                                   timeout=timeout)
+        except TidemqError as exc:
+            log.info("member list of %s from %s failed: %s", group, addr, exc)
+            continue
+        h: Any = f.header
+        if isinstance(h, ConsumerListResponseHeader):
+            return list(h.consumer_ids)
+        return list(h.get("consumer_ids", []))
+    return []
+
+
 class Rebalance:
     """The queue -> ProcessQueue table of one push consumer and the rebalance over it."""
 
@@ -183,19 +203,7 @@ class Rebalance:
 
     async def find_consumer_ids(self, broker_addrs: dict[str, str]) -> list[str]:
         c = self.c
-        for addr in sorted(broker_addrs.values()):
-            try:
-                f = await c.pool.request(addr, RequestCode.GET_CONSUMER_LIST_BY_GROUP,
-                                         ConsumerGroupRequestHeader(consumer_group=c.group),
-                                         timeout=c.request_timeout)
-            except TidemqError as exc:
-                log.info("member list of %s from %s failed: %s", c.group, addr, exc)
-                continue
-            h: Any = f.header
-            if isinstance(h, ConsumerListResponseHeader):
-                return list(h.consumer_ids)
-            return list(h.get("consumer_ids", []))
-        return []
+        return await find_consumer_ids(c.pool, c.group, broker_addrs, c.request_timeout)
 
     async def update_process_queues(self, topic: str, mine: set[MessageQueue]) -> bool:
         changed = False

@@ -209,12 +209,17 @@ class PullMessageRequestHeader(Header):
 
 class PullMessageResponseHeader(Header):
     """The body holds whole batches; the first may start before the requested offset, so the
-    client skips its messages below ``queue_offset`` (``BatchView.messages(start)``)."""
+    client skips its messages below ``queue_offset`` (``BatchView.messages(start)``).
+
+    ``members``: when the broker selected messages inside the batches (an SQL92 filter), one
+    bitmap per body batch of the messages that are this consumer's (``protocol/members.py``);
+    absent = every message of every batch."""
 
     next_begin_offset: NonNeg
     min_offset: NonNeg
     max_offset: NonNeg
     suggest_which_broker_id: NonNeg = MASTER_ID
+    members: list[bytes] = []
 
 
 # -- errors -------------------------------------------------------------------------------------
