@@ -98,6 +98,9 @@ class Accumulator:
         self._room: asyncio.Event | None = None  # set when npending drops below the bound
         #: the tasks of batches in flight (and other tracked sends)
         self.tasks: set[asyncio.Future[Any]] = set()
+        #: when several topics' batches flush together: takes those it sends in frames of many
+        #: batches per broker (multi-queue frames), returns the rest
+        self.send_many: Callable[[list[Any]], list[Any]] | None = None
         #: batches sent from buckets so far, and the messages in them
         self.batches = 0
         self.batched_messages = 0
@@ -236,11 +239,37 @@ class Accumulator:
         return any(b.msgs for b in self._buckets.values())
 
     def flush_open(self) -> None:
-        """Send every bucket now (a pinned one whose batch is in flight: when it is answered)."""
+        """Send every bucket now (a pinned one whose batch is in flight: when it is answered).
+        With ``send_many`` set, the lingering ``send_async`` batches of several topics go to
+        it together (frames of many batches per broker); what it hands back goes alone."""
         self._flush_scheduled = False
-        for b in list(self._buckets.values()):
-            if b.msgs and not (b.mq is not None and b.inflight):
-                self._dispatch(b)
+        ready = [b for b in self._buckets.values()
+                 if b.msgs and not (b.mq is not None and b.inflight)]
+        if self.send_many is not None:
+            many = [b for b in ready if b.mq is None and not b.waiting]
+            if len(many) > 1:
+                batches = []
+                for b in many:
+                    batches.append((b.topic, b.msgs, b.futs))
+                    b.msgs, b.futs, b.deadlines, b.size = [], [], [], 0
+                for batch in self.send_many(batches):
+                    self.send_single(batch)
+                ready = [b for b in ready if b.mq is not None or b.waiting]
+        for b in ready:
+            self._dispatch(b)
+
+    def send_single(self, batch: tuple[str, list[Message], list[Any]]) -> None:
+        """Send one open batch (topic, messages, futures) of an unpinned bucket alone."""
+        topic, msgs, futs = batch
+        b = self._buckets[topic]
+        b.inflight += 1
+        self.batches += 1
+        self.batched_messages += len(msgs)
+        self.track(b.loop.create_task(self._send_batch(b, msgs, futs, [0.0] * len(msgs))))
+
+    def answered(self, n: int) -> None:
+        """``n`` messages sent by ``send_many`` were answered."""
+        self._answered(n)
 
     def _dispatch(self, b: _Bucket) -> None:
         if b.timer is not None:
