@@ -61,7 +61,7 @@ _CONTENT_CODES = frozenset({ResponseCode.MESSAGE_ILLEGAL, ResponseCode.MESSAGE_T
 
 class _Bucket:
     __slots__ = ("key", "topic", "mq", "msgs", "futs", "deadlines", "size", "waiting",
-                 "inflight", "loop", "scheduled", "timer")
+                 "inflight", "loop", "scheduled", "timer", "cool")
 
     def __init__(self, key: Hashable, topic: str, mq: MessageQueue | None,
                  loop: asyncio.AbstractEventLoop) -> None:
@@ -77,6 +77,9 @@ class _Bucket:
         self.loop = loop
         self.scheduled = False  # a dispatch at the end of this loop iteration is queued
         self.timer: asyncio.TimerHandle | None = None  # the earliest waiting deadline
+        # A batch was answered in this loop iteration: the senders it wakes are about to send
+        # again, so a send finding the bucket empty joins them instead of leaving alone.
+        self.cool = False
 
 
 class Accumulator:
@@ -147,7 +150,7 @@ class Accumulator:
         sends arriving meanwhile gather behind it; else it joins the bucket."""
         k = msg.topic if key is None else key
         b = self._buckets.get(k)
-        if b is not None and (b.msgs or b.inflight):
+        if b is not None and (b.msgs or b.inflight or b.cool):
             return await self.add(msg, key, mq, deadline)
         if b is None:
             b = self._buckets[k] = _Bucket(k, msg.topic, mq, asyncio.get_running_loop())
@@ -226,6 +229,10 @@ class Accumulator:
         b.scheduled = False
         if b.msgs and not b.inflight:
             self._dispatch(b)
+
+    @staticmethod
+    def _uncool(b: _Bucket) -> None:
+        b.cool = False
 
     def kick(self) -> None:
         """Send now the buckets that would leave at the end of this loop iteration (a caller
@@ -316,8 +323,14 @@ class Accumulator:
     def _after(self, b: _Bucket) -> None:
         """A batch of ``b`` was answered: send what gathered meanwhile."""
         b.inflight -= 1
-        if b.msgs and (b.waiting or b.mq is not None) and not b.inflight:
-            self._dispatch(b)
+        if b.msgs and (b.waiting or b.mq is not None) and not b.inflight and not b.scheduled:
+            # At the end of this loop iteration: the senders this answer wakes send their
+            # next messages first, and they all leave together.
+            b.scheduled = True
+            b.loop.call_soon(self._leave, b)
+        elif not b.msgs and not b.inflight and not b.cool:
+            b.cool = True
+            b.loop.call_soon(self._uncool, b)
         # An idle bucket stays (one per topic, and per queue of ordered sends): the next send
         # finds it ready.
 
