@@ -182,9 +182,14 @@ def encode_messages(
             topic, messages, queue_id, producer_id, base_seq, born_ts, born_host, born_port,
             compression, compress_min, max_properties_size,
         )
-    records, index, keys = (_small_records if n <= _SMALL else _general_records)(
-        messages, born_ts, max_properties_size
-    )
+    if n > _SMALL:
+        # One allocation, one copy of every payload: the sections joined straight into the
+        # batch buffer after room for the headers.
+        parts, index, keys, rec_size = _general_records(messages, born_ts, max_properties_size)
+        buf = bytearray().join([bytes(q), index, keys, *parts])
+        return _seal(buf, p, topic_b, queue_id, producer_id, base_seq, born_host, born_port,
+                     n, len(keys), rec_size, delay, deliver_at)
+    records, index, keys = _small_records(messages, born_ts, max_properties_size)
     total = q + len(index) + len(keys) + len(records)
     buf = bytearray(total)
     buf[q : q + len(index)] = index
@@ -381,11 +386,11 @@ def _small_records(messages: Sequence[Message], born_ts: int, max_props: int
 
 
 def _general_records(messages: Sequence[Message], born_ts: int, max_props: int
-                     ) -> tuple[bytes, bytes, bytes]:
+                     ) -> tuple[list[bytes | memoryview], bytes, bytes, int]:
     """Records, index and keys section of messages with tags, keys or properties, each of its
     own size, tags, keys and properties: per message only what differs (its tag from a cache,
     its properties, three lengths); the record headers and the index are built as columns
-    (numpy) and joined with the payloads in one ``bytes.join``."""
+    (numpy). Returns (the records as parts to join, index, keys, records size)."""
     n = len(messages)
     tls = [0] * n
     pls = [0] * n
@@ -437,7 +442,7 @@ def _general_records(messages: Sequence[Message], born_ts: int, max_props: int
     parts[1::4] = tbs
     parts[2::4] = pbs
     parts[3::4] = bodies
-    return b"".join(parts), idx.tobytes(), b"".join(keys_parts)
+    return parts, idx.tobytes(), b"".join(keys_parts), int(ends[-1])
 
 
 def _encode_generic(
