@@ -35,6 +35,8 @@ Threading: one event loop (the producer's).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
@@ -55,6 +57,7 @@ Check = Callable[[Message], Exception | None]
 
 # Broker answers about a batch's content: one bad message of a shared batch must not fail the
 # others, so they are told apart by sending them again.
+_InvalidState = (asyncio.InvalidStateError, concurrent.futures.InvalidStateError)
 _CONTENT_CODES = frozenset({ResponseCode.MESSAGE_ILLEGAL, ResponseCode.MESSAGE_TOO_LARGE,
                             ResponseCode.INVALID_ARGUMENT})
 
@@ -397,6 +400,18 @@ class Accumulator:
             await self._send_some(b, [msgs[i]], [futs[i]], [deadlines[i]], alone=True)
 
 
+def _finish_after_race(r: SendResult, futs: list[Any]) -> None:
+    """split_result, one future at a time (some were cancelled meanwhile)."""
+    pid = r.producer_id
+    step = 1 if r.queue_offset >= 0 else 0
+    for i, f in enumerate(futs):
+        seq = r.base_seq + i
+        with contextlib.suppress(*_InvalidState):
+            if not f.done():
+                f.set_result(SendResult(r.status, f"{pid:016X}{seq:016X}", r.topic, r.queue_id,
+                                        r.queue_offset + i * step, 1, r.broker_name, pid, seq))
+
+
 def _waited_too_long(topic: str) -> RequestTimeoutError:
     return RequestTimeoutError(
         f"send to topic {topic!r} timed out before its batch left (the send timeout covers "
@@ -415,8 +430,11 @@ def split_result(r: SendResult, futs: list[asyncio.Future[SendResult]]) -> None:
     status, topic, qid, qoff, bname, base = (r.status, r.topic, r.queue_id, r.queue_offset,
                                              r.broker_name, r.base_seq)
     step = 1 if qoff >= 0 else 0  # a DUPLICATE batch has no offsets: -1 for each
-    for i, f in enumerate(futs):
-        if not f.done():
-            seq = base + i
-            f.set_result(SendResult(status, f"{prefix}{seq:016X}", topic, qid,
-                                    qoff + i * step, 1, bname, pid, seq))
+    try:
+        for i, f in enumerate(futs):
+            if not f.done():
+                seq = base + i
+                f.set_result(SendResult(status, f"{prefix}{seq:016X}", topic, qid,
+                                        qoff + i * step, 1, bname, pid, seq))
+    except _InvalidState:  # a concurrent.futures.Future cancelled by another thread
+        _finish_after_race(r, futs)
