@@ -105,7 +105,7 @@ class Accumulator:
         #: the tasks of batches in flight (and other tracked sends)
         self.tasks: set[asyncio.Future[Any]] = set()
         #: when several topics' batches flush together: takes those it sends in frames of many
-        #: batches per broker (multi-queue frames), returns the rest
+        #: batches per broker (SEND_MULTI_QUEUE, client/multi_sender.py), returns the rest
         self.send_many: Callable[[list[Any]], list[Any]] | None = None
         #: batches sent from buckets so far, and the messages in them
         self.batches = 0
