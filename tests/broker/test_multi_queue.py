@@ -6,13 +6,19 @@ gathers the open batches of many topics into such frames."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from tidemq.client.admin import Admin
 from tidemq.client.consumer import PullConsumer
 from tidemq.client.message import Message
 from tidemq.client.producer import Producer
 from tidemq.protocol.codes import RequestCode
-from tidemq.protocol.headers import SendMultiQueueRequestHeader
+from tidemq.protocol.headers import (
+    MultiQueuePull,
+    PullMultiQueueRequestHeader,
+    SendMultiQueueRequestHeader,
+)
+from tidemq.protocol.record import BatchView
 
 from .forge import Rec, forge
 from .wire import ResponseCode, Wire, decode_pull, error_message, start_broker, start_namesrv
@@ -97,3 +103,75 @@ def test_the_producer_sends_spread_traffic_in_multi_queue_frames(tmp_path):
     finally:
         br.stop()
         ns.stop()
+
+
+# -- PULL_MULTI_QUEUE -----------------------------------------------------------------------------
+
+
+def _pull_multi(w: Wire, pulls, *, suspend_ms: int | None = None, timeout: float = 10.0):
+    h = PullMultiQueueRequestHeader(consumer_group="cg", pulls=pulls,
+                                    suspend=suspend_ms is not None,
+                                    suspend_timeout_millis=suspend_ms or 0)
+    return w.request(RequestCode.PULL_MULTI_QUEUE, h, timeout=timeout)
+
+
+def _bodies(frame, pulls):
+    """The messages of each queue of a PULL_MULTI_QUEUE answer."""
+    out = []
+    pos = 0
+    body = frame.body
+    for p, r in zip(pulls, frame.header.results, strict=True):
+        part = body[pos : pos + r.body_bytes]
+        pos += r.body_bytes
+        msgs = []
+        q = 0
+        while q < len(part):
+            v = BatchView(part, q)
+            v.verify()
+            msgs += [m.body for m in v.messages(max(0, p.queue_offset - v.queue_offset))]
+            q += v.total_size
+        out.append(msgs)
+    assert pos == len(body)
+    return out
+
+
+def test_one_pull_serves_many_queues_each_through_the_door(wire, topic):
+    assert wire.create_topic(topic, 4).code == R.SUCCESS
+    for q in (0, 2):
+        wire.send_messages(topic, [b"q%d-%d" % (q, i) for i in range(3)], queue_id=q)
+    pulls = [MultiQueuePull(topic, 0, 1), MultiQueuePull(topic, 1, 0),
+             MultiQueuePull(topic, 2, 0, max_msg_nums=2), MultiQueuePull(topic, 9, 0),
+             MultiQueuePull("SCHEDULE_TOPIC_XXXX", 0, 0),
+             MultiQueuePull(topic, 0, 0, subscription="||")]
+    r = _pull_multi(wire, pulls)
+    assert r.code == R.SUCCESS, error_message(r)
+    res = r.header.results
+    assert [x.code for x in res[:4]] == [R.SUCCESS, R.PULL_NOT_FOUND, R.SUCCESS,
+                                         R.INVALID_ARGUMENT]
+    assert res[4].code != R.SUCCESS and res[5].code == R.SUBSCRIPTION_PARSE_FAILED
+    assert "out of range" in res[3].message
+    assert (res[0].next_begin_offset, res[0].max_offset) == (3, 3)
+    got = _bodies(r, pulls)
+    assert got[0] == [b"q0-1", b"q0-2"] and got[1] == [] and got[2][:2] == [b"q2-0", b"q2-1"]
+
+
+def test_a_held_multi_pull_wakes_on_any_of_its_queues(broker, topic):
+    with Wire(broker.addr) as w, Wire(broker.addr) as sender:
+        assert w.create_topic(topic, 8).code == R.SUCCESS
+        pulls = [MultiQueuePull(topic, q, 0) for q in range(8)]
+        t0 = time.monotonic()
+        opaque = w.send(RequestCode.PULL_MULTI_QUEUE, PullMultiQueueRequestHeader(
+            consumer_group="cg", pulls=pulls, suspend=True, suspend_timeout_millis=5000))
+        time.sleep(0.3)
+        sender.send_messages(topic, [b"wake"], queue_id=5)
+        r = w.recv(opaque, timeout=10)
+        assert time.monotonic() - t0 < 3
+        assert r.code == R.SUCCESS
+        assert [x.code for x in r.header.results].count(R.SUCCESS) == 1
+        assert _bodies(r, pulls)[5] == [b"wake"]
+        # nothing arrives: answered at the timeout, every queue PULL_NOT_FOUND
+        pulls = [MultiQueuePull(topic, q, 1 if q == 5 else 0) for q in range(8)]
+        t0 = time.monotonic()
+        r = _pull_multi(w, pulls, suspend_ms=600)
+        assert 0.5 < time.monotonic() - t0 < 3
+        assert {x.code for x in r.header.results} == {R.PULL_NOT_FOUND}
