@@ -175,3 +175,41 @@ def test_a_held_multi_pull_wakes_on_any_of_its_queues(broker, topic):
         r = _pull_multi(w, pulls, suspend_ms=600)
         assert 0.5 < time.monotonic() - t0 < 3
         assert {x.code for x in r.header.results} == {R.PULL_NOT_FOUND}
+
+
+def test_a_consumer_of_many_queues_pulls_them_in_multi_queue_requests(tmp_path):
+    ns = start_namesrv(tmp_path)
+    br = start_broker(tmp_path, ns.addr)
+    try:
+        async def run() -> None:
+            topics = [f"many{i}" for i in range(12)]
+            async with Admin(ns.addr) as admin:
+                for t in topics:
+                    await admin.create_topic(t, 8)
+            async with Producer(ns.addr) as p:
+                await asyncio.gather(*(p.send(Message(t, b"%s-%d" % (t.encode(), i)))
+                                       for t in topics for i in range(5)))
+            c = PullConsumer(ns.addr, "g-many", consume_from="first", auto_commit=False,
+                             multi_queue_min=16, suspend_timeout=2.0)
+            for t in topics:
+                c.subscribe(t)
+            got: list[bytes] = []
+            async with c:
+                while len(got) < 60:
+                    msgs = await c.poll(timeout=5)
+                    assert msgs, len(got)
+                    got += [m.body for m in msgs]
+                assert sum(b.requests for b in c._batchers.values()) >= 1
+                assert len(c._batchers) == 1
+                # tailing: a held multi pull wakes for a new message on any queue
+                async with Producer(ns.addr) as p:
+                    await p.send(Message("many7", b"late"))
+                late = await c.poll(timeout=5)
+                assert [m.body for m in late] == [b"late"]
+            assert sorted(got) == sorted(b"%s-%d" % (t.encode(), i) for t in topics
+                                         for i in range(5))
+
+        asyncio.run(run())
+    finally:
+        br.stop()
+        ns.stop()

@@ -62,6 +62,7 @@ from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_
 from tidemq.client.errors import ClientClosedError, NoRouteError
 from tidemq.client.membership import GroupMembership, make_client_id
 from tidemq.client.message import ConsumeFrom, MessageExt, MessageQueue
+from tidemq.client.multi_pull import MultiPullUnsupported, PullBatcher
 from tidemq.client.rebalance import AllocateStrategy
 from tidemq.client.route import RouteCache
 from tidemq.client.selection import EVERYTHING, Selection
@@ -70,6 +71,7 @@ from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import BrokerError, TidemqError
 from tidemq.protocol.headers import (
     MASTER_ID,
+    MultiQueuePull,
     PullMessageRequestHeader,
     PullMessageResponseHeader,
     PullSysFlag,
@@ -131,7 +133,9 @@ class PullConsumer:
     batch, uncompressed; raise it with the broker's ``max_message_size``), ``request_timeout``
     (3 s for other requests), ``pool``; group membership when subscribing:
     ``heartbeat_interval`` (30 s), ``rebalance_interval`` (20 s), ``allocate_strategy``
-    (AllocateStrategy.AVG), ``instance_name`` (part of ``client_id``).
+    (AllocateStrategy.AVG), ``instance_name`` (part of ``client_id``); ``multi_queue_min`` (64:
+    with this many assigned queues or more, the pulls to one broker travel together in
+    PULL_MULTI_QUEUE requests, held by the broker as one long poll; 0 = never).
     """
 
     def __init__(
@@ -157,6 +161,7 @@ class PullConsumer:
         rebalance_interval: float = 20.0,
         allocate_strategy: AllocateStrategy | str = AllocateStrategy.AVG,
         instance_name: str | None = None,
+        multi_queue_min: int = 64,
     ) -> None:
         problem = group_name_problem(group)
         if problem:
@@ -195,6 +200,10 @@ class PullConsumer:
             consume_from=self.consume_from.value, strategy=AllocateStrategy(allocate_strategy),
             request_timeout=request_timeout)
         self.route_refresh = route_refresh
+        #: with this many assigned queues or more, pulls to a broker travel together in
+        #: PULL_MULTI_QUEUE requests (client/multi_pull.py); 0 = never
+        self.multi_queue_min = multi_queue_min
+        self._batchers: dict[str, PullBatcher] = {}
         self._subs: dict[str, Selection] = {}
         self._assigned: list[MessageQueue] | None = None
         self._queues: dict[MessageQueue, _Queue] = {}
@@ -271,6 +280,8 @@ class PullConsumer:
         for q in self._queues.values():
             if q.task is not None:
                 q.task.cancel()
+        for b in self._batchers.values():
+            b.close()
         tasks = self._tasks + [q.task for q in self._queues.values() if q.task is not None]
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.auto_commit and self._started:
@@ -608,22 +619,38 @@ class PullConsumer:
                     subscription=sel.expression if sel.filters else None,
                     expression_type=sel.expression_type,
                 )
-                frame = await conn.request(RequestCode.PULL_MESSAGE, header, timeout=timeout)
-                status = pull_status(frame.code)
-                if status is None:
-                    raise_for_error(frame)
-                h = frame.header
-                assert isinstance(h, PullMessageResponseHeader)
+                batcher = self._batcher(addr, suspend_ms, timeout)
+                if batcher is not None:
+                    # many queues: this pull travels in a PULL_MULTI_QUEUE (client/multi_pull.py)
+                    try:
+                        h, body = await batcher.pull(MultiQueuePull(
+                            mq.topic, mq.queue_id, offset, self.pull_batch_size,
+                            flags & ~PullSysFlag.SUSPEND, 0, header.subscription,
+                            header.expression_type))
+                    except MultiPullUnsupported:
+                        continue  # pulled one by one from now on
+                    status = pull_status(h.code)
+                    if status is None:
+                        raise BrokerError(h.message or f"pull refused ({h.code})",
+                                          response_code=h.code)
+                else:
+                    frame = await conn.request(RequestCode.PULL_MESSAGE, header, timeout=timeout)
+                    status = pull_status(frame.code)
+                    if status is None:
+                        raise_for_error(frame)
+                    h = frame.header
+                    assert isinstance(h, PullMessageResponseHeader)
+                    body = frame.body
                 q.broker_id = h.suggest_which_broker_id
                 if status is PullStatus.FOUND:
                     msgs, end = decode_pull_body(
-                        frame.body, from_offset=offset, broker_name=mq.broker_name, tags=tags,
+                        body, from_offset=offset, broker_name=mq.broker_name, tags=tags,
                         check_crc=self.check_crc, topic=mq.topic,
                         on_corrupt=lambda qo, n, why, mq=mq: self._corrupt(mq, qo, n, why),
                         max_uncompressed=self.max_uncompressed_bytes,
                     )
                     if sel.sql is not None:
-                        msgs = sel.keep(msgs, frame.body, h.members)
+                        msgs = sel.keep(msgs, body, h.members)
                     nxt = max(h.next_begin_offset, end) if end > offset else h.next_begin_offset
                     self._push(q, self._assemble(q, msgs), nxt)
                 elif status is PullStatus.OFFSET_ILLEGAL:
@@ -667,6 +694,17 @@ class PullConsumer:
             "buffered": sum(q.buffered for q in self._queues.values()),
             "corrupt_skipped": self.corrupt.total,
         }
+
+    def _batcher(self, addr: str, suspend_ms: int, timeout: float) -> PullBatcher | None:
+        """The PULL_MULTI_QUEUE batcher of ``addr`` when this consumer pulls many queues
+        (``multi_queue_min`` or more), None to pull queue by queue."""
+        if self.multi_queue_min <= 0 or len(self._queues) < self.multi_queue_min:
+            return None
+        b = self._batchers.get(addr)
+        if b is None:
+            b = self._batchers[addr] = PullBatcher(self.pool, addr, self.group,
+                                                   suspend_ms=suspend_ms, timeout=timeout)
+        return None if b.unsupported else b
 
     def _fail(self, q: _Queue, exc: BrokerError) -> None:
         """Stop pulling ``q`` after a refusal no retry fixes; the next poll raises it."""
