@@ -204,6 +204,9 @@ class PullConsumer:
         #: PULL_MULTI_QUEUE requests (client/multi_pull.py); 0 = never
         self.multi_queue_min = multi_queue_min
         self._batchers: dict[str, PullBatcher] = {}
+        #: start-offset lookups in flight at most (a consumer of 100,000 queues would
+        #: otherwise ask for all of them at once and time out)
+        self._lookups = asyncio.Semaphore(128)
         self._subs: dict[str, Selection] = {}
         self._assigned: list[MessageQueue] | None = None
         self._queues: dict[MessageQueue, _Queue] = {}
@@ -599,8 +602,9 @@ class PullConsumer:
             addr = ""
             try:
                 if q.pull_offset is None:
-                    off, committed = await self._start_offset(
-                        mq, await self.routes.addr_for_admin(mq))
+                    async with self._lookups:  # thousands of queues: not all at once
+                        off, committed = await self._start_offset(
+                            mq, await self.routes.addr_for_admin(mq))
                     q.pull_offset = q.consume_offset = off
                     # A start chosen by consume_from is committed too, so a restart before
                     # the first poll does not skip what arrived in between.
