@@ -99,7 +99,7 @@ class _Queue:
 
     __slots__ = (
         "mq", "pull_offset", "consume_offset", "committed", "chunks", "buffered", "task",
-        "paused", "space", "ready", "assembler", "broker_id", "failed",
+        "paused", "space", "ready", "assembler", "broker_id", "failed", "in_ready",
     )
 
     def __init__(self, mq: MessageQueue) -> None:
@@ -118,6 +118,7 @@ class _Queue:
         self.assembler: ChunkAssembler | None = None  # created at the first chunk seen
         self.broker_id = MASTER_ID  # which broker of the group to pull from (the suggestion)
         self.failed: BrokerError | None = None  # a refusal no retry fixes stopped the queue
+        self.in_ready = False  # listed in the consumer's queues with chunks to poll
 
 
 class PullConsumer:
@@ -206,12 +207,15 @@ class PullConsumer:
         self._batchers: dict[str, PullBatcher] = {}
         #: start-offset lookups in flight at most (a consumer of 100,000 queues would
         #: otherwise ask for all of them at once and time out)
-        self._lookups = asyncio.Semaphore(128)
+        self._lookups = asyncio.Semaphore(1024)
         self._subs: dict[str, Selection] = {}
         self._assigned: list[MessageQueue] | None = None
         self._queues: dict[MessageQueue, _Queue] = {}
-        self._order: list[_Queue] = []  # poll's round-robin order
+        self._order: list[_Queue] = []  # the assigned queues, sorted
         self._rr = 0
+        # poll's round robin: only the queues holding pulled chunks (a poll's work follows what
+        # arrived, not the number of assigned queues)
+        self._ready_qs: deque[_Queue] = deque()
         self._ready = asyncio.Event()
         self._started = False
         self._closed = False
@@ -338,16 +342,15 @@ class PullConsumer:
                 return out
 
     def _drain(self) -> list[MessageExt]:
-        order = self._order
-        n = len(order)
-        if not n:
-            return []
+        ready = self._ready_qs
         need = self.max_poll_records
         out: list[MessageExt] = []
-        start = self._rr
-        self._rr = (start + 1) % n
-        for k in range(n):
-            q = order[(start + k) % n]
+        queues = self._queues
+        while ready and need > 0:
+            q = ready.popleft()
+            q.in_ready = False
+            if queues.get(q.mq) is not q:
+                continue  # no longer assigned
             chunks = q.chunks
             while chunks and need > 0:
                 msgs, nxt = chunks[0]
@@ -366,10 +369,11 @@ class PullConsumer:
                     q.buffered -= need
                     q.consume_offset = min(msgs[need - 1].queue_offset + 1, nxt)
                     need = 0
+            if chunks:  # the rest next time, after the others (round robin)
+                q.in_ready = True
+                ready.append(q)
             if q.buffered < self.pull_threshold and not q.space.is_set():
                 q.space.set()
-            if need <= 0:
-                break
         return out
 
     # -- positions -----------------------------------------------------------------------------
@@ -752,5 +756,8 @@ class PullConsumer:
             return
         q.chunks.append((msgs, nxt))
         q.buffered += len(msgs)
+        if not q.in_ready:
+            q.in_ready = True
+            self._ready_qs.append(q)
         if msgs:
             self._ready.set()
