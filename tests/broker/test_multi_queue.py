@@ -213,3 +213,16 @@ def test_a_consumer_of_many_queues_pulls_them_in_multi_queue_requests(tmp_path):
     finally:
         br.stop()
         ns.stop()
+
+
+def test_a_multi_pull_answer_stays_within_one_read(wire, topic):
+    assert wire.create_topic(topic, 4).code == R.SUCCESS
+    big = b"x" * 900_000
+    for q in range(4):
+        for _ in range(3):
+            wire.send_messages(topic, [big], queue_id=q)
+    pulls = [MultiQueuePull(topic, q, 0, max_msg_nums=32) for q in range(4)]
+    r = _pull_multi(wire, pulls)
+    res = r.header.results
+    assert res[0].code == R.SUCCESS and len(r.body) <= 8 << 20
+    assert res[-1].code == R.PULL_RETRY_IMMEDIATELY and res[-1].next_begin_offset == 0

@@ -47,7 +47,7 @@ class _MultiPull:
     """One PULL_MULTI_QUEUE between its arrival and its answer."""
 
     __slots__ = ("proc", "conn", "opaque", "results", "bodies", "held", "holding", "sent",
-                 "timer")
+                 "timer", "nbytes")
 
     def __init__(self, proc: MultiPullProcessor, conn: BrokerConnection, opaque: int,
                  n: int) -> None:
@@ -60,6 +60,7 @@ class _MultiPull:
         self.holding = False
         self.sent = False
         self.timer: Any = None
+        self.nbytes = 0  # body bytes so far
 
     def put(self, i: int, code: int, header: Any, bodies: list[Any] | None) -> None:
         if self.sent:
@@ -73,6 +74,7 @@ class _MultiPull:
             r = MultiQueuePullResult(code, message=getattr(header, "message", ""))
         self.results[i] = r
         self.bodies[i] = list(bodies) if bodies else []
+        self.nbytes += r.body_bytes
         if self.holding and code != _NOT_FOUND:
             self.proc.loop.call_soon(self.send)  # woken: answer (others woken now join)
 
@@ -144,7 +146,15 @@ class MultiPullProcessor:
                                   "PULL_MULTI_QUEUE names no queue")
         agg = _MultiPull(self, conn, frame.opaque, len(h.pulls))
         admitted: list[tuple[int, PullMessageRequestHeader, frozenset[int] | None]] = []
+        budget = self.broker.store.config.max_read_bytes
         for i, p in enumerate(h.pulls):
+            if agg.nbytes >= budget:
+                # A response stays within one read's bytes (and the frame limit): the queues
+                # not read answer PULL_RETRY_IMMEDIATELY at their offset (pull again at once).
+                agg.results[i] = MultiQueuePullResult(
+                    ResponseCode.PULL_RETRY_IMMEDIATELY, p.queue_offset,
+                    message="not read: this answer is full; pull again")
+                continue
             one = PullMessageRequestHeader(
                 consumer_group=h.consumer_group, topic=p.topic, queue_id=p.queue_id,
                 queue_offset=p.queue_offset, max_msg_nums=p.max_msg_nums,
