@@ -135,3 +135,33 @@ def test_a_chunked_message_reaches_a_push_listener_whole(cluster):
         assert stats["chunks_assembled"] == 1 and stats["chunks_expired"] == 0
 
     asyncio.run(main())
+
+
+def test_cli_consume_prints_a_chunked_message_whole_and_filters_by_sql(cluster):
+    import json
+
+    from click.testing import CliRunner
+
+    from tidemq.cli.main import cli
+
+    async def produce():
+        await make_topic(cluster.namesrv, "chunk-cli", 1)
+        async with aio.Producer(cluster.namesrv, producer_name="chunker-cli",
+                                send_timeout=30) as p:
+            await p.send(aio.Message("chunk-cli", b"a" * (5 * 1024 * 1024),
+                                     properties={"kind": "big"}))
+            await p.send(aio.Message("chunk-cli", b"small", properties={"kind": "small"}))
+
+    asyncio.run(produce())
+    base = ["consume", "--namesrv", cluster.namesrv, "--topic", "chunk-cli", "--from-beginning",
+            "--timeout", "2", "--json"]
+    r = CliRunner().invoke(cli, [*base, "--group", "g-cli-all"])
+    assert r.exit_code == 0, r.output
+    lines = [json.loads(x) for x in r.output.splitlines() if x.startswith("{")]
+    assert len(lines) == 2 and lines[1]["properties"] == {"kind": "small"}
+    assert lines[0]["properties"] == {"kind": "big"}
+    r = CliRunner().invoke(cli, [*base, "--group", "g-cli-sql", "--sql", "kind = 'big'"])
+    lines = [json.loads(x) for x in r.output.splitlines() if x.startswith("{")]
+    assert [x["properties"] for x in lines] == [{"kind": "big"}]
+    r = CliRunner().invoke(cli, [*base, "--group", "g-cli-bad", "--sql", "kind ="])
+    assert r.exit_code != 0 and "ends too early" in r.output
