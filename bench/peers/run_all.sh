@@ -18,28 +18,7 @@ if [[ ! -x "$PY" ]]; then
     exit 1
 fi
 
-as_root() {
-    if [[ $(id -u) -eq 0 ]]; then "$@"
-    elif command -v sudo >/dev/null; then sudo "$@"
-    else echo "need root for: $*" >&2; return 1
-    fi
-}
-
-missing=()
-command -v redis-server >/dev/null || missing+=(redis-server)
-[[ -x /usr/lib/rabbitmq/bin/rabbitmq-server ]] || missing+=(rabbitmq-server)
-if (( ${#missing[@]} )); then
-    echo "installing ${missing[*]} (apt)" >&2
-    # Debian starts the packages' system services on install (where a service manager runs);
-    # the benchmark does not use them: it starts its own servers on free loopback ports.
-    as_root apt-get update -q >&2
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >&2
-fi
-
-if ! "$PY" -c 'import redis, hiredis, rstream' 2>/dev/null; then
-    echo "installing redis-py, hiredis, rstream into $PY (pip)" >&2
-    "$PY" -m pip install -q 'redis>=5' 'hiredis>=2' 'rstream>=1.1,<2' >&2
-fi
+"$HERE/install.sh" all
 
 # Run from the repository root so `python -m tidemq.cli.main` finds this checkout.
 cd "$ROOT"

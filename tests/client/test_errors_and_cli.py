@@ -150,3 +150,18 @@ def test_cli_benchmarks_print_one_json_object(dev):
                   "--seconds", "1", "--json"])
     e = json.loads(r.output.splitlines()[-1])
     assert e["received"] == e["sent"] == 500 and 0 < e["p50_ms"] <= e["p99_ms"] <= e["p999_ms"]
+
+
+def test_bench_app_runs_every_workload_and_prints_one_json_object():
+    """`tidemq bench app` (its own `tidemq dev`; Redis left out): every workload reports its
+    count and rate."""
+    r = CliRunner().invoke(cli, ["bench", "app", "--scale", "0.01", "--no-redis", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output.splitlines()[-1])
+    assert out["redis"] == "--no-redis"
+    w = out["workloads"]
+    assert list(w) == ["send_1_thread", "send_16_threads", "await_send_64", "send_async",
+                       "push_consume"]
+    assert w["send_16_threads"]["tidemq"]["count"] == 320
+    assert w["send_async"]["tidemq"]["count"] == w["push_consume"]["tidemq"]["count"] == 2000
+    assert all(row["tidemq"]["msgs_per_s"] > 0 for row in w.values())

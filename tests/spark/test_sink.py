@@ -203,6 +203,19 @@ def test_batch_write_routes_by_topic_and_queue_columns(spark, dev):
         assert len(out) == len(want)
 
 
+def test_batch_write_to_a_topic_that_does_not_exist_yet(spark, dev):
+    """As ``Producer.send``: the broker creates the topic on the first write (auto-create), the
+    sink does not ask for a route that is not there yet."""
+    with tidemq.Admin(dev.namesrv) as admin:
+        assert "sk-new-out" not in admin.list_topics()
+    rows = [(f"n{i:04d}".encode(), f"c{i % 7}") for i in range(500)]
+    df = spark.createDataFrame(rows, "body binary, hash_key string").repartition(2)
+    (df.write.format("tidemq").option("namesrv", dev.namesrv).option("topic", "sk-new-out")
+     .mode("append").save())
+    out = _read_all(spark, dev, "sk-new-out")
+    assert _counts(out) == Counter(r[0] for r in rows)
+
+
 def test_empty_partitions_write_nothing(spark, dev):
     create_topic(dev, "sk-empty", 2)
     df = spark.createDataFrame([(b"only",)], "body binary").repartition(4)  # 3 empty partitions

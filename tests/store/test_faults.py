@@ -122,11 +122,11 @@ def test_lost_or_garbled_indexes_are_rebuilt(tmp_path, damage):
         for i in range(50):
             s.put(batch("t", [f"v{i}".encode()] * 2, queue_id=i % 2, keys=f"key{i}"))
     if damage == "delete_cq":
-        shutil.rmtree(d / "consumequeue" / "t" / "1")
+        shutil.rmtree(d / "cqlog")
     elif damage == "garble_cq":
-        f = sorted((d / "consumequeue" / "t" / "0").iterdir())[0]
+        f = sorted((d / "cqlog").iterdir())[0]
         raw = bytearray(f.read_bytes())
-        raw[20:40] = os.urandom(20)
+        raw[40:60] = os.urandom(20)
         f.write_bytes(raw)
     elif damage == "delete_index":
         shutil.rmtree(d / "index")

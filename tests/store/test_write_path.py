@@ -2,14 +2,14 @@
 consume-queue tail cache, space reserved before a batch is written, ASYNC flush by dirty bytes,
 and group-commit rounds completed through one executor call."""
 
+import os
 import threading
 import time
 
 import pytest
 
-from tidemq.protocol.errors import DiskFullError, StoreError
+from tidemq.protocol.errors import StoreError, StoreWriteError
 from tidemq.protocol.record import BatchView
-from tidemq.store import mapped_file
 from tidemq.store.config import PWRITE_MIN_BYTES
 from tidemq.store.flush import run_callbacks
 
@@ -57,27 +57,35 @@ def test_single_message_puts_keep_every_offset_across_consume_queue_files(tmp_pa
         assert [units.get(i)[0] for i in range(50)] == [m.phys_offset for m in msgs]
 
 
-def test_no_room_for_the_consume_queue_fails_the_put_with_nothing_written(tmp_path, monkeypatch):
-    with open_store(tmp_path, cq_units_per_file=4, segment_size=1 << 20) as s:
+def test_no_room_for_the_consume_queue_log_loses_no_unit(tmp_path, monkeypatch):
+    # Units wait in memory until the shared index log's next block (store/index_log.py): a put
+    # needs no consume queue space. A block that cannot be written (disk full) leaves them
+    # pending; the next flush writes them, and a crash before that recovers them from the
+    # CommitLog (no checkpoint covers them).
+    with open_store(tmp_path, segment_size=1 << 20) as s:
         for i in range(4):
             s.put(batch("t", [f"m{i}".encode()]))
-        write_pos = s.commitlog.write_pos
-        real = mapped_file._fallocate
+        s.flush()
+        real = os.pwritev
 
-        def full(fd, offset, length):
+        def full(fd, parts, offset):
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(mapped_file, "_fallocate", full)
-        with pytest.raises(DiskFullError, match="No space left"):
-            s.put(batch("t", [b"refused"]))  # needs the queue's second file
-        assert s.commitlog.write_pos == write_pos  # the batch never reached the CommitLog
-        monkeypatch.setattr(mapped_file, "_fallocate", real)
-        assert s.put(batch("t", [b"accepted"])).queue_offset == 4
+        s.put(batch("t", [b"m4", b"m5"]))
+        monkeypatch.setattr(os, "pwritev", full)
+        with pytest.raises(StoreWriteError, match="No space left"):
+            s.cqs.flush()
+        monkeypatch.setattr(os, "pwritev", real)
+        assert [m.body for m in read_all(s, "t")[0]] == [b"m0", b"m1", b"m2", b"m3", b"m4", b"m5"]
         img = crash_image(s, tmp_path.parent / (tmp_path.name + "-img"))
-    with open_store(img, cq_units_per_file=4, segment_size=1 << 20) as s2:
-        msgs, _ = read_all(s2, "t")
-        assert [m.body for m in msgs][-2:] == [b"m3", b"accepted"]  # no phantom "refused"
-        assert len(msgs) == 5
+        s.put(batch("t", [b"m6"]))
+        s.flush()
+        assert s.cqs.pending_bytes == 0
+    with open_store(tmp_path, segment_size=1 << 20) as s2:
+        assert [m.body for m in read_all(s2, "t")[0]][-3:] == [b"m4", b"m5", b"m6"]
+    with open_store(img, segment_size=1 << 20) as s3:
+        msgs, _ = read_all(s3, "t")
+        assert [m.queue_offset for m in msgs] == list(range(6))
 
 
 def test_async_flush_runs_when_dirty_bytes_pile_up(tmp_path):

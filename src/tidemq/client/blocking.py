@@ -180,6 +180,11 @@ class Producer(_Facade):
         SendResult."""
         return _submit(self._aio.send_columns(cols, **options))
 
+    def write_queues(self, topic: str) -> list[MessageQueue]:
+        """The writable queues a send to ``topic`` chooses from (a new topic: those of the
+        default route, as a send would use)."""
+        return _run(self._aio.write_queues(topic))
+
     def cancel(self, result: SendResult, **options: Any) -> None:
         """Cancel a pending timed message by the SendResult of its send."""
         _run(self._aio.cancel(result, **options))

@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
-from tidemq.client.message import Message, MessageExt
+from tidemq.client.message import Message, MessageExt, SendResult
 
 __all__ = [
     "ChunkAssembler",
     "split",
+    "send_chunks",
     "CHUNK_UUID",
     "CHUNK_ID",
     "CHUNK_TOTAL",
@@ -188,6 +189,18 @@ class ChunkAssembler:
 def first_chunk_offset(m: MessageExt) -> int | None:
     """Queue offset of the first chunk of a reassembled message; None for any other."""
     return m.first_offset if type(m) is _Assembled else None
+
+
+async def send_chunks(msg: Message, uuid: str, chunk_size: int, base_seq: int,
+                      send_one: Callable[[Message, int], Awaitable[SendResult]]) -> SendResult:
+    """The producer's chunker: ``msg`` as single-message batches, in order, chunk ``i`` with
+    sequence ``base_seq + i`` (``send_one(chunk, seq)`` sends one to the chosen queue); the
+    result of the last chunk (count 1: the consumer sees one message)."""
+    result: SendResult | None = None
+    for i, part in enumerate(split(msg, uuid, chunk_size)):
+        result = await send_one(part, base_seq + i)
+    assert result is not None
+    return result
 
 
 def may_be_chunk(m: MessageExt) -> bool:

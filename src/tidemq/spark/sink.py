@@ -89,29 +89,22 @@ def _check_schema(schema: StructType, opts: WriteOptions) -> None:
 
 
 class _QueueCounts:
-    """Writable queue count per topic (for hash_key and the default spread)."""
+    """Writable queue count per topic (for hash_key and the default spread), as the producer
+    sees it: a topic that does not exist yet gets the default route a ``Producer.send`` would
+    use, and the broker creates it on the first write (auto-create)."""
 
-    def __init__(self, namesrv: str, timeout: float) -> None:
-        self.namesrv = namesrv
-        self.timeout = timeout
+    def __init__(self, producer: Any) -> None:
+        self.producer = producer
         self._n: dict[str, int] = {}
-        self._admin: Any = None
 
     def __call__(self, topic: str) -> int:
         n = self._n.get(topic)
         if n is None:
-            if self._admin is None:
-                self._admin = tidemq.Admin(self.namesrv, timeout=self.timeout)
-            route = self._admin.topic_route(topic)
-            n = sum(qd.write_queue_nums for qd in route.queue_datas if qd.perm & 2)
+            n = len(self.producer.write_queues(topic))
             if n <= 0:
                 raise OptionError(f"topic {topic} has no writable queue (create it first)")
             self._n[topic] = n
         return n
-
-    def close(self) -> None:
-        if self._admin is not None:
-            self._admin.close()
 
 
 _SORT_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary,
@@ -157,8 +150,8 @@ class _PartitionWriter:
         self.name_prefix = name_prefix
         self.base_seq = base_seq
         self.partition = partition
-        self.counts = _QueueCounts(opts.namesrv, opts.request_timeout)
         self.producer = tidemq.Producer(opts.namesrv, send_timeout=opts.request_timeout)
+        self.counts = _QueueCounts(self.producer)
         self.subs: dict[tuple[str, int], _Substream] = {}
         self.row = 0
         self.dups = 0
@@ -167,7 +160,6 @@ class _PartitionWriter:
 
     def close(self) -> None:
         self.producer.close()
-        self.counts.close()
 
     # -- routing -------------------------------------------------------------------------------
     def _topics(self, rb: pa.RecordBatch) -> list[str] | str:

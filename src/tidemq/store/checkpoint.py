@@ -2,12 +2,18 @@
 
 File ``<data>/checkpoint`` is JSON (msgspec), replaced by write-tmp, fsync, rename, fsync-dir:
 
-    {"version": 1,
+    {"version": 2,
      "commitlog_flushed": <phys offset below which the CommitLog is durable>,
      "dispatched": <phys offset below which every consume queue and the index are durable>,
-     "queues": {"<topic>\\u0000<queue id>": <max queue offset durable in that queue>, ...},
+     "index_log_end": <position of the consume queue log (store/index_log.py) durable with it>,
+     "queues": {},
      "index_phys": <CommitLog offset of the last batch in the durable index, -1 if none>,
      "written_at": <ms since epoch>}
+
+Version 1 (per-queue consume queue files) listed every queue's durable max offset in
+``queues`` -- a walk of all queues every second; version 2 records one log position instead
+(its size does not grow with the number of queues). A version 1 checkpoint is still read: the
+old layout is then copied into the log and ``queues`` checked against it.
 
 ``dispatched`` is always a batch boundary and never above ``commitlog_flushed``. Recovery scans
 the CommitLog from ``dispatched`` and rebuilds what lies beyond it; ``queues`` and
@@ -32,6 +38,7 @@ class Checkpoint(msgspec.Struct):
     commitlog_flushed: int = 0
     dispatched: int = 0
     queues: dict[str, int] = {}
+    index_log_end: int = 0
     index_phys: int = -1
     written_at: int = 0
 

@@ -6,7 +6,9 @@ It owns one data directory::
     <data_dir>/abort           exists while open; found at start-up => the last run crashed
     <data_dir>/checkpoint      what is durable (store/checkpoint.py)
     <data_dir>/commitlog/      segments (store/commit_log.py)
-    <data_dir>/consumequeue/   <topic>/<queue id>/<files> (store/consume_queue.py)
+    <data_dir>/cqlog/          every consume queue's units in one shared log (store/index_log.py)
+    <data_dir>/consumequeue/   the older layout, a directory per queue (store/consume_queue.py):
+                               copied into cqlog/ and removed at open
     <data_dir>/index/          key and id index files (store/index_file.py)
 
 Threads and who may call what:
@@ -72,14 +74,14 @@ from tidemq.protocol.record import (
 from tidemq.store.checkpoint import (
     Checkpoint,
     load_checkpoint,
-    queue_key,
     save_checkpoint,
 )
 from tidemq.store.commit_log import CommitLog
 from tidemq.store.config import StoreConfig
-from tidemq.store.consume_queue import ConsumeQueue, ConsumeQueueTable
+from tidemq.store.consume_queue import ConsumeQueueTable
 from tidemq.store.flush import FlushCallback, FlushMode, FlushService
 from tidemq.store.index_file import IndexService, key_hash
+from tidemq.store.index_log import IndexLog, LogQueue
 from tidemq.store.recovery import RecoveryReport, scan
 from tidemq.store.retention import RetentionService
 
@@ -284,8 +286,9 @@ class MessageStore:
             warm_ahead_bytes=cfg.warm_ahead_bytes
         )
         report.problems += self.commitlog.open_segments()
-        self.cqs = ConsumeQueueTable(self.dir / "consumequeue", cfg.cq_units_per_file)
-        self.cqs.load()
+        self.cqs = IndexLog(self.dir / "cqlog")
+        self.cqs.load(cp.index_log_end if cp is not None else 0)
+        self._migrate_old_layout(report)
         self.index = IndexService(self.dir / "index", cfg.index_slots, cfg.index_max_entries,
                                   cfg.index_max_free_ratio)
         report.problems += self.index.load_errors
@@ -295,9 +298,9 @@ class MessageStore:
             report.rebuilt_indexes = True
             self.cqs.close_all()
             self.index.close()
-            shutil.rmtree(self.dir / "consumequeue", ignore_errors=True)
+            shutil.rmtree(self.dir / "cqlog", ignore_errors=True)
             shutil.rmtree(self.dir / "index", ignore_errors=True)
-            self.cqs = ConsumeQueueTable(self.dir / "consumequeue", cfg.cq_units_per_file)
+            self.cqs = IndexLog(self.dir / "cqlog")
             self.cqs.load()
             self.index = IndexService(self.dir / "index", cfg.index_slots,
                                       cfg.index_max_entries, cfg.index_max_free_ratio)
@@ -328,6 +331,31 @@ class MessageStore:
             log.warning("store recovery: %s", report.summary())
         return report
 
+    def _migrate_old_layout(self, report: RecoveryReport) -> None:
+        """Copy the consume queues of the older layout (a directory of files per queue,
+        store/consume_queue.py) into the shared log, then remove them. Queues that do not
+        validate are not copied: the version 1 checkpoint's queue list then finds them missing
+        and the indexes are rebuilt from the CommitLog."""
+        old_dir = self.dir / "consumequeue"
+        if not old_dir.is_dir():
+            return
+        old = ConsumeQueueTable(old_dir, self.config.cq_units_per_file)
+        try:
+            old.load()
+            segs = self.commitlog.segments
+            bad = old.validate_all(segs[-1].end if segs else 0)
+            if bad:
+                report.problems += [f"{p} (older consume queue layout)" for p in bad.values()]
+            else:
+                n = self.cqs.migrate_from(old.all())
+                log.info("copied %d consume queues of the older layout into %s", n,
+                         self.cqs.root)
+        except (StoreError, OSError) as exc:
+            report.problems.append(f"older consume queue layout unreadable ({exc})")
+        finally:
+            old.close_all()
+        shutil.rmtree(old_dir, ignore_errors=True)
+
     def _trusted_start(self, cp: Checkpoint | None, report: RecoveryReport) -> int | None:
         """Where re-dispatch may start, or None when the indexes must be rebuilt entirely."""
         if cp is None:
@@ -337,6 +365,9 @@ class MessageStore:
             return self.commitlog.min_offset if self.commitlog.segments else 0
         segs = self.commitlog.segments
         bad = self.cqs.validate_all(segs[-1].end if segs else 0)
+        if not bad and self.cqs.end < cp.index_log_end:
+            bad = {("", -1): f"the consume queue log ends at {self.cqs.end} but the checkpoint "
+                             f"recorded {cp.index_log_end}"}
         if bad:
             report.problems += [f"{p}: rebuilding indexes from the CommitLog" for p in bad.values()]
             return None
@@ -660,9 +691,9 @@ class MessageStore:
                         self.commitlog.min_offset, self.commitlog.write_pos, offset)
             self.cqs.close_all()
             self.index.close()
-            shutil.rmtree(self.dir / "consumequeue", ignore_errors=True)
+            shutil.rmtree(self.dir / "cqlog", ignore_errors=True)
             shutil.rmtree(self.dir / "index", ignore_errors=True)
-            self.cqs = ConsumeQueueTable(self.dir / "consumequeue", cfg.cq_units_per_file)
+            self.cqs = IndexLog(self.dir / "cqlog")
             self.cqs.load()
             self.index = IndexService(self.dir / "index", cfg.index_slots, cfg.index_max_entries)
             self.commitlog.reset(offset)
@@ -706,7 +737,7 @@ class MessageStore:
         self._write_dispatch(v, cq, hashes, phys, qoff, size, ts)
 
     def _write_dispatch(
-        self, v: BatchView, cq: ConsumeQueue, hashes: list[int] | None, phys: int, qoff: int,
+        self, v: BatchView, cq: LogQueue, hashes: list[int] | None, phys: int, qoff: int,
         size: int, ts: int,
     ) -> None:
         """The batch's consume queue units (per batch, not per message) and index entries."""
@@ -1036,15 +1067,15 @@ class MessageStore:
     def _save_checkpoint_locked(self) -> None:
         with self._put_lock:
             dispatched = self.commitlog.write_pos
-            queues = {queue_key(t, q): o for (t, q), o in self._queue_offsets.items()}
             index_phys = self.index.max_phys_offset
         flushed = self.commitlog.flush()
-        self.cqs.flush_all()
+        log_end = self.cqs.flush()
         self.index.flush()
         cp = Checkpoint(
+            version=2,
             commitlog_flushed=flushed,
             dispatched=min(dispatched, flushed),
-            queues=queues,
+            index_log_end=log_end,
             index_phys=index_phys,
             written_at=time.time_ns() // 1_000_000,
         )

@@ -176,6 +176,7 @@ class RetentionService:
         dropped: list[DroppedRange] = []
         if deleted:
             cl_min = store.commitlog.min_offset
+            qfiles += store.cqs.delete_expired(cl_min)  # the shared index log's old files
             for cq in store.cqs.all():
                 qfiles += cq.delete_expired_files(cl_min)
             ifiles = store.index.delete_expired(cl_min)

@@ -1,0 +1,248 @@
+"""`tidemq bench scale`: how the cost of a broker grows with the number of queues (issue 17).
+
+For each size N (queues; N / ``queues_per_topic`` topics of ``queues_per_topic`` queues each,
+``scale-<i>``), against a fresh `tidemq dev` in a temporary directory:
+
+1. create the topics (``create_seconds``);
+2. touch every queue with one message (``touch_seconds``; also warms every route), then let the
+   broker settle and read its RSS: ``rss_per_queue_kb`` is (RSS now - RSS of the fresh broker)
+   / N, the cost of an idle queue holding one message;
+3. produce: MESSAGES ``send_async`` messages of SIZE bytes from one producer, each to a topic
+   and queue picked at random (the issue's workload; the producer batches what it can);
+4. consume: one pull consumer subscribed to every topic reads the whole backlog from the start;
+5. restart: a clean stop and start (``restart_clean_s``), then a kill -9 and start
+   (``restart_kill9_s``): process start to "ready", Python start-up included.
+
+Returns one dict per size, and ``ratio_to_first`` relative to the first (smallest) size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from tidemq.bench.client_bench import run_loop
+from tidemq.bench.dev_process import DevProcess
+from tidemq.client.admin import Admin
+from tidemq.client.consumer import PullConsumer
+from tidemq.client.message import Message
+from tidemq.client.producer import Producer
+
+__all__ = ["bench_scale", "DEFAULT_SIZES"]
+
+DEFAULT_SIZES = (8, 64, 512, 2048, 10_000, 100_000)
+
+Progress = Callable[[str, int, int], None]  # (phase, done, total)
+
+
+def _topics(n_queues: int, per_topic: int) -> list[tuple[str, int]]:
+    """(topic, queue count) covering exactly ``n_queues`` queues."""
+    out = []
+    i = 0
+    left = n_queues
+    while left > 0:
+        q = min(per_topic, left)
+        out.append((f"scale-{i}", q))
+        left -= q
+        i += 1
+    return out
+
+
+async def _gather_limited(coros: list[Any], limit: int, tick: Callable[[], None]) -> None:
+    it = iter(coros)
+
+    async def worker() -> None:
+        for c in it:
+            await c
+            tick()
+
+    await asyncio.gather(*(worker() for _ in range(limit)))
+
+
+async def _create(namesrv: str, topics: list[tuple[str, int]], progress: Progress | None) -> None:
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None and (done % 64 == 0 or done == len(topics)):
+            progress("create", done, len(topics))
+
+    async with Admin(namesrv) as admin:
+        await _gather_limited(
+            [admin.create_topic(t, q, wait=0) for t, q in topics], 16, tick
+        )
+        # wait until the name server routes the last topic created
+        for t, _ in reversed(topics):
+            for _ in range(600):
+                try:
+                    await admin.routes.get(t, refresh=True)
+                    break
+                except Exception:  # noqa: BLE001 - not routed yet
+                    await asyncio.sleep(0.05)
+            break
+
+
+async def _touch(namesrv: str, topics: list[tuple[str, int]], size: int,
+                 progress: Progress | None) -> None:
+    body = b"t" * size
+    total = sum(q for _, q in topics)
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None and (done % 256 == 0 or done == total):
+            progress("touch", done, total)
+
+    async with Producer(namesrv, auto_batch=False) as p:
+        coros = [p.send_batch([Message(t, body)], queue_id=qid)
+                 for t, q in topics for qid in range(q)]
+        await _gather_limited(coros, 128, tick)
+
+
+async def _produce(namesrv: str, topics: list[tuple[str, int]], size: int, count: int,
+                   window: int, progress: Progress | None) -> tuple[float, int]:
+    body = b"p" * size
+    rnd = random.Random(17)
+    names = [t for t, _ in topics]
+    msgs = [Message(names[rnd.randrange(len(names))], body) for _ in range(min(count, 65_536))]
+    errors = 0
+    async with Producer(namesrv, max_pending_messages=window + 1) as p:
+        outstanding = 0
+        room = asyncio.Event()
+        done = 0
+
+        def finished(f: asyncio.Future[Any]) -> None:
+            nonlocal outstanding, errors, done
+            outstanding -= 1
+            done += 1
+            if f.cancelled() or f.exception() is not None:
+                errors += 1
+            if outstanding < window // 2:
+                room.set()
+
+        t0 = time.perf_counter()
+        for i in range(count):
+            f = p.send_async(msgs[i % len(msgs)])
+            outstanding += 1
+            f.add_done_callback(finished)
+            if outstanding >= window:
+                room.clear()
+                await room.wait()
+                if progress is not None:
+                    progress("produce", done, count)
+        while outstanding:
+            room.clear()
+            await room.wait()
+        secs = time.perf_counter() - t0
+    if progress is not None:
+        progress("produce", count, count)
+    return secs, errors
+
+
+async def _consume(namesrv: str, topics: list[tuple[str, int]], count: int, idle: float,
+                   progress: Progress | None) -> tuple[float, int]:
+    consumer = PullConsumer(namesrv, f"scale-{uuid.uuid4().hex[:10]}", consume_from="first",
+                            auto_commit=False, pull_batch_size=256, max_poll_records=4096)
+    for t, _ in topics:
+        consumer.subscribe(t)
+    got = 0
+    async with consumer:
+        first = await consumer.poll(timeout=max(idle, 30.0))
+        t0 = time.perf_counter()
+        msgs = first
+        while msgs:
+            got += len(msgs)
+            if progress is not None:
+                progress("consume", got, count)
+            if got >= count:
+                break
+            msgs = await consumer.poll(timeout=idle)
+        secs = time.perf_counter() - t0
+    return secs, got
+
+
+def _one_size(n: int, *, per_topic: int, size: int, messages: int, window: int, restart: bool,
+              data_dir: str | None, progress: Progress | None) -> dict[str, Any]:
+    topics = _topics(n, per_topic)
+    mib = 1 << 20
+    with tempfile.TemporaryDirectory(prefix="tidemq-bench-scale-", dir=data_dir) as d:
+        dev = DevProcess(d).start()
+        try:
+            time.sleep(1.0)
+            rss0 = dev.memory()["VmRSS"]
+            t0 = time.perf_counter()
+            run_loop(_create(dev.namesrv, topics, progress))
+            create_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            run_loop(_touch(dev.namesrv, topics, size, progress))
+            touch_s = time.perf_counter() - t0
+            time.sleep(3.0)  # a flush and a checkpoint of the touched queues
+            rss1 = dev.memory()["VmRSS"]
+            prod_s, prod_err = run_loop(
+                _produce(dev.namesrv, topics, size, messages, window, progress))
+            total = messages + n  # the backlog: the touches and the produced messages
+            cons_s, got = run_loop(_consume(dev.namesrv, topics, total, 5.0, progress))
+            rss2 = dev.memory()["VmRSS"]
+            out: dict[str, Any] = {
+                "queues": n,
+                "topics": len(topics),
+                "create_seconds": round(create_s, 2),
+                "touch_seconds": round(touch_s, 2),
+                "rss_fresh_mb": round(rss0 / mib, 1),
+                "rss_idle_mb": round(rss1 / mib, 1),
+                "rss_per_queue_kb": round((rss1 - rss0) / n / 1024, 2),
+                "rss_after_mb": round(rss2 / mib, 1),
+                "produce_msgs_per_s": round(messages / max(prod_s, 1e-9)),
+                "produce_errors": prod_err,
+                "consume_msgs_per_s": round(got / max(cons_s, 1e-9)),
+                "consumed": got,
+                "consume_complete": got >= total,
+            }
+            if restart:
+                dev.stop()
+                clean = DevProcess(d).start()
+                out["restart_clean_s"] = round(clean.start_seconds, 2)
+                clean.kill9()
+                crashed = DevProcess(d).start()
+                out["restart_kill9_s"] = round(crashed.start_seconds, 2)
+                crashed.stop()
+        finally:
+            dev.kill9()
+    return out
+
+
+def bench_scale(
+    *,
+    sizes: tuple[int, ...] = DEFAULT_SIZES,
+    queues_per_topic: int = 8,
+    size: int = 1024,
+    messages: int = 100_000,
+    window: int = 20_000,
+    restart: bool = True,
+    data_dir: str | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    rows = []
+    for n in sizes:
+        rows.append(_one_size(n, per_topic=queues_per_topic, size=size, messages=messages,
+                              window=window, restart=restart, data_dir=data_dir,
+                              progress=progress))
+    base = rows[0] if rows else {}
+    for r in rows:
+        for k in ("produce_msgs_per_s", "consume_msgs_per_s"):
+            if base.get(k):
+                r[k.replace("msgs_per_s", "ratio_to_first")] = round(r[k] / base[k], 3)
+    return {
+        "workload": "scale",
+        "size": size,
+        "messages": messages,
+        "queues_per_topic": queues_per_topic,
+        "rows": rows,
+    }

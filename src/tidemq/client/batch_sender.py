@@ -1,0 +1,246 @@
+"""One batch to one queue: encode, send, retry, answer (SPEC PR1).
+
+The messages of a batch are encoded once (``codec.encode_messages``, or ``Columns.encode``;
+the broker stores those bytes as received) and sent as SEND_MESSAGE / SEND_BATCH; the queue
+comes from the router, the sequence from the sequencer, what a failure does from the retry
+policy. The response becomes one SendResult for the batch.
+
+Threading: one event loop (the producer's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tidemq.client.codec import encode_messages, set_queue_id
+from tidemq.client.columns import Columns
+from tidemq.client.connection import ConnectionPool, raise_for_error
+from tidemq.client.errors import (
+    ClientError,
+    MessageRejectedError,
+    NoRouteError,
+    RequestTimeoutError,
+)
+from tidemq.client.latency_fault import FAILURE_LATENCY_MS
+from tidemq.client.message import Message, MessageQueue, SendResult, SendStatus
+from tidemq.client.retry_policy import RetryPolicy
+from tidemq.client.send_router import Selector, SendRouter
+from tidemq.client.sequencer import Sequencer
+from tidemq.protocol.codes import RequestCode, ResponseCode
+from tidemq.protocol.errors import BrokerError, LocalProtocolError
+from tidemq.protocol.headers import SendMessageRequestHeader, SendMessageResponseHeader
+from tidemq.protocol.record import pack_host, unique_id
+
+__all__ = ["BatchSender", "Encoder"]
+
+log = logging.getLogger(__name__)
+
+# Keyed by plain ints: a frame's code is an int, and ResponseCode(code) costs more than the
+# lookup (IntEnum members hash and compare as their int, so either key finds the entry).
+STATUS = {
+    int(ResponseCode.SUCCESS): SendStatus.SEND_OK,
+    int(ResponseCode.FLUSH_DISK_TIMEOUT): SendStatus.FLUSH_DISK_TIMEOUT,
+    int(ResponseCode.FLUSH_SLAVE_TIMEOUT): SendStatus.FLUSH_SLAVE_TIMEOUT,
+    int(ResponseCode.SLAVE_NOT_AVAILABLE): SendStatus.SLAVE_NOT_AVAILABLE,
+}
+_SEND_OK_CODES = frozenset(STATUS)
+_SUCCESS = int(ResponseCode.SUCCESS)
+_SEND_BATCH = int(RequestCode.SEND_BATCH)
+_DUPLICATE = int(ResponseCode.DUPLICATE)
+
+# (topic, msgs, queue_id, host, port, sequence_id, born_ts) -> (batch bytes, base sequence)
+Encoder = Callable[..., tuple[bytearray, int]]
+
+
+class BatchSender:
+    """Encodes and sends one batch at a time for a producer."""
+
+    def __init__(self, *, group: str, pool: ConnectionPool, router: SendRouter,
+                 sequencer: Sequencer, policy: RetryPolicy, send_timeout: float,
+                 max_message_size: int, max_properties_size: int, compression: int,
+                 compress_min: int) -> None:
+        self.group = group
+        self.pool = pool
+        self.router = router
+        self.sequencer = sequencer
+        self.policy = policy
+        self.send_timeout = send_timeout
+        self.max_message_size = max_message_size
+        self.max_properties_size = max_properties_size
+        self.compression = compression
+        self.compress_min = compress_min
+        self._hosts: dict[str, bytes] = {}  # local address -> record.pack_host form
+        #: the encoder sends use (a TransactionProducer wraps it to mark half messages)
+        self.encode: Encoder = self.encode_batch
+
+    def header(self, topic: str, queue_id: int, batch: bool,
+               born_ts: int | None = None) -> SendMessageRequestHeader:
+        return SendMessageRequestHeader(
+            producer_group=self.group, topic=topic, queue_id=queue_id,
+            born_timestamp=int(time.time() * 1000) if born_ts is None else born_ts, batch=batch,
+        )
+
+    def packed_host(self, host: str) -> bytes:
+        packed = self._hosts.get(host)
+        if packed is None:
+            packed = self._hosts[host] = pack_host(host)
+        return packed
+
+    def encode_batch(
+        self, topic: str, msgs: Sequence[Message], queue_id: int, host: str, port: int,
+        sequence_id: int | None = None, born_ts: int | None = None,
+    ) -> tuple[bytearray, int]:
+        seq = self.sequencer.take(len(msgs), sequence_id)
+        if born_ts is None:
+            born_ts = int(time.time() * 1000)
+        packed = self._hosts.get(host)
+        if packed is None:
+            packed = self.packed_host(host)
+        try:
+            if isinstance(msgs, Columns):
+                pid = self.sequencer.producer_id if msgs.producer_id is None else msgs.producer_id
+                batch = msgs.encode(queue_id, pid, seq, born_ts, packed, port)
+            else:
+                batch = encode_messages(
+                    topic, msgs, queue_id=queue_id, producer_id=self.sequencer.producer_id,
+                    base_seq=seq, born_ts=born_ts, born_host=packed, born_port=port,
+                    compression=self.compression, compress_min=self.compress_min,
+                    max_properties_size=self.max_properties_size,
+                )
+        except (ValueError, struct.error) as exc:  # struct.error: a field out of its range
+            raise MessageRejectedError(f"cannot encode the message: {exc}") from exc
+        if len(batch) > self.max_message_size:
+            raise MessageRejectedError(
+                f"the {'batch' if len(msgs) > 1 else 'message'} encodes to {len(batch)} bytes, "
+                f"over the {self.max_message_size}-byte limit; send fewer or smaller messages "
+                "per batch"
+            )
+        return batch, seq
+
+    async def send(
+        self,
+        topic: str,
+        msgs: Sequence[Message],
+        queue_id: int | MessageQueue | None,
+        selector: Selector | None,
+        arg: Any,
+        hash_key: str | bytes | None,
+        timeout: float | None,
+        code: int,
+        sequence_id: int | None = None,
+    ) -> SendResult:
+        # The hot path of every synchronous send: one coroutine frame (the connection's future
+        # is awaited here, not through Connection.request), one clock read for the deadline,
+        # one for born_ts, and the monotonic pair the latency table needs.
+        router = self.router
+        policy = self.policy
+        producer_id = self.sequencer.producer_id
+        timeout = self.send_timeout if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        route = router.cached(topic) or await router.route(topic)
+        batch: bytearray | None = None
+        seq = 0
+        last_broker: str | None = None
+        last_exc: Exception | None = None
+        last_result: SendResult | None = None
+        attempts = policy.attempts
+        dedup = self.sequencer.dedup or (
+            type(msgs) is Columns and msgs.producer_id is not None
+        )
+        mq: MessageQueue | None = None
+        pinned = False
+        left = timeout
+        for attempt in range(attempts):
+            if attempt:
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+            if mq is None or not dedup:
+                mq, pinned = router.select(route, msgs[0], queue_id, selector, arg, hash_key,
+                                           last_broker)
+            addr = route.broker_addrs[mq.broker_name]
+            t0 = time.monotonic()
+            try:
+                conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
+                born_ts = int(time.time() * 1000)
+                if batch is None:
+                    batch, seq = self.encode(topic, msgs, mq.queue_id, conn.local_host,
+                                             conn.local_port, sequence_id, born_ts)
+                elif attempt:
+                    # A copy: the transport may still hold the bytes of the failed attempt.
+                    batch = bytearray(batch)
+                    set_queue_id(batch, mq.queue_id)
+                header = self.header(topic, mq.queue_id, code == _SEND_BATCH, born_ts)
+                if not conn.writable:
+                    await conn.drain()
+                frame = await conn.start_request(code, header, batch, left)
+                fcode = frame.code
+                if fcode not in _SEND_OK_CODES:
+                    if fcode == _DUPLICATE:
+                        # BR12: the broker has this sequence already; nothing was stored again.
+                        return SendResult(SendStatus.DUPLICATE, unique_id(producer_id, seq),
+                                          topic, mq.queue_id, -1, len(msgs), mq.broker_name,
+                                          producer_id, seq)
+                    raise_for_error(frame, _SEND_OK_CODES)
+            except (ClientError, BrokerError) as exc:
+                if isinstance(exc, MessageRejectedError):
+                    raise
+                latency = (time.monotonic() - t0) * 1000
+                router.record(mq.broker_name, max(latency, FAILURE_LATENCY_MS))
+                if policy.route_may_have_moved(exc):
+                    router.routes.refresh_soon(topic)
+                last_exc, last_broker = exc, mq.broker_name
+                wait = policy.wait_before_retry(exc, pinned=pinned, dedup=dedup,
+                                                brokers=len(route.broker_addrs),
+                                                time_left=deadline - loop.time())
+                if wait is None:
+                    raise
+                if wait:
+                    await asyncio.sleep(wait)
+                if dedup:
+                    await asyncio.sleep(policy.settle(attempt, deadline - loop.time()))
+                log.info("send to %s failed (%s), attempt %d of %d", mq, exc, attempt + 1,
+                         attempts)
+                if policy.refetch_route(exc):
+                    assert isinstance(exc, BrokerError)
+                    try:
+                        route = await router.routes.get(topic, refresh=True)
+                    except NoRouteError:
+                        raise BrokerError(
+                            f"topic {topic!r} does not exist and the broker does not create "
+                            f"topics on first send; create it first (`tidemq topic create "
+                            f"--topic {topic}`) ({exc.message})",
+                            response_code=exc.response_code, code=exc.code,
+                        ) from None
+                continue
+            except LocalProtocolError as exc:
+                raise MessageRejectedError(exc.message) from exc
+            router.record(mq.broker_name, (time.monotonic() - t0) * 1000)
+            h = frame.header
+            assert isinstance(h, SendMessageResponseHeader)
+            if policy.again_elsewhere(fcode == _SUCCESS, pinned=pinned, dedup=dedup,
+                                      attempt=attempt):
+                log.info("send to %s answered %s; sending it again to another broker", mq,
+                         STATUS[fcode].value)
+                last_broker = mq.broker_name
+                last_exc = None
+                last_result = SendResult(
+                    STATUS[fcode], h.msg_id, topic, h.queue_id, h.queue_offset,
+                    h.count, mq.broker_name, producer_id, seq, h.commit_log_offset,
+                )
+                continue
+            return SendResult(
+                STATUS[fcode], h.msg_id, topic, h.queue_id, h.queue_offset,
+                h.count, mq.broker_name, producer_id, seq, h.commit_log_offset,
+            )
+        if last_result is not None:  # stored, not safe: the caller sees which status
+            return last_result
+        if last_exc is None:
+            raise RequestTimeoutError(f"send to topic {topic!r} timed out after {timeout:g} s")
+        raise last_exc
