@@ -127,3 +127,42 @@ def test_a_bad_queue_count_is_still_refused(dev, read) -> None:
         admin.create_topic("shrink-bad", 2)
         with pytest.raises(tidemq.BrokerError):
             admin.create_topic("shrink-bad", 2, read_queues=read)
+
+
+def test_an_ordered_topic_is_consumed_only_by_orderly_push_consumers(dev) -> None:
+    topic = "sw-ordered"
+    with tidemq.Admin(dev.namesrv) as admin:
+        admin.create_topic(topic, 2, order=True)
+    with tidemq.Producer(dev.namesrv) as p:
+        for i in range(10):
+            p.send(tidemq.Message(topic, b"%d" % i), hash_key="k")
+    got: list[bytes] = []
+    lock = threading.Lock()
+
+    def listener(msgs, ctx):
+        with lock:
+            got.extend(m.body for m in msgs)
+        return tidemq.ConsumeStatus.SUCCESS
+
+    with tidemq.PushConsumer(dev.namesrv, "sw-ordered-concurrent", listener, **FAST) as pc:
+        pc.subscribe(topic)
+        time.sleep(2.0)
+    assert got == []  # refused: NO_PERMISSION, the consumer logs it and retries
+
+    def orderly(msgs, ctx):
+        with lock:
+            got.extend(m.body for m in msgs)
+        return tidemq.ConsumeOrderlyStatus.SUCCESS
+
+    with tidemq.PushConsumer(dev.namesrv, "sw-ordered-orderly", orderly, orderly=True,
+                             **FAST) as pc:
+        pc.subscribe(topic)
+        wait_until(lambda: len(got) >= 10, 15)
+    assert got == [b"%d" % i for i in range(10)]  # in order
+    with tidemq.PullConsumer(dev.namesrv, "sw-ordered-lite", consume_from="first") as c:
+        c.subscribe(topic)  # a lite pull consumer polls each queue in order: allowed
+        out: list[bytes] = []
+        deadline = time.monotonic() + 10
+        while len(out) < 10 and time.monotonic() < deadline:
+            out += [m.body for m in c.poll(timeout=0.5)]
+    assert out == [b"%d" % i for i in range(10)]

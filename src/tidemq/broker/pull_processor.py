@@ -53,7 +53,7 @@ import struct
 from typing import TYPE_CHECKING
 
 from tidemq.broker.connection import decode_request
-from tidemq.broker.consume_switches import check_consume_allowed
+from tidemq.broker.consume_switches import check_consume_allowed, check_ordered_topic
 from tidemq.broker.errors import RequestRejected, check_group
 from tidemq.broker.long_polling import HeldPull
 from tidemq.broker.sql_select import read_selected, sql_filter_for
@@ -201,6 +201,7 @@ class PullProcessor:
                 f"{tc.read_queue_nums} read queues (0..{tc.read_queue_nums - 1}) on broker "
                 f"{broker_name}",
             )
+        check_ordered_topic(self.broker, conn, group, tc, h.queue_id)
         tags = self._tag_hashes(h)
         if h.sys_flag & PullSysFlag.COMMIT_OFFSET and not self.broker.ha.is_slave:
             # A slave stores offsets only when a consumer commits them explicitly (RocketMQ:
