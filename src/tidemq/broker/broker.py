@@ -210,6 +210,7 @@ class Broker:
         self._handlers = {
             RequestCode.SEND_MESSAGE: self.send_processor.handle,
             RequestCode.SEND_BATCH: self.send_processor.handle,
+            RequestCode.SEND_MULTI_QUEUE: self.send_processor.handle_multi,
             RequestCode.PULL_MESSAGE: self.pull_processor.handle,
             RequestCode.GET_LAST_SEQUENCE: self.dedup.handle_last_sequence,
             **self.admin_processor.handlers(),

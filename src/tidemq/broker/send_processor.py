@@ -1,4 +1,4 @@
-"""SEND_MESSAGE / SEND_BATCH (RocketMQ's SendMessageProcessor; SPEC BR1, ST9).
+"""SEND_MESSAGE / SEND_BATCH / SEND_MULTI_QUEUE (RocketMQ's SendMessageProcessor; SPEC BR1, ST9).
 
 The body is exactly one batch as the producer encoded it (``record.encode_batch``). Per batch,
 never per message, the processor checks, in this order:
@@ -58,10 +58,14 @@ from tidemq.protocol.errors import CorruptBatchError, MessageTooLargeError, Tide
 from tidemq.protocol.frame import FLAG_ONEWAY
 from tidemq.protocol.headers import (
     DEDUP_PRODUCER_BIT,
+    MultiQueueSendResult,
     Perm,
     SendMessageRequestHeader,
     SendMessageResponseHeader,
+    SendMultiQueueRequestHeader,
+    SendMultiQueueResponseHeader,
 )
+from tidemq.protocol.multi_queue import split_batches
 from tidemq.protocol.names import (
     dlq_group,
     group_name_problem,
@@ -240,6 +244,71 @@ class _DurabilityWaiters:
                 min(q[0][0], now + self.SWEEP_S), self._sweep
             )
 
+class _MultiResponse:
+    """The one response of a SEND_MULTI_QUEUE: a slot per batch, sent when all are filled
+    (never for a one-way request: the connection drops that answer)."""
+
+    __slots__ = ("conn", "opaque", "results", "left", "is_armed", "sent")
+
+    def __init__(self, conn: BrokerConnection, opaque: int, n: int) -> None:
+        self.conn = conn
+        self.opaque = opaque
+        self.results: list[MultiQueueSendResult | None] = [None] * n
+        self.left = n
+        self.is_armed = False
+        self.sent = False
+
+    def put(self, i: int, result: MultiQueueSendResult) -> None:
+        if self.results[i] is not None:
+            return
+        self.results[i] = result
+        self.left -= 1
+        if not self.left and self.is_armed:
+            self._send()
+
+    def armed(self) -> None:
+        self.is_armed = True
+        if not self.left:
+            self._send()
+
+    def _send(self) -> None:
+        if self.sent:
+            return
+        self.sent = True
+        self.conn.respond(self.opaque, ResponseCode.SUCCESS,
+                          SendMultiQueueResponseHeader(results=self.results))  # type: ignore[arg-type]
+
+
+class _Slot:
+    """Stands in for the connection while one batch of a SEND_MULTI_QUEUE goes through
+    ``SendProcessor._handle_send``: its answer fills the batch's slot. ``real`` is the
+    connection (membership and transaction checks use it); anything else is forwarded."""
+
+    __slots__ = ("agg", "i")
+
+    def __init__(self, agg: _MultiResponse, i: int) -> None:
+        self.agg = agg
+        self.i = i
+
+    @property
+    def real(self) -> BrokerConnection:
+        return self.agg.conn
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.agg.conn, name)
+
+    def respond(self, opaque: int, code: int, header: object, bodies: object = None) -> None:
+        if isinstance(header, SendMessageResponseHeader):
+            r = MultiQueueSendResult(code, header.queue_offset, header.count,
+                                     header.commit_log_offset)
+        else:
+            r = MultiQueueSendResult(code, message=getattr(header, "message", ""))
+        self.agg.put(self.i, r)
+
+    def respond_error(self, opaque: int, code: int, message: str) -> None:
+        self.agg.put(self.i, MultiQueueSendResult(code, message=message))
+
+
 class SendProcessor:
     """Handles SEND_MESSAGE / SEND_BATCH (event loop only)."""
 
@@ -267,7 +336,46 @@ class SendProcessor:
 
     def handle(self, conn: BrokerConnection, frame: Frame) -> None:
         h: SendMessageRequestHeader = decode_request(frame, SendMessageRequestHeader)
-        body = frame.body
+        self._handle_send(conn, h, frame.body, frame.flags, frame.opaque)
+
+    def handle_multi(self, conn: BrokerConnection, frame: Frame) -> None:
+        """SEND_MULTI_QUEUE: every batch of the body through exactly the door and the put of
+        a SEND_BATCH (``_handle_send``), each answered into its slot of one response, which
+        leaves once every batch has its outcome (SYNC_FLUSH / SYNC_MASTER batches when
+        durable / replicated)."""
+        h: SendMultiQueueRequestHeader = decode_request(frame, SendMultiQueueRequestHeader)
+        try:
+            parts = split_batches(frame.body, h.batches, self.max_batch)
+        except CorruptBatchError as exc:
+            raise RequestRejected(
+                ResponseCode.MESSAGE_ILLEGAL,
+                f"SEND_MULTI_QUEUE body is not {h.batches} whole batches: {exc.message}",
+            ) from None
+        agg = _MultiResponse(conn, frame.opaque, len(parts))
+        flags = frame.flags
+        for i, part in enumerate(parts):
+            slot = _Slot(agg, i)
+            try:
+                v = BatchView(part)
+                sub = SendMessageRequestHeader(
+                    producer_group=h.producer_group, topic=v.topic, queue_id=v.queue_id,
+                    born_timestamp=h.born_timestamp, batch=True,
+                )
+            except CorruptBatchError as exc:
+                agg.put(i, MultiQueueSendResult(
+                    ResponseCode.MESSAGE_ILLEGAL,
+                    message=f"the body is not a valid batch: {exc.message}"))
+                continue
+            try:
+                self._handle_send(slot, sub, part, flags, i)  # type: ignore[arg-type]
+            except RequestRejected as exc:
+                agg.put(i, MultiQueueSendResult(exc.response_code, message=exc.message))
+        agg.armed()
+
+    def _handle_send(self, conn: BrokerConnection, h: SendMessageRequestHeader,
+                     body: bytes | memoryview, flags: int, opaque: int) -> None:
+        """One batch through the door and into the store; answered on ``conn`` (a real
+        connection, or a SEND_MULTI_QUEUE slot)."""
         size = len(body)
         cfg = self.config
         if size == 0:
@@ -289,7 +397,7 @@ class SendProcessor:
             if len(self._groups_ok) < 4096:
                 self._groups_ok.add(h.producer_group)
         topic = h.topic
-        self._check_reserved_topic(conn, topic)
+        self._check_reserved_topic(getattr(conn, "real", conn), topic)
         tc = self.topics.get(topic)
         if tc is None:
             problem = topic_name_problem(topic)
@@ -353,7 +461,7 @@ class SendProcessor:
             raise RequestRejected(
                 ResponseCode.MESSAGE_ILLEGAL, f"batch rejected: {exc.message}"
             ) from None
-        oneway = frame.flags & FLAG_ONEWAY
+        oneway = flags & FLAG_ONEWAY
         if self.non_persistent.owns(topic):
             if v.delay_level or v.deliver_at or v.txn == TxnType.PREPARED:
                 raise RequestRejected(
@@ -362,12 +470,12 @@ class SendProcessor:
                     "transactional messages (the broker holds those on disk); send them to a "
                     "persistent topic",
                 )
-            self.non_persistent.publish(conn, frame.opaque, oneway, body, v, qid)
+            self.non_persistent.publish(conn, opaque, oneway, body, v, qid)
             return
         pending = None
         pid = v.producer_id
         dedup = self.dedup if pid >= DEDUP_PRODUCER_BIT and self.dedup.enabled else None
-        if dedup is not None and not self._dedup_admits(dedup, conn, frame.opaque, oneway, v):
+        if dedup is not None and not self._dedup_admits(dedup, conn, opaque, oneway, v):
             return
         t0 = time.perf_counter()
         sync_master = self.sync_master
@@ -376,14 +484,14 @@ class SendProcessor:
                 if oneway:
                     r = self._put(h, conn, body, qid, v, on_durable=_ignore_durability)
                 else:
-                    pending = _PendingSend(self.waiters, conn, frame.opaque)
+                    pending = _PendingSend(self.waiters, conn, opaque)
                     if dedup is not None:
                         pending.dedup = (dedup, pid, v.base_seq + v.count - 1)
                     if sync_master:
                         pending.replica = False
                     r = self._put(h, conn, body, qid, v, on_durable=pending)
             elif sync_master and not oneway:
-                pending = _PendingSend(self.waiters, conn, frame.opaque)
+                pending = _PendingSend(self.waiters, conn, opaque)
                 pending.durable = True  # ASYNC_FLUSH: only the slaves are waited for
                 pending.replica = False
                 r = self._put(h, conn, body, qid, v)
@@ -414,9 +522,9 @@ class SendProcessor:
                 self.broker.ha.expect_replicas(pending, r.phys_offset + r.size)
             pending.stored(header)
         elif r.status is PutStatus.PUT_OK:
-            conn.respond(frame.opaque, ResponseCode.SUCCESS, header)
+            conn.respond(opaque, ResponseCode.SUCCESS, header)
         else:
-            conn.respond(frame.opaque, ResponseCode.FLUSH_DISK_TIMEOUT, header)
+            conn.respond(opaque, ResponseCode.FLUSH_DISK_TIMEOUT, header)
 
     def _check_reserved_topic(self, conn: BrokerConnection, topic: str) -> None:
         """NO_PERMISSION unless this connection may send to ``topic`` (names.py's rule for
@@ -452,7 +560,8 @@ class SendProcessor:
         """Half messages to the transaction service; everything else through
         ``Broker.put_internal`` (which holds delayed and timed batches)."""
         if v.txn == TxnType.PREPARED:
-            self.broker.transactions.register_producer(h.producer_group, conn)
+            self.broker.transactions.register_producer(h.producer_group,
+                                                       getattr(conn, "real", conn))
             return self.broker.transactions.prepare(body, v, qid, h.producer_group, on_durable)
         return self.broker.put_internal(body, qid, on_durable=on_durable, view=v)
 

@@ -45,6 +45,9 @@ class Accumulator:
         self.npending = 0
         #: the tasks of batches in flight (and other tracked sends)
         self.tasks: set[asyncio.Future[Any]] = set()
+        #: when several topics' batches flush together: takes those it sends in frames of many
+        #: batches per broker (SEND_MULTI_QUEUE, client/multi_sender.py), returns the rest
+        self.send_many: Callable[[list[Any]], list[Any]] | None = None
 
     def check_room(self, n: int = 1) -> None:
         if self.npending + n > self.max_pending_messages:
@@ -96,8 +99,21 @@ class Accumulator:
         self._flush_scheduled = False
         pending, self._open = self._open, {}
         loop = asyncio.get_running_loop()
+        if self.send_many is not None and len(pending) > 1:
+            rest = self.send_many([(t, p[0], p[1]) for t, p in pending.items()])
+            for topic, msgs, futs in rest:
+                self.track(loop.create_task(self._send_batch(topic, msgs, futs)))
+            return
         for topic, (msgs, futs, _size, _loop) in pending.items():
             self.track(loop.create_task(self._send_batch(topic, msgs, futs)))
+
+    def send_single(self, batch: tuple[str, list[Message], list[Any]]) -> None:
+        """Send one open batch (topic, messages, futures) through the single-batch path."""
+        topic, msgs, futs = batch
+        self.track(asyncio.get_running_loop().create_task(self._send_batch(topic, msgs, futs)))
+
+    def answered(self, n: int) -> None:
+        self.npending -= n
 
     def _dispatch(self, topic: str) -> None:
         """Send the full batch of ``topic`` now."""

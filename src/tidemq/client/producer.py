@@ -33,6 +33,7 @@ from tidemq.client.columns import Columns
 from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool
 from tidemq.client.errors import ClientClosedError, NoRouteError
 from tidemq.client.message import Message, MessageQueue, SendResult
+from tidemq.client.multi_sender import MultiQueueSender
 from tidemq.client.retry_policy import RetryPolicy
 from tidemq.client.route import RouteCache, TopicRoute
 from tidemq.client.send_router import Selector, SendRouter
@@ -61,6 +62,9 @@ class Producer:
     ``retry_another_broker_when_not_store_ok`` (False: see below), ``max_properties_size``
     (32 KiB of encoded properties per message, the broker's default ``max_properties_size``;
     raise both together).
+    ``multi_queue`` (True): when the batching timer sends the open batches of several topics,
+    those bound for one broker leave as one SEND_MULTI_QUEUE frame (client/multi_sender.py;
+    named producers always send one batch per request).
 
     Statuses (docs/cluster.md): only ``SendStatus.SEND_OK`` means the message is where the
     broker promises (on disk under SYNC_FLUSH, on the in-sync slaves under SYNC_MASTER).
@@ -100,6 +104,7 @@ class Producer:
         max_pending_messages: int = 100_000,
         retry_another_broker_when_not_store_ok: bool = False,
         max_properties_size: int = DEFAULT_MAX_PROPERTIES_SIZE,
+        multi_queue: bool = True,
     ) -> None:
         problem = group_name_problem(group, "producer group") if group is not None else None
         if problem:
@@ -133,6 +138,16 @@ class Producer:
             batch_max_bytes=batch_max_bytes, batch_max_delay=batch_max_delay,
             max_pending_messages=max_pending_messages,
         )
+        acc = self.accumulator
+        #: SEND_MULTI_QUEUE: the open batches of many topics leave as one frame per broker
+        self.multi = MultiQueueSender(
+            group=self.group, pool=self.pool, router=self.router,
+            encode=lambda: self.sender.encode, producer_id=lambda: self.producer_id,
+            send_timeout=send_timeout, single=acc.send_single, answered=acc.answered,
+            track=acc.track,
+        )
+        if multi_queue and producer_name is None:
+            acc.send_many = self.multi.take
         self._started = False
         self._closed = False
 

@@ -13,6 +13,8 @@ Which header goes with which frame (request code -> request header / response he
     | SEND_MESSAGE/SEND_BATCH | SendMessageRequestHeader   | SendMessageResponseHeader        |
     |                         |   body: one batch          |   (also on FLUSH_*_TIMEOUT,      |
     |                         |                            |   SLAVE_NOT_AVAILABLE)           |
+    | SEND_MULTI_QUEUE        | SendMultiQueueRequestHeader| SendMultiQueueResponseHeader     |
+    |                         |   body: batches, any queues|   (one result per batch)         |
     | PULL_MESSAGE            | PullMessageRequestHeader   | PullMessageResponseHeader        |
     |                         |                            |   body: whole batches (SUCCESS); |
     |                         |                            |   also on PULL_NOT_FOUND,        |
@@ -43,6 +45,9 @@ __all__ = [
     "Header",
     "SendMessageRequestHeader",
     "SendMessageResponseHeader",
+    "SendMultiQueueRequestHeader",
+    "MultiQueueSendResult",
+    "SendMultiQueueResponseHeader",
     "PullSysFlag",
     "pull_sys_flag",
     "PullMessageRequestHeader",
@@ -148,6 +153,34 @@ class SendMessageResponseHeader(Header):
     transaction_id: str | None = None
     #: CommitLog offset of what was stored (a half message's, for END_TRANSACTION); -1 = unset
     commit_log_offset: int = -1
+
+
+class SendMultiQueueRequestHeader(Header):
+    """SEND_MULTI_QUEUE (issue 17): the body is ``batches`` whole batches back to back, each
+    for any topic and queue of this broker (its own header says which; framing in
+    ``protocol/multi_queue.py``). Each batch passes the broker's door as a SEND_BATCH would."""
+
+    producer_group: str
+    batches: Positive
+    born_timestamp: int = 0
+
+
+class MultiQueueSendResult(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One batch's outcome, in body order: ``code`` is what a SEND_BATCH of it would have
+    been answered (SUCCESS, FLUSH_*_TIMEOUT, SLAVE_NOT_AVAILABLE, or an error code with
+    ``message``); a stored batch's message ``i`` has queue offset ``queue_offset + i``."""
+
+    code: int
+    queue_offset: int = -1
+    count: int = 0
+    commit_log_offset: int = -1
+    message: str = ""
+
+
+class SendMultiQueueResponseHeader(Header):
+    """The response (SUCCESS) to SEND_MULTI_QUEUE: one result per batch of the request."""
+
+    results: list[MultiQueueSendResult] = []
 
 
 # -- pull ---------------------------------------------------------------------------------------
@@ -708,6 +741,7 @@ REQUEST_HEADER_TYPES: dict[int, type[Header]] = {
     RequestCode.CANCEL_TIMER_MESSAGE: CancelTimerMessageRequestHeader,
     RequestCode.SEND_MESSAGE: SendMessageRequestHeader,
     RequestCode.SEND_BATCH: SendMessageRequestHeader,
+    RequestCode.SEND_MULTI_QUEUE: SendMultiQueueRequestHeader,
     RequestCode.PULL_MESSAGE: PullMessageRequestHeader,
     RequestCode.REGISTER_BROKER: RegisterBrokerRequestHeader,
     RequestCode.GET_ROUTEINFO_BY_TOPIC: GetRouteInfoRequestHeader,
@@ -747,6 +781,7 @@ RESPONSE_HEADER_TYPES: dict[int, type[Header]] = {
     RequestCode.CANCEL_TIMER_MESSAGE: EmptyHeader,
     RequestCode.SEND_MESSAGE: SendMessageResponseHeader,
     RequestCode.SEND_BATCH: SendMessageResponseHeader,
+    RequestCode.SEND_MULTI_QUEUE: SendMultiQueueResponseHeader,
     RequestCode.PULL_MESSAGE: PullMessageResponseHeader,
     RequestCode.REGISTER_BROKER: RegisterBrokerResponseHeader,
     RequestCode.GET_ROUTEINFO_BY_TOPIC: TopicRouteData,

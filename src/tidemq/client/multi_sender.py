@@ -1,0 +1,138 @@
+"""Open batches of many topics to one broker as one SEND_MULTI_QUEUE frame (issue 17).
+
+Spread traffic -- ``send_async`` to thousands of queues -- leaves the accumulator as many small
+batches at each flush; sent one request per batch, each costs the broker its per-request work.
+When the accumulator flushes the open batches of several topics at once, this groups them by
+the broker of the queue picked for each (the router's usual choice) and sends each group as one
+frame (docs/protocol.md 4.0). The broker answers one result per batch; a batch refused with a
+retryable code, and every batch of a frame that failed as a whole, goes again through the
+single-batch path (``BatchSender`` with its retries and other brokers). A broker that does not
+know the request is remembered and gets single batches.
+
+Not used by deduplicated (named) producers: their resends must reuse the same bytes, which the
+single-batch path guarantees.
+
+Threading: one event loop (the producer's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tidemq.client.batch_sender import STATUS, Encoder
+from tidemq.client.connection import ConnectionPool, raise_for_error
+from tidemq.client.message import Message, MessageQueue, SendResult
+from tidemq.client.retry_policy import RETRY_CODES
+from tidemq.client.send_router import SendRouter
+from tidemq.protocol.codes import RequestCode, ResponseCode
+from tidemq.protocol.errors import BrokerError
+from tidemq.protocol.headers import SendMultiQueueRequestHeader, SendMultiQueueResponseHeader
+
+__all__ = ["MultiQueueSender", "OpenBatch"]
+
+# (topic, messages, futures) of one open batch
+OpenBatch = tuple[str, list[Message], list[asyncio.Future[SendResult]]]
+
+
+class MultiQueueSender:
+    def __init__(self, *, group: str, pool: ConnectionPool, router: SendRouter,
+                 encode: Callable[[], Encoder], producer_id: Callable[[], int],
+                 send_timeout: float, single: Callable[[OpenBatch], None],
+                 answered: Callable[[int], None], track: Callable[[asyncio.Future[Any]], None]
+                 ) -> None:
+        self.group = group
+        self.pool = pool
+        self.router = router
+        self._encode = encode
+        self._producer_id = producer_id
+        self.send_timeout = send_timeout
+        self._single = single  # send one open batch through the single-batch path
+        self._answered = answered  # n messages answered (the accumulator's pending count)
+        self._track = track
+        self.no_multi: set[str] = set()  # brokers that answered REQUEST_CODE_NOT_SUPPORTED
+        self.frames = 0  # SEND_MULTI_QUEUE frames sent (stats, tests)
+
+    def take(self, batches: list[OpenBatch]) -> list[OpenBatch]:
+        """Start frames for the batches that share a broker with another; returns the rest
+        (for the single-batch path)."""
+        rest: list[OpenBatch] = []
+        by_broker: dict[str, list[tuple[MessageQueue, OpenBatch]]] = {}
+        router = self.router
+        if router.faults.avoiding:  # a broker is being avoided: leave the choice to retries
+            return batches
+        for b in batches:
+            route = router.cached(b[0])
+            if route is None or not route.write_queues:
+                rest.append(b)
+                continue
+            mq, _ = router.select(route, b[1][0], None, None, None, None, None)
+            addr = route.broker_addrs.get(mq.broker_name)
+            if addr is None or addr in self.no_multi:
+                rest.append(b)
+                continue
+            by_broker.setdefault(addr, []).append((mq, b))
+        loop = asyncio.get_running_loop()
+        for addr, items in by_broker.items():
+            if len(items) == 1:
+                rest.append(items[0][1])
+            else:
+                self._track(loop.create_task(self._send(addr, items)))
+        return rest
+
+    async def _send(self, addr: str, items: list[tuple[MessageQueue, OpenBatch]]) -> None:
+        seqs: list[int] = []
+        try:
+            conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
+            born_ts = int(time.time() * 1000)
+            encode = self._encode()
+            parts = []
+            for mq, (topic, msgs, _futs) in items:
+                b, seq = encode(topic, msgs, mq.queue_id, conn.local_host, conn.local_port,
+                                None, born_ts)
+                parts.append(b)
+                seqs.append(seq)
+            header = SendMultiQueueRequestHeader(producer_group=self.group, batches=len(parts),
+                                                 born_timestamp=born_ts)
+            if not conn.writable:
+                await conn.drain()
+            t0 = time.monotonic()
+            self.frames += 1
+            frame = await conn.start_request(RequestCode.SEND_MULTI_QUEUE, header,
+                                             b"".join(parts), self.send_timeout)
+            if frame.code == ResponseCode.REQUEST_CODE_NOT_SUPPORTED:
+                self.no_multi.add(addr)
+            raise_for_error(frame)
+            self.router.record(items[0][0].broker_name, (time.monotonic() - t0) * 1000)
+            h = frame.header
+            if not isinstance(h, SendMultiQueueResponseHeader) or len(h.results) != len(items):
+                raise BrokerError("SEND_MULTI_QUEUE answered a different number of results",
+                                  response_code=ResponseCode.SYSTEM_ERROR)
+        except Exception:
+            for _mq, b in items:  # each batch again on its own, with its retries
+                self._single(b)
+            return
+        pid = self._producer_id()
+        prefix = f"{pid:016X}"
+        for (mq, b), r, seq in zip(items, h.results, seqs, strict=True):
+            topic, msgs, futs = b
+            status = STATUS.get(r.code)
+            if status is None:
+                if r.code in RETRY_CODES:
+                    self._single(b)
+                    continue
+                self._answered(len(msgs))
+                exc = BrokerError(r.message or f"batch refused (response code {r.code})",
+                                  response_code=r.code)
+                for f in futs:
+                    if not f.done():
+                        f.set_exception(exc)
+                continue
+            self._answered(len(msgs))
+            for i, f in enumerate(futs):
+                if not f.done():
+                    s = seq + i
+                    f.set_result(SendResult(status, f"{prefix}{s:016X}", topic, mq.queue_id,
+                                            r.queue_offset + i, 1, mq.broker_name, pid, s))
