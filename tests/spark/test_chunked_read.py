@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import os
 
+import pytest
+
 import tidemq
 from tidemq.client import chunking
 from tidemq.client.chunk_columns import ColumnAssembler
@@ -15,7 +17,7 @@ from tidemq.client.range_reader import RangeReader
 from tidemq.spark.planner import QueueRange
 from tidemq.spark.source import read_range
 
-from .conftest import create_topic
+from .conftest import Collector, create_topic, wait_for
 
 
 def _rows(dev, topic: str, broker: str, start: int, end: int) -> list[tuple[int, bytes, dict]]:
@@ -68,3 +70,32 @@ def test_incomplete_chunks_expire_by_store_time_only_when_the_rest_is_not_stored
     assert [len(c) for c in out] == [2]  # "later" and "last"; the chunk is held
     assert asm.pending and asm.expire(store_ts + 59_000) == 0  # not yet: the rest may come
     assert asm.expire(store_ts + 61_000) == 1 and not asm.pending and asm.expired == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_stream_of_one_offset_per_micro_batch_gets_the_chunked_message_whole_once(
+        spark, dev, tmp_path) -> None:
+    topic = "spark-chunks-stream"
+    create_topic(dev, topic, 1)
+    body = os.urandom(9 * 1024 * 1024)  # 3 chunks
+    with tidemq.Producer(dev.namesrv, producer_name="spark-stream-chunker",
+                         send_timeout=30) as p:
+        p.send(tidemq.Message(topic, b"before"))
+        p.send(tidemq.Message(topic, body))
+        p.send(tidemq.Message(topic, b"after"))
+    c = Collector("queue_offset", "body")
+    df = (spark.readStream.format("tidemq").option("namesrv", dev.namesrv)
+          .option("topics", topic).option("startingOffsets", "earliest")
+          .option("maxOffsetsPerTrigger", "1").load())
+    query = (df.writeStream.foreachBatch(c).option("checkpointLocation", str(tmp_path / "ck"))
+             .start())
+    try:
+        wait_for(lambda: len(c.rows) >= 3, 120, "three rows")
+        query.processAllAvailable()
+    finally:
+        query.stop()
+    rows = c.rows
+    assert [len(b) for _o, b in rows] == [6, len(body), 5]  # whole, once, in order
+    assert hashlib.sha256(bytes(rows[1][1])).digest() == hashlib.sha256(body).digest()
+    # the micro-batches that started on the later chunks emitted nothing
+    assert sum(1 for rs in c.batches.values() if rs) == 3
