@@ -90,6 +90,9 @@ class PushConsumerOptions:
     #: The largest records section of one received batch, uncompressed (4 MiB + 64 KiB);
     #: raise it with the broker's ``max_message_size``.
     max_uncompressed_bytes: int = DEFAULT_MAX_RAW_SIZE
+    #: Seconds a chunked message still incomplete after its first chunk arrived is dropped
+    #: (``stats()`` counts ``chunks_assembled`` and ``chunks_expired`` of the queues held).
+    chunk_expire: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_uncompressed_bytes < 1:

@@ -140,6 +140,7 @@ class PushConsumer:
         self.hooks = list(o.hooks)
         self.check_crc = o.check_crc
         self.max_uncompressed_bytes = o.max_uncompressed_bytes
+        self.chunk_expire = o.chunk_expire
         #: records skipped because they do not decode ("tolerate on the way out")
         self.corrupt = CorruptRecords(log)
         self.request_timeout = o.request_timeout
@@ -193,6 +194,10 @@ class PushConsumer:
             "rebalances": self.rebalance.rebalances,
             "in_flight": sum(pq.msg_count for pq in self.rebalance.table.values()),
             "corrupt_skipped": self.corrupt.total,
+            "chunks_assembled": sum(pq.assembler.assembled for pq in self.rebalance.table.values()
+                                    if pq.assembler is not None),
+            "chunks_expired": sum(pq.assembler.expired for pq in self.rebalance.table.values()
+                                  if pq.assembler is not None),
         }
 
     # -- lifecycle -------------------------------------------------------------------------------
