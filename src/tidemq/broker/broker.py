@@ -49,6 +49,7 @@ from tidemq.broker.errors import RequestRejected
 from tidemq.broker.ha.service import HAService
 from tidemq.broker.long_polling import PullRequestHoldService
 from tidemq.broker.metrics import MetricsServer
+from tidemq.broker.multi_pull import MultiPullProcessor
 from tidemq.broker.non_persistent import NonPersistentTopics
 from tidemq.broker.pull_processor import PullProcessor
 from tidemq.broker.queue_lock import QueueLockManager
@@ -205,6 +206,7 @@ class Broker:
             self.start_services()
         self.send_processor = SendProcessor(self)
         self.pull_processor = PullProcessor(self)
+        self.multi_pull = MultiPullProcessor(self)
         self.admin_processor = AdminProcessor(self)
         self.send_back = SendBackProcessor(self)
         self._handlers = {
@@ -212,6 +214,7 @@ class Broker:
             RequestCode.SEND_BATCH: self.send_processor.handle,
             RequestCode.SEND_MULTI_QUEUE: self.send_processor.handle_multi,
             RequestCode.PULL_MESSAGE: self.pull_processor.handle,
+            RequestCode.PULL_MULTI_QUEUE: self.multi_pull.handle,
             RequestCode.GET_LAST_SEQUENCE: self.dedup.handle_last_sequence,
             **self.admin_processor.handlers(),
             **self.consumers.handlers(),

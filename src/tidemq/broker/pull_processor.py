@@ -176,6 +176,12 @@ class PullProcessor:
             raise RequestRejected(
                 ResponseCode.INVALID_ARGUMENT, "a pull cannot be one-way: it exists to answer"
             )
+        tags = self.admit(h)
+        self.process(conn, frame.opaque, h, tags, allow_suspend=True)
+
+    def admit(self, h: PullMessageRequestHeader) -> frozenset[int] | None:
+        """The door of one pull (also each queue of a PULL_MULTI_QUEUE): RequestRejected, or
+        its tag filter -- after storing a piggy-backed commit offset."""
         group = h.consumer_group
         check_group(group)
         check_consume_allowed(self.broker, group)
@@ -207,7 +213,7 @@ class PullProcessor:
             # A slave stores offsets only when a consumer commits them explicitly (RocketMQ:
             # a pull's commit offset counts on the master only).
             self.offsets.commit(group, h.topic, h.queue_id, h.commit_offset)
-        self.process(conn, frame.opaque, h, tags, allow_suspend=True)
+        return tags
 
     def process(
         self,
