@@ -162,11 +162,10 @@ class PullProcessor:
         tags = self.admit(h, conn)
         self.process(conn, frame.opaque, h, tags, allow_suspend=True)
 
-    def admit(
-        self, h: PullMessageRequestHeader, conn: BrokerConnection
-    ) -> frozenset[int] | None:
-        """The door of one pull (also each queue of a PULL_MULTI_QUEUE): RequestRejected, or
-        its tag filter -- after storing a piggy-backed commit offset."""
+    def admit(self, h: PullMessageRequestHeader, conn: BrokerConnection
+              ) -> frozenset[int] | None:
+        """The door of one pull (also each queue of a PULL_MULTI_QUEUE) that came on ``conn``:
+        RequestRejected, or its tag filter -- after storing a piggy-backed commit offset."""
         group = h.consumer_group
         check_group(group)
         check_consume_allowed(self.broker, group)
