@@ -700,3 +700,35 @@ def read_total_size_magic(buf: bytes | bytearray | memoryview, pos: int) -> tupl
 def check_frame_fits(total_size: int, limit: int) -> None:
     if total_size > limit:
         raise ProtocolError(f"batch of {total_size} bytes exceeds the limit of {limit} bytes")
+
+
+def filter_fields(
+    view: BatchView, start: int, raw: memoryview | None = None
+) -> Iterator[tuple[int, str | None, dict[str, str] | None]]:
+    """``(index, tag, properties)`` of messages ``start..count-1`` of a batch; properties and
+    tag are None for a message whose record does not decode (sizes, UTF-8) -- a filter selects
+    nothing then, and the reader that later decodes the whole message reports it. ``raw``: the
+    batch's records section when the caller already has it (decompressed)."""
+    if raw is None:
+        raw = view.raw_records()
+    idx = view.index_view()
+    rlen = len(raw)
+    unpack_index = INDEX_ENTRY.unpack_from
+    unpack_record = RECORD_HEADER.unpack_from
+    for i in range(start, view.count):
+        rel = unpack_index(idx, i * INDEX_ENTRY_SIZE)[1]
+        if rel + RECORD_HEADER_SIZE > rlen:
+            yield i, None, None
+            continue
+        size, _born, _flag, tl, _r, pl, bl = unpack_record(raw, rel)
+        q = rel + RECORD_HEADER_SIZE
+        if size + 4 != RECORD_HEADER_SIZE + tl + pl + bl or q + tl + pl + bl > rlen:
+            yield i, None, None
+            continue
+        try:
+            tag = decode_utf8(raw[q : q + tl], "tags") if tl else None
+            props = decode_properties(raw[q + tl : q + tl + pl]) if pl else {}
+        except CorruptBatchError:
+            yield i, None, None
+            continue
+        yield i, tag, props

@@ -25,6 +25,7 @@ from tidemq.protocol.batch.layout import (
     PREPARED_OFFSET_OFFSET,
     PRODUCER_HEADER_SIZE,
     QUEUE_ID_OFFSET,
+    QUEUE_OFFSET_OFFSET,
     STORE_ADDR_OFFSET,
     STORE_ADDR_SIZE,
     STORE_FIELDS,
@@ -41,6 +42,7 @@ __all__ = [
     "topic_len_at",
     "producer_start_at",
     "phys_offset_at",
+    "queue_offset_at",
     "set_queue_id",
     "mark_prepared",
     "with_topic",
@@ -65,6 +67,12 @@ def producer_start_at(buf: Buffer, pos: int = 0) -> int:
 def phys_offset_at(buf: Buffer, pos: int = 0) -> int:
     """phys_offset (the CommitLog offset the store stamped) of the stored batch at ``pos``."""
     return int.from_bytes(buf[pos + PHYS_OFFSET_OFFSET : pos + PHYS_OFFSET_OFFSET + 8], "little")
+
+
+def queue_offset_at(buf: Buffer, pos: int = 0) -> int:
+    """queue_offset (of message 0) of the stored batch at ``pos``."""
+    q = QUEUE_OFFSET_OFFSET
+    return int.from_bytes(buf[pos + q : pos + q + 8], "little")
 
 
 def set_queue_id(batch: bytearray, queue_id: int) -> None:

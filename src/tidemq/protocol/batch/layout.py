@@ -197,6 +197,7 @@ PROP_SEP = "\x02"
 # that take one field without unpacking a header) ----------------------------------------------
 TOTAL_SIZE_OFFSET = 0
 PHYS_OFFSET_OFFSET = 12
+QUEUE_OFFSET_OFFSET = 20
 STORE_TS_OFFSET = 28
 PREPARED_OFFSET_OFFSET = 36
 QUEUE_ID_OFFSET = 44
