@@ -6,13 +6,19 @@ gathers the open batches of many topics into such frames."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from tidemq.client.admin import Admin
 from tidemq.client.consumer import PullConsumer
 from tidemq.client.message import Message
 from tidemq.client.producer import Producer
 from tidemq.protocol.codes import RequestCode
-from tidemq.protocol.headers import SendMultiQueueRequestHeader
+from tidemq.protocol.headers import (
+    MultiQueuePull,
+    PullMultiQueueRequestHeader,
+    SendMultiQueueRequestHeader,
+)
+from tidemq.protocol.record import BatchView
 
 from .forge import Rec, forge
 from .wire import ResponseCode, Wire, decode_pull, error_message, start_broker, start_namesrv
@@ -97,3 +103,126 @@ def test_the_producer_sends_spread_traffic_in_multi_queue_frames(tmp_path):
     finally:
         br.stop()
         ns.stop()
+
+
+# -- PULL_MULTI_QUEUE -----------------------------------------------------------------------------
+
+
+def _pull_multi(w: Wire, pulls, *, suspend_ms: int | None = None, timeout: float = 10.0):
+    h = PullMultiQueueRequestHeader(consumer_group="cg", pulls=pulls,
+                                    suspend=suspend_ms is not None,
+                                    suspend_timeout_millis=suspend_ms or 0)
+    return w.request(RequestCode.PULL_MULTI_QUEUE, h, timeout=timeout)
+
+
+def _bodies(frame, pulls):
+    """The messages of each queue of a PULL_MULTI_QUEUE answer."""
+    out = []
+    pos = 0
+    body = frame.body
+    for p, r in zip(pulls, frame.header.results, strict=True):
+        part = body[pos : pos + r.body_bytes]
+        pos += r.body_bytes
+        msgs = []
+        q = 0
+        while q < len(part):
+            v = BatchView(part, q)
+            v.verify()
+            msgs += [m.body for m in v.messages(max(0, p.queue_offset - v.queue_offset))]
+            q += v.total_size
+        out.append(msgs)
+    assert pos == len(body)
+    return out
+
+
+def test_one_pull_serves_many_queues_each_through_the_door(wire, topic):
+    assert wire.create_topic(topic, 4).code == R.SUCCESS
+    for q in (0, 2):
+        wire.send_messages(topic, [b"q%d-%d" % (q, i) for i in range(3)], queue_id=q)
+    pulls = [MultiQueuePull(topic, 0, 1), MultiQueuePull(topic, 1, 0),
+             MultiQueuePull(topic, 2, 0, max_msg_nums=2), MultiQueuePull(topic, 9, 0),
+             MultiQueuePull("SCHEDULE_TOPIC_XXXX", 0, 0),
+             MultiQueuePull(topic, 0, 0, subscription="||")]
+    r = _pull_multi(wire, pulls)
+    assert r.code == R.SUCCESS, error_message(r)
+    res = r.header.results
+    assert [x.code for x in res[:4]] == [R.SUCCESS, R.PULL_NOT_FOUND, R.SUCCESS,
+                                         R.INVALID_ARGUMENT]
+    assert res[4].code != R.SUCCESS and res[5].code == R.SUBSCRIPTION_PARSE_FAILED
+    assert "out of range" in res[3].message
+    assert (res[0].next_begin_offset, res[0].max_offset) == (3, 3)
+    got = _bodies(r, pulls)
+    assert got[0] == [b"q0-1", b"q0-2"] and got[1] == [] and got[2][:2] == [b"q2-0", b"q2-1"]
+
+
+def test_a_held_multi_pull_wakes_on_any_of_its_queues(broker, topic):
+    with Wire(broker.addr) as w, Wire(broker.addr) as sender:
+        assert w.create_topic(topic, 8).code == R.SUCCESS
+        pulls = [MultiQueuePull(topic, q, 0) for q in range(8)]
+        t0 = time.monotonic()
+        opaque = w.send(RequestCode.PULL_MULTI_QUEUE, PullMultiQueueRequestHeader(
+            consumer_group="cg", pulls=pulls, suspend=True, suspend_timeout_millis=5000))
+        time.sleep(0.3)
+        sender.send_messages(topic, [b"wake"], queue_id=5)
+        r = w.recv(opaque, timeout=10)
+        assert time.monotonic() - t0 < 3
+        assert r.code == R.SUCCESS
+        assert [x.code for x in r.header.results].count(R.SUCCESS) == 1
+        assert _bodies(r, pulls)[5] == [b"wake"]
+        # nothing arrives: answered at the timeout, every queue PULL_NOT_FOUND
+        pulls = [MultiQueuePull(topic, q, 1 if q == 5 else 0) for q in range(8)]
+        t0 = time.monotonic()
+        r = _pull_multi(w, pulls, suspend_ms=600)
+        assert 0.5 < time.monotonic() - t0 < 3
+        assert {x.code for x in r.header.results} == {R.PULL_NOT_FOUND}
+
+
+def test_a_consumer_of_many_queues_pulls_them_in_multi_queue_requests(tmp_path):
+    ns = start_namesrv(tmp_path)
+    br = start_broker(tmp_path, ns.addr)
+    try:
+        async def run() -> None:
+            topics = [f"many{i}" for i in range(12)]
+            async with Admin(ns.addr) as admin:
+                for t in topics:
+                    await admin.create_topic(t, 8)
+            async with Producer(ns.addr) as p:
+                await asyncio.gather(*(p.send(Message(t, b"%s-%d" % (t.encode(), i)))
+                                       for t in topics for i in range(5)))
+            c = PullConsumer(ns.addr, "g-many", consume_from="first", auto_commit=False,
+                             multi_queue_min=16, suspend_timeout=2.0)
+            for t in topics:
+                c.subscribe(t)
+            got: list[bytes] = []
+            async with c:
+                while len(got) < 60:
+                    msgs = await c.poll(timeout=5)
+                    assert msgs, len(got)
+                    got += [m.body for m in msgs]
+                assert sum(b.requests for b in c._batchers.values()) >= 1
+                assert len(c._batchers) == 1
+                # tailing: a held multi pull wakes for a new message on any queue
+                async with Producer(ns.addr) as p:
+                    await p.send(Message("many7", b"late"))
+                late = await c.poll(timeout=5)
+                assert [m.body for m in late] == [b"late"]
+            assert sorted(got) == sorted(b"%s-%d" % (t.encode(), i) for t in topics
+                                         for i in range(5))
+
+        asyncio.run(run())
+    finally:
+        br.stop()
+        ns.stop()
+
+
+def test_a_multi_pull_answer_stays_within_one_read(wire, topic):
+    assert wire.create_topic(topic, 4).code == R.SUCCESS
+    big = b"x" * 900_000
+    for q in range(4):
+        for _ in range(3):
+            wire.send_messages(topic, [big], queue_id=q)
+    pulls = [MultiQueuePull(topic, q, 0, max_msg_nums=32) for q in range(4)]
+    r = _pull_multi(wire, pulls)
+    res = r.header.results
+    assert res[0].code == R.SUCCESS and len(r.body) <= 8 << 20
+    assert res[-1].code == R.PULL_RETRY_IMMEDIATELY and res[-1].next_begin_offset == 0

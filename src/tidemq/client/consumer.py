@@ -62,6 +62,7 @@ from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_
 from tidemq.client.errors import ClientClosedError, NoRouteError
 from tidemq.client.membership import GroupMembership, make_client_id
 from tidemq.client.message import ConsumeFrom, MessageExt, MessageQueue
+from tidemq.client.multi_pull import MultiPullUnsupported, PullBatcher
 from tidemq.client.rebalance import AllocateStrategy
 from tidemq.client.route import RouteCache
 from tidemq.client.selection import EVERYTHING, Selection
@@ -70,6 +71,7 @@ from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import BrokerError, TidemqError
 from tidemq.protocol.headers import (
     MASTER_ID,
+    MultiQueuePull,
     PullMessageRequestHeader,
     PullMessageResponseHeader,
     PullSysFlag,
@@ -97,7 +99,7 @@ class _Queue:
 
     __slots__ = (
         "mq", "pull_offset", "consume_offset", "committed", "chunks", "buffered", "task",
-        "paused", "space", "ready", "assembler", "broker_id", "failed",
+        "paused", "space", "ready", "assembler", "broker_id", "failed", "in_ready",
     )
 
     def __init__(self, mq: MessageQueue) -> None:
@@ -116,6 +118,7 @@ class _Queue:
         self.assembler: ChunkAssembler | None = None  # created at the first chunk seen
         self.broker_id = MASTER_ID  # which broker of the group to pull from (the suggestion)
         self.failed: BrokerError | None = None  # a refusal no retry fixes stopped the queue
+        self.in_ready = False  # listed in the consumer's queues with chunks to poll
 
 
 class PullConsumer:
@@ -131,7 +134,9 @@ class PullConsumer:
     batch, uncompressed; raise it with the broker's ``max_message_size``), ``request_timeout``
     (3 s for other requests), ``pool``; group membership when subscribing:
     ``heartbeat_interval`` (30 s), ``rebalance_interval`` (20 s), ``allocate_strategy``
-    (AllocateStrategy.AVG), ``instance_name`` (part of ``client_id``).
+    (AllocateStrategy.AVG), ``instance_name`` (part of ``client_id``); ``multi_queue_min`` (64:
+    with this many assigned queues or more, the pulls to one broker travel together in
+    PULL_MULTI_QUEUE requests, held by the broker as one long poll; 0 = never).
     """
 
     def __init__(
@@ -157,6 +162,7 @@ class PullConsumer:
         rebalance_interval: float = 20.0,
         allocate_strategy: AllocateStrategy | str = AllocateStrategy.AVG,
         instance_name: str | None = None,
+        multi_queue_min: int = 64,
     ) -> None:
         problem = group_name_problem(group)
         if problem:
@@ -195,11 +201,21 @@ class PullConsumer:
             consume_from=self.consume_from.value, strategy=AllocateStrategy(allocate_strategy),
             request_timeout=request_timeout)
         self.route_refresh = route_refresh
+        #: with this many assigned queues or more, pulls to a broker travel together in
+        #: PULL_MULTI_QUEUE requests (client/multi_pull.py); 0 = never
+        self.multi_queue_min = multi_queue_min
+        self._batchers: dict[str, PullBatcher] = {}
+        #: start-offset lookups in flight at most (a consumer of 100,000 queues would
+        #: otherwise ask for all of them at once and time out)
+        self._lookups = asyncio.Semaphore(1024)
         self._subs: dict[str, Selection] = {}
         self._assigned: list[MessageQueue] | None = None
         self._queues: dict[MessageQueue, _Queue] = {}
-        self._order: list[_Queue] = []  # poll's round-robin order
+        self._order: list[_Queue] = []  # the assigned queues, sorted
         self._rr = 0
+        # poll's round robin: only the queues holding pulled chunks (a poll's work follows what
+        # arrived, not the number of assigned queues)
+        self._ready_qs: deque[_Queue] = deque()
         self._ready = asyncio.Event()
         self._started = False
         self._closed = False
@@ -271,6 +287,8 @@ class PullConsumer:
         for q in self._queues.values():
             if q.task is not None:
                 q.task.cancel()
+        for b in self._batchers.values():
+            b.close()
         tasks = self._tasks + [q.task for q in self._queues.values() if q.task is not None]
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.auto_commit and self._started:
@@ -324,16 +342,15 @@ class PullConsumer:
                 return out
 
     def _drain(self) -> list[MessageExt]:
-        order = self._order
-        n = len(order)
-        if not n:
-            return []
+        ready = self._ready_qs
         need = self.max_poll_records
         out: list[MessageExt] = []
-        start = self._rr
-        self._rr = (start + 1) % n
-        for k in range(n):
-            q = order[(start + k) % n]
+        queues = self._queues
+        while ready and need > 0:
+            q = ready.popleft()
+            q.in_ready = False
+            if queues.get(q.mq) is not q:
+                continue  # no longer assigned
             chunks = q.chunks
             while chunks and need > 0:
                 msgs, nxt = chunks[0]
@@ -352,10 +369,11 @@ class PullConsumer:
                     q.buffered -= need
                     q.consume_offset = min(msgs[need - 1].queue_offset + 1, nxt)
                     need = 0
+            if chunks:  # the rest next time, after the others (round robin)
+                q.in_ready = True
+                ready.append(q)
             if q.buffered < self.pull_threshold and not q.space.is_set():
                 q.space.set()
-            if need <= 0:
-                break
         return out
 
     # -- positions -----------------------------------------------------------------------------
@@ -588,8 +606,9 @@ class PullConsumer:
             addr = ""
             try:
                 if q.pull_offset is None:
-                    off, committed = await self._start_offset(
-                        mq, await self.routes.addr_for_admin(mq))
+                    async with self._lookups:  # thousands of queues: not all at once
+                        off, committed = await self._start_offset(
+                            mq, await self.routes.addr_for_admin(mq))
                     q.pull_offset = q.consume_offset = off
                     # A start chosen by consume_from is committed too, so a restart before
                     # the first poll does not skip what arrived in between.
@@ -608,22 +627,38 @@ class PullConsumer:
                     subscription=sel.expression if sel.filters else None,
                     expression_type=sel.expression_type,
                 )
-                frame = await conn.request(RequestCode.PULL_MESSAGE, header, timeout=timeout)
-                status = pull_status(frame.code)
-                if status is None:
-                    raise_for_error(frame)
-                h = frame.header
-                assert isinstance(h, PullMessageResponseHeader)
+                batcher = self._batcher(addr, suspend_ms, timeout)
+                if batcher is not None:
+                    # many queues: this pull travels in a PULL_MULTI_QUEUE (client/multi_pull.py)
+                    try:
+                        h, body = await batcher.pull(MultiQueuePull(
+                            mq.topic, mq.queue_id, offset, self.pull_batch_size,
+                            flags & ~PullSysFlag.SUSPEND, 0, header.subscription,
+                            header.expression_type))
+                    except MultiPullUnsupported:
+                        continue  # pulled one by one from now on
+                    status = pull_status(h.code)
+                    if status is None:
+                        raise BrokerError(h.message or f"pull refused ({h.code})",
+                                          response_code=h.code)
+                else:
+                    frame = await conn.request(RequestCode.PULL_MESSAGE, header, timeout=timeout)
+                    status = pull_status(frame.code)
+                    if status is None:
+                        raise_for_error(frame)
+                    h = frame.header
+                    assert isinstance(h, PullMessageResponseHeader)
+                    body = frame.body
                 q.broker_id = h.suggest_which_broker_id
                 if status is PullStatus.FOUND:
                     msgs, end = decode_pull_body(
-                        frame.body, from_offset=offset, broker_name=mq.broker_name, tags=tags,
+                        body, from_offset=offset, broker_name=mq.broker_name, tags=tags,
                         check_crc=self.check_crc, topic=mq.topic,
                         on_corrupt=lambda qo, n, why, mq=mq: self._corrupt(mq, qo, n, why),
                         max_uncompressed=self.max_uncompressed_bytes,
                     )
                     if sel.sql is not None:
-                        msgs = sel.keep(msgs, frame.body, h.members)
+                        msgs = sel.keep(msgs, body, h.members)
                     nxt = max(h.next_begin_offset, end) if end > offset else h.next_begin_offset
                     self._push(q, self._assemble(q, msgs), nxt)
                 elif status is PullStatus.OFFSET_ILLEGAL:
@@ -666,7 +701,22 @@ class PullConsumer:
             "queues": len(self._queues),
             "buffered": sum(q.buffered for q in self._queues.values()),
             "corrupt_skipped": self.corrupt.total,
+            "chunks_assembled": sum(q.assembler.assembled for q in self._queues.values()
+                                    if q.assembler is not None),
+            "chunks_expired": sum(q.assembler.expired for q in self._queues.values()
+                                  if q.assembler is not None),
         }
+
+    def _batcher(self, addr: str, suspend_ms: int, timeout: float) -> PullBatcher | None:
+        """The PULL_MULTI_QUEUE batcher of ``addr`` when this consumer pulls many queues
+        (``multi_queue_min`` or more), None to pull queue by queue."""
+        if self.multi_queue_min <= 0 or len(self._queues) < self.multi_queue_min:
+            return None
+        b = self._batchers.get(addr)
+        if b is None:
+            b = self._batchers[addr] = PullBatcher(self.pool, addr, self.group,
+                                                   suspend_ms=suspend_ms, timeout=timeout)
+        return None if b.unsupported else b
 
     def _fail(self, q: _Queue, exc: BrokerError) -> None:
         """Stop pulling ``q`` after a refusal no retry fixes; the next poll raises it."""
@@ -710,5 +760,8 @@ class PullConsumer:
             return
         q.chunks.append((msgs, nxt))
         q.buffered += len(msgs)
+        if not q.in_ready:
+            q.in_ready = True
+            self._ready_qs.append(q)
         if msgs:
             self._ready.set()

@@ -73,6 +73,7 @@ class RequestCode(IntEnum):
     DELETE_TOPIC = 215  # RocketMQ DELETE_TOPIC_IN_BROKER
     SEND_BATCH = 320  # RocketMQ SEND_BATCH_MESSAGE
     SEND_MULTI_QUEUE = 321  # tidemq: batches for many queues of one broker (multi_queue.py)
+    PULL_MULTI_QUEUE = 322  # tidemq: one held pull serving many queues of one broker
     GET_LAST_SEQUENCE = 330  # tidemq: highest persisted sequence of a producer name (BR12)
     CANCEL_TIMER_MESSAGE = 340  # tidemq: cancel a deliver_at message by its id (BR8)
     # -- replication (BR15): slave <-> master and operator -> slave ------------------------

@@ -15,6 +15,8 @@ Which header goes with which frame (request code -> request header / response he
     |                         |                            |   SLAVE_NOT_AVAILABLE)           |
     | SEND_MULTI_QUEUE        | SendMultiQueueRequestHeader| SendMultiQueueResponseHeader     |
     |                         |   body: batches, any queues|   (one result per batch)         |
+    | PULL_MULTI_QUEUE        | PullMultiQueueRequestHeader| PullMultiQueueResponseHeader     |
+    |                         |                            |   body: the found batches        |
     | PULL_MESSAGE            | PullMessageRequestHeader   | PullMessageResponseHeader        |
     |                         |                            |   body: whole batches (SUCCESS); |
     |                         |                            |   also on PULL_NOT_FOUND,        |
@@ -48,6 +50,10 @@ __all__ = [
     "SendMultiQueueRequestHeader",
     "MultiQueueSendResult",
     "SendMultiQueueResponseHeader",
+    "MultiQueuePull",
+    "PullMultiQueueRequestHeader",
+    "MultiQueuePullResult",
+    "PullMultiQueueResponseHeader",
     "PullSysFlag",
     "pull_sys_flag",
     "PullMessageRequestHeader",
@@ -255,6 +261,51 @@ class PullMessageResponseHeader(Header):
     members: list[bytes] = []
 
 
+class MultiQueuePull(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One queue of a PULL_MULTI_QUEUE: what a PULL_MESSAGE for it would carry."""
+
+    topic: str
+    queue_id: U32
+    queue_offset: NonNeg
+    max_msg_nums: Positive = 32
+    sys_flag: NonNeg = 0  # PullSysFlag.COMMIT_OFFSET / SUBSCRIPTION (SUSPEND: the request's)
+    commit_offset: NonNeg = 0
+    subscription: str | None = None
+    expression_type: str = "TAG"
+
+
+class PullMultiQueueRequestHeader(Header):
+    """PULL_MULTI_QUEUE (issue 17): many queues of this broker in one request, held as one
+    long poll (``suspend``) until any of them has messages or the timeout passes."""
+
+    consumer_group: str
+    pulls: list[MultiQueuePull]
+    suspend: bool = False
+    suspend_timeout_millis: NonNeg = 15_000
+
+
+class MultiQueuePullResult(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One queue's answer, in request order: ``code`` is what a PULL_MESSAGE would have been
+    answered (SUCCESS, PULL_NOT_FOUND, ... or an error with ``message``); a SUCCESS result's
+    batches are the next ``body_bytes`` bytes of the response body."""
+
+    code: int
+    next_begin_offset: int = 0
+    min_offset: int = 0
+    max_offset: int = 0
+    body_bytes: int = 0
+    message: str = ""
+    members: list[bytes] = []
+    suggest_which_broker_id: int = MASTER_ID
+
+
+class PullMultiQueueResponseHeader(Header):
+    """The response (SUCCESS) to PULL_MULTI_QUEUE: one result per requested queue; the body is
+    the SUCCESS results' batches, back to back in request order."""
+
+    results: list[MultiQueuePullResult] = []
+
+
 # -- errors -------------------------------------------------------------------------------------
 
 
@@ -282,12 +333,17 @@ class Perm:
 
 
 class TopicConfig(Header):
+    """A topic on one broker. ``shrinking_to``: set by the broker only (a value sent is
+    ignored) while read queues above it are kept until drained (broker/queue_shrink.py); 0 =
+    not shrinking."""
+
     topic_name: str
     read_queue_nums: U32 = 8
     write_queue_nums: U32 = 8
     perm: int = Perm.READ_WRITE
     topic_sys_flag: int = 0
     order: bool = False
+    shrinking_to: U32 = 0
 
 
 class RegisterBrokerRequestHeader(Header):
@@ -737,6 +793,7 @@ REQUEST_HEADER_TYPES: dict[int, type[Header]] = {
     RequestCode.SEND_MESSAGE: SendMessageRequestHeader,
     RequestCode.SEND_BATCH: SendMessageRequestHeader,
     RequestCode.SEND_MULTI_QUEUE: SendMultiQueueRequestHeader,
+    RequestCode.PULL_MULTI_QUEUE: PullMultiQueueRequestHeader,
     RequestCode.PULL_MESSAGE: PullMessageRequestHeader,
     RequestCode.REGISTER_BROKER: RegisterBrokerRequestHeader,
     RequestCode.GET_ROUTEINFO_BY_TOPIC: GetRouteInfoRequestHeader,
@@ -777,6 +834,7 @@ RESPONSE_HEADER_TYPES: dict[int, type[Header]] = {
     RequestCode.SEND_MESSAGE: SendMessageResponseHeader,
     RequestCode.SEND_BATCH: SendMessageResponseHeader,
     RequestCode.SEND_MULTI_QUEUE: SendMultiQueueResponseHeader,
+    RequestCode.PULL_MULTI_QUEUE: PullMultiQueueResponseHeader,
     RequestCode.PULL_MESSAGE: PullMessageResponseHeader,
     RequestCode.REGISTER_BROKER: RegisterBrokerResponseHeader,
     RequestCode.GET_ROUTEINFO_BY_TOPIC: TopicRouteData,
