@@ -212,6 +212,7 @@ class Broker:
         self.admin_processor = AdminProcessor(self)
         self.send_back = SendBackProcessor(self)
         self.pop = PopProcessor(self)
+        self.pop.recover()  # POP windows from rmq_sys_POP_LOG, before serving
         self._handlers = {
             RequestCode.SEND_MESSAGE: self.send_processor.handle,
             RequestCode.SEND_BATCH: self.send_processor.handle,

@@ -23,9 +23,8 @@ One group name, one consumption mode: a group that pulled (push / lite pull cons
 heartbeating members) cannot pop, and a group that popped cannot pull, on this broker
 (CONSUME_MODE_CONFLICT, with the reason) -- their offsets would fight.
 
-Not durable yet: the windows live in memory; after a broker restart a POP group starts again
-from its committed offset (the acked prefix), so in-flight and acked-but-above-a-hole messages
-are delivered again, none is lost.
+Durable: every pop, ack and invisible-time change is appended to ``rmq_sys_POP_LOG`` before
+its answer leaves, and replayed at start (``pop_log.py``).
 
 Threads: the broker's event loop only.
 """
@@ -39,6 +38,7 @@ from typing import TYPE_CHECKING
 from tidemq.broker.connection import decode_request
 from tidemq.broker.consume_switches import check_consume_allowed
 from tidemq.broker.errors import RequestRejected, check_group
+from tidemq.broker.pop_log import PopLog
 from tidemq.broker.pop_window import Popped, PopWindow
 from tidemq.broker.send_back import store_copy
 from tidemq.broker.sql_select import sql_filter_for
@@ -144,6 +144,25 @@ class PopProcessor:
         self.acked = 0
         self.stale = 0
         self.dead = 0  # copied to %DLQ%<group> after retry_max_times deliveries
+        self.log = PopLog(broker.store)
+
+    def recover(self) -> int:
+        """Rebuild the windows from ``rmq_sys_POP_LOG`` (at start, before serving)."""
+        def window_for(group: str, topic: str, qid: int, first: int) -> PopWindow:
+            key = (group, topic, qid)
+            w = self.windows.get(key)
+            if w is None:
+                start = self.broker.offsets.query(group, topic, qid)
+                w = self.windows[key] = PopWindow(start if start >= 0 else first)
+                self.modes.setdefault(group, POP)
+            return w
+
+        n = self.log.replay(window_for)
+        for (group, topic, qid), w in self.windows.items():
+            self._commit(group, topic, qid, w)
+        if n:
+            log.info("POP state recovered: %d records, %d windows", n, len(self.windows))
+        return n
 
     def handlers(self) -> dict:
         return {
@@ -272,10 +291,13 @@ class PopProcessor:
         max_off = store.max_offset(topic, qid)
         got = 0
         sg = None
+        logged: list[Popped] = []
+        acks: list[tuple[int, int]] = []
         for _round in range(8):  # filtered-out and dead messages make room for more
             popped = w.pop(want - got, now, h.invisible_ms, max_off)
             if not popped:
                 break
+            logged += popped
             by_off = {p.offset: p for p in popped}
             for data, base, idx in self._read(topic, qid, sorted(by_off)):
                 keep: list[int] = []
@@ -291,6 +313,7 @@ class PopProcessor:
                     p = by_off.pop(base + i)
                     if view is not None and not sel.matches(*fields.get(i, (None, None))):
                         w.ack(p.offset, p.pop_time)  # not this subscription's
+                        acks.append((p.offset, p.pop_time))
                         continue
                     if p.attempt > 1:
                         if sg is None:
@@ -298,6 +321,7 @@ class PopProcessor:
                         if p.attempt > sg.retry_max_times:
                             self._dead_letter(group, data, i, p)
                             w.ack(p.offset, p.pop_time)
+                            acks.append((p.offset, p.pop_time))
                             continue
                     keep.append(i)
                     attempts.append(p.attempt)
@@ -309,8 +333,10 @@ class PopProcessor:
                     got += len(keep)
             for p in by_off.values():  # gone from the store (retention): nothing to deliver
                 w.ack(p.offset, p.pop_time)
+                acks.append((p.offset, p.pop_time))
             if got >= want:
                 break
+        self.log.append(group, topic, qid, logged, acks)  # durable before the answer leaves
         self.popped += got
         self._commit(group, topic, qid, w)
         return got
@@ -399,7 +425,7 @@ class PopProcessor:
         h: AckMessageRequestHeader = decode_request(frame, AckMessageRequestHeader)
         check_group(h.consumer_group)
         results: list[int] = []
-        touched: set[tuple[str, str, int]] = set()
+        touched: dict[tuple[str, str, int], list[tuple[int, int]]] = {}
         for text in h.handles:
             try:
                 rh = self._handle_of(text)
@@ -410,12 +436,17 @@ class PopProcessor:
             w = self.windows.get(key)
             if w is not None and w.ack(rh.offset, rh.pop_time):
                 results.append(_R.SUCCESS)
-                touched.add(key)
+                touched.setdefault(key, []).append((rh.offset, rh.pop_time))
                 self.acked += 1
             else:
                 results.append(_R.NO_MESSAGE)
                 self.stale += 1
-        for key in touched:
+        for key, acked in touched.items():
+            try:
+                self.log.append(*key, [], acked)  # before the answer: an ack survives kill -9
+            except TidemqError as exc:
+                log.error("ack records of %s not stored (%s): these acks may be lost in a "
+                          "restart (the messages are then delivered again)", key, exc)
             self._commit(*key, self.windows[key])
         if not frame.is_oneway:
             conn.respond(frame.opaque, _R.SUCCESS, AckMessageResponseHeader(results=results))
@@ -438,6 +469,7 @@ class PopProcessor:
                 _R.NO_MESSAGE,
                 f"receipt handle of {rh.topic} queue {rh.queue_id} offset {rh.offset} is "
                 "stale: acked already, or delivered again since")
+        self.log.append(h.consumer_group, rh.topic, rh.queue_id, [p], [])
         new = ReceiptHandle(rh.broker, rh.topic, rh.queue_id, rh.offset, p.pop_time,
                             p.invisible_ms, rh.revive_queue_id, p.attempt)
         conn.respond(frame.opaque, _R.SUCCESS,
