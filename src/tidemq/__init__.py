@@ -22,6 +22,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
+    "SimpleConsumer",
+    "ReceivedMessage",
+    "StaleReceiptError",
     "Producer",
     "TransactionProducer",
     "LocalTransactionState",
@@ -58,6 +61,9 @@ __all__ = [
 ]
 
 _WHERE = {
+    "SimpleConsumer": "tidemq.client.blocking_simple",
+    "ReceivedMessage": "tidemq.client.simple_consumer",
+    "StaleReceiptError": "tidemq.client.simple_consumer",
     "Producer": "tidemq.client.blocking",
     "TransactionProducer": "tidemq.client.blocking",
     "LocalTransactionState": "tidemq.client.transaction_producer",
@@ -102,6 +108,7 @@ if TYPE_CHECKING:
         PushConsumer,
         TransactionProducer,
     )
+    from tidemq.client.blocking_simple import SimpleConsumer
     from tidemq.client.consumer_options import PushConsumerOptions
     from tidemq.client.errors import (
         BrokerError,
@@ -131,6 +138,7 @@ if TYPE_CHECKING:
     )
     from tidemq.client.rebalance import AllocateStrategy
     from tidemq.client.selection import SqlFilterError
+    from tidemq.client.simple_consumer import ReceivedMessage, StaleReceiptError
     from tidemq.client.transaction_producer import LocalTransactionState, TransactionSendResult
 
 

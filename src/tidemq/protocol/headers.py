@@ -39,6 +39,7 @@ from typing import Annotated
 
 import msgspec
 
+from tidemq.protocol import pop as _pop
 from tidemq.protocol.codes import RequestCode, ResponseCode, describe
 from tidemq.protocol.errors import LocalProtocolError
 from tidemq.protocol.frame import Frame, decode_header, encode_header
@@ -786,7 +787,7 @@ class CancelTimerMessageRequestHeader(Header):
     msg_id: str
 
 
-REQUEST_HEADER_TYPES: dict[int, type[Header]] = {
+REQUEST_HEADER_TYPES: dict[int, type[msgspec.Struct]] = {
     RequestCode.END_TRANSACTION: EndTransactionRequestHeader,
     RequestCode.CHECK_TRANSACTION_STATE: CheckTransactionStateRequestHeader,
     RequestCode.CANCEL_TIMER_MESSAGE: CancelTimerMessageRequestHeader,
@@ -828,7 +829,7 @@ REQUEST_HEADER_TYPES: dict[int, type[Header]] = {
     RequestCode.PROMOTE_TO_MASTER: PromoteRequestHeader,
 }
 
-RESPONSE_HEADER_TYPES: dict[int, type[Header]] = {
+RESPONSE_HEADER_TYPES: dict[int, type[msgspec.Struct]] = {
     RequestCode.END_TRANSACTION: EmptyHeader,
     RequestCode.CANCEL_TIMER_MESSAGE: EmptyHeader,
     RequestCode.SEND_MESSAGE: SendMessageResponseHeader,
@@ -892,12 +893,12 @@ _OUTCOMES: dict[int, frozenset[int]] = {
 _SUCCESS_ONLY = frozenset({ResponseCode.SUCCESS})
 
 
-def request_header_type(code: int) -> type[Header] | None:
+def request_header_type(code: int) -> type[msgspec.Struct] | None:
     """Header type of a request; None (decode as a dict) for codes without one here."""
     return REQUEST_HEADER_TYPES.get(code)
 
 
-def response_header_type(request_code: int, response_code: int) -> type[Header] | None:
+def response_header_type(request_code: int, response_code: int) -> type[msgspec.Struct] | None:
     """Header type of the response to a ``request_code`` request that came back with
     ``response_code``: the request's response header for its non-error outcomes, else
     ErrorResponseHeader. None (decode as a dict) for success of requests without one here."""
@@ -912,3 +913,13 @@ def error_response(request: Frame, code: int, message: str | None = None) -> Fra
         raise LocalProtocolError("an error response needs a non-zero response code")
     return request.response(code, ErrorResponseHeader(message or describe(code)))
 
+
+
+# -- server-side dispatch (POP): the headers live in protocol/pop.py, registered here ------------
+REQUEST_HEADER_TYPES[RequestCode.POP_MESSAGE] = _pop.PopMessageRequestHeader
+REQUEST_HEADER_TYPES[RequestCode.ACK_MESSAGE] = _pop.AckMessageRequestHeader
+REQUEST_HEADER_TYPES[RequestCode.CHANGE_INVISIBLE_TIME] = _pop.ChangeInvisibleRequestHeader
+RESPONSE_HEADER_TYPES[RequestCode.POP_MESSAGE] = _pop.PopMessageResponseHeader
+RESPONSE_HEADER_TYPES[RequestCode.ACK_MESSAGE] = _pop.AckMessageResponseHeader
+RESPONSE_HEADER_TYPES[RequestCode.CHANGE_INVISIBLE_TIME] = _pop.ChangeInvisibleResponseHeader
+_OUTCOMES[RequestCode.POP_MESSAGE] = frozenset({ResponseCode.SUCCESS, ResponseCode.PULL_NOT_FOUND})
