@@ -355,13 +355,19 @@ class RegisterBrokerRequestHeader(Header):
     #: the master's epoch (replication, docs/cluster.md); a name server keeps the master of
     #: the highest epoch when two addresses claim id 0 of one broker name
     epoch: NonNeg = 0
+    #: ``topics`` left out: the topic set is the one of ``data_version``, which this name
+    #: server was sent before (a heartbeat; its size does not grow with the topics)
+    topics_omitted: bool = False
 
 
 class RegisterBrokerResponseHeader(Header):
-    """The master of the group, for a slave: its replication and client addresses."""
+    """The master of the group, for a slave: its replication and client addresses;
+    ``need_topics``: a registration without topics came for a data version this name server
+    does not hold -- register again with them."""
 
     ha_server_addr: str = ""
     master_addr: str = ""
+    need_topics: bool = False
 
 
 class GetRouteInfoRequestHeader(Header):
