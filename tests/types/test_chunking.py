@@ -82,3 +82,86 @@ def test_50_mib_message_round_trips(cluster):
         assert got[0].properties == {"k": "v"} and got[1].body == b"after"
 
     asyncio.run(main())
+
+
+def test_process_queue_never_commits_past_a_chunk_in_flight_or_held():
+    from tidemq.client.process_queue import ProcessQueue
+
+    parts = chunking.split(aio.Message("t", b"y" * 5000, properties={"a": "1"}), "p-9", 2000)
+    plain = [aio.Message("t", b"p%d" % i) for i in range(3)]
+    # offsets 100..105: chunk0, plain0, chunk1, plain1, chunk2, plain2
+    stream = received([parts[0], plain[0], parts[1], plain[1], parts[2], plain[2]], 100)
+    pq = ProcessQueue()
+    first = pq.assemble(stream[:3], 60.0)
+    assert [m.body for m in first] == [b"p0"]
+    pq.put_messages(first)
+    assert pq.remove_messages(first) == 100  # chunk 0 (offset 100) is still being assembled
+    rest = pq.assemble(stream[3:], 60.0)
+    assert [m.body for m in rest] == [b"p1", b"y" * 5000, b"p2"]
+    whole = rest[1]
+    assert whole.queue_offset == 104 and whole.properties == {"a": "1"}
+    pq.put_messages(rest)
+    assert pq.remove_messages([rest[0], rest[2]]) == 100  # the whole message is in flight
+    assert pq.remove_messages([whole]) == 106  # consumed: past everything
+
+
+def test_a_chunked_message_reaches_a_push_listener_whole(cluster):
+    got: list[aio.MessageExt] = []
+
+    async def listener(msgs, ctx):
+        got.extend(msgs)
+        return aio.ConsumeStatus.SUCCESS
+
+    async def main():
+        topic = "chunk-push"
+        await make_topic(cluster.namesrv, topic, 1)
+        body = os.urandom(5 * 1024 * 1024)
+        async with aio.Producer(cluster.namesrv, producer_name="chunker-push",
+                                send_timeout=30) as p:
+            await p.send(aio.Message(topic, b"before"))
+            r = await p.send(aio.Message(topic, body, properties={"k": "v"}))
+            await p.send(aio.Message(topic, b"after"))
+        async with aio.PushConsumer(cluster.namesrv, "g-chunk-push", listener,
+                                    consume_from="first", persist_interval=0.2) as c:
+            c.subscribe(topic)
+            for _ in range(600):
+                if len(got) >= 3:
+                    break
+                await asyncio.sleep(0.05)
+            stats = c.stats()
+        assert [len(m.body) for m in got] == [6, len(body), 5]
+        assert hashlib.sha256(got[1].body).digest() == hashlib.sha256(body).digest()
+        assert got[1].properties == {"k": "v"} and got[1].queue_offset == r.queue_offset
+        assert stats["chunks_assembled"] == 1 and stats["chunks_expired"] == 0
+
+    asyncio.run(main())
+
+
+def test_cli_consume_prints_a_chunked_message_whole_and_filters_by_sql(cluster):
+    import json
+
+    from click.testing import CliRunner
+
+    from tidemq.cli.main import cli
+
+    async def produce():
+        await make_topic(cluster.namesrv, "chunk-cli", 1)
+        async with aio.Producer(cluster.namesrv, producer_name="chunker-cli",
+                                send_timeout=30) as p:
+            await p.send(aio.Message("chunk-cli", b"a" * (5 * 1024 * 1024),
+                                     properties={"kind": "big"}))
+            await p.send(aio.Message("chunk-cli", b"small", properties={"kind": "small"}))
+
+    asyncio.run(produce())
+    base = ["consume", "--namesrv", cluster.namesrv, "--topic", "chunk-cli", "--from-beginning",
+            "--timeout", "2", "--json"]
+    r = CliRunner().invoke(cli, [*base, "--group", "g-cli-all"])
+    assert r.exit_code == 0, r.output
+    lines = [json.loads(x) for x in r.output.splitlines() if x.startswith("{")]
+    assert len(lines) == 2 and lines[1]["properties"] == {"kind": "small"}
+    assert lines[0]["properties"] == {"kind": "big"}
+    r = CliRunner().invoke(cli, [*base, "--group", "g-cli-sql", "--sql", "kind = 'big'"])
+    lines = [json.loads(x) for x in r.output.splitlines() if x.startswith("{")]
+    assert [x["properties"] for x in lines] == [{"kind": "big"}]
+    r = CliRunner().invoke(cli, [*base, "--group", "g-cli-bad", "--sql", "kind ="])
+    assert r.exit_code != 0 and "ends too early" in r.output

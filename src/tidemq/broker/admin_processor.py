@@ -169,7 +169,7 @@ class AdminProcessor:
         tc: TopicConfig = decode_request(frame, TopicConfig)
         self._not_reserved(tc.topic_name)
         try:
-            self.topics.update(tc)
+            self.topics.update(self.broker.shrinker.plan(tc))
         except ValueError as exc:
             raise RequestRejected(ResponseCode.INVALID_ARGUMENT, str(exc)) from None
         self.broker.topics_changed(then=lambda: self._reply(conn, frame, _EMPTY))

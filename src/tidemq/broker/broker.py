@@ -53,6 +53,7 @@ from tidemq.broker.multi_pull import MultiPullProcessor
 from tidemq.broker.non_persistent import NonPersistentTopics
 from tidemq.broker.pull_processor import PullProcessor
 from tidemq.broker.queue_lock import QueueLockManager
+from tidemq.broker.queue_shrink import QueueShrinker
 from tidemq.broker.registration import NamesrvRegistration
 from tidemq.broker.schedule_service import (
     SCHEDULE_TOPIC,
@@ -135,6 +136,7 @@ class Broker:
         self.registration: NamesrvRegistration | None = None
         #: Replication: this broker's role in its group (docs/cluster.md).
         self.ha = HAService(self)
+        self.shrinker = QueueShrinker(self)
         #: called (event loop) when an elected master finds itself replaced: the ``tidemq
         #: broker`` process restarts in place as a slave; None (embedded) = stay fenced
         self.restart_hook: Callable[[str], None] | None = None
@@ -237,6 +239,7 @@ class Broker:
             loop.create_task(self._sample_stats_forever(), name="stats-sample"),
             loop.create_task(self.dedup.run_snapshots(self.store), name="dedup-snapshot"),
             loop.create_task(self._scan_clients_forever(), name="client-scan"),
+            loop.create_task(self.shrinker.run_forever(), name="queue-shrink"),
         ]
         if cfg.metrics_port >= 0:
             self.metrics = MetricsServer(self)

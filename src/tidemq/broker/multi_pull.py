@@ -164,7 +164,7 @@ class MultiPullProcessor:
             )
             slot = _PullSlot(agg, i)
             try:
-                tags = self.pull.admit(one)
+                tags = self.pull.admit(one, agg.conn)
                 self.pull.process(slot, i, one, tags, allow_suspend=False)  # type: ignore[arg-type]
             except RequestRejected as exc:
                 agg.put(i, exc.response_code, _Msg(exc.message), None)

@@ -3,8 +3,9 @@
 A pull names (group, topic, queue id, queue offset, max messages, sys flags, commit offset,
 suspend timeout, subscription). The processor
 
-1. checks the request (group present, topic exists and is readable, queue id below the topic's
-   read queue count, a TAG subscription that parses) -- any failure is an error response;
+1. checks the request (group present and allowed to consume -- ``consume_switches.py`` --,
+   topic exists and is readable, queue id below the topic's read queue count, a subscription
+   that parses) -- any failure is an error response;
 2. stores the piggy-backed commit offset (PullSysFlag.COMMIT_OFFSET), only on the first
    execution, never when a held pull is re-executed (RocketMQ's ``brokerAllowSuspend``), and
    never on a slave (there only explicit commits count);
@@ -52,6 +53,7 @@ import struct
 from typing import TYPE_CHECKING
 
 from tidemq.broker.connection import decode_request
+from tidemq.broker.consume_switches import check_consume_allowed, check_ordered_topic
 from tidemq.broker.errors import RequestRejected, check_group
 from tidemq.broker.long_polling import HeldPull
 from tidemq.broker.sql_select import read_selected, sql_filter_for
@@ -174,14 +176,16 @@ class PullProcessor:
             raise RequestRejected(
                 ResponseCode.INVALID_ARGUMENT, "a pull cannot be one-way: it exists to answer"
             )
-        tags = self.admit(h)
+        tags = self.admit(h, conn)
         self.process(conn, frame.opaque, h, tags, allow_suspend=True)
 
-    def admit(self, h: PullMessageRequestHeader) -> frozenset[int] | None:
-        """The door of one pull (also each queue of a PULL_MULTI_QUEUE): RequestRejected, or
-        its tag filter -- after storing a piggy-backed commit offset."""
+    def admit(self, h: PullMessageRequestHeader, conn: BrokerConnection
+              ) -> frozenset[int] | None:
+        """The door of one pull (also each queue of a PULL_MULTI_QUEUE) that came on ``conn``:
+        RequestRejected, or its tag filter -- after storing a piggy-backed commit offset."""
         group = h.consumer_group
         check_group(group)
+        check_consume_allowed(self.broker, group)
         tc = self.topics.get(h.topic)
         broker_name = self.config.broker_name
         if tc is None:
@@ -204,6 +208,7 @@ class PullProcessor:
                 f"{tc.read_queue_nums} read queues (0..{tc.read_queue_nums - 1}) on broker "
                 f"{broker_name}",
             )
+        check_ordered_topic(self.broker, conn, group, tc, h.queue_id)
         tags = self._tag_hashes(h)
         if h.sys_flag & PullSysFlag.COMMIT_OFFSET and not self.broker.ha.is_slave:
             # A slave stores offsets only when a consumer commits them explicitly (RocketMQ:

@@ -94,10 +94,12 @@ def read_selected(
         end = max(end, r.next_begin_offset)  # past units skipped as removed or corrupt
         if examined >= scan_limit or end >= r.max_offset:
             break
-        nxt = end
-        # read on in bigger steps: most of what is read now is examined and dropped
-        r = src.get_messages(topic, queue_id, nxt, max(max_messages, min(scan_limit - examined,
-                                                                        _SCAN_STEP)))
+        # Read on in steps sized by the selectivity seen so far (what is read past the answer
+        # is verified and dropped: not too much), at least max_messages, at most _SCAN_STEP.
+        need = max_messages - selected
+        step = need * examined // selected + need // 4 if selected else _SCAN_STEP
+        step = max(max_messages, min(step, _SCAN_STEP, scan_limit - examined))
+        r = src.get_messages(topic, queue_id, end, step)
     if examined == 0:
         return first, [], 0  # the store's own answer: empty queue, offset moved, ...
     status = GetStatus.FOUND if kept else GetStatus.NO_MATCHED_MESSAGE

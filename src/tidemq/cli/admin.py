@@ -19,6 +19,7 @@ import click
 
 from tidemq.cli.output import emit_result
 from tidemq.client.blocking import Admin, Producer, PullConsumer
+from tidemq.client.chunking import first_chunk_offset
 from tidemq.client.errors import TidemqError
 from tidemq.client.message import Message, MessageExt
 from tidemq.protocol.headers import Perm
@@ -242,6 +243,8 @@ def send_cmd(namesrv: str, topic: str, body: str | None, tags: str | None, keys:
 @click.option("--group", required=True, help="Consumer group; its offsets are committed.")
 @click.option("--tags", "expression", default="*", show_default=True,
               help="Tag filter: '*' or 'TagA || TagB'.")
+@click.option("--sql", default=None,
+              help="SQL92 property filter instead of tags, e.g. \"region = 'eu' AND n > 3\".")
 @click.option("--from-beginning", is_flag=True,
               help="A group without offsets starts at the earliest message (default: latest).")
 @click.option("--count", type=int, default=None, help="Stop after this many messages.")
@@ -249,9 +252,10 @@ def send_cmd(namesrv: str, topic: str, body: str | None, tags: str | None, keys:
               help="Stop when no message came for this many seconds (0: wait forever).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per message.")
 @friendly
-def consume_cmd(namesrv: str, topic: str, group: str, expression: str, from_beginning: bool,
-                count: int | None, timeout: float, as_json: bool) -> None:
-    """Print messages of TOPIC as GROUP, committing offsets."""
+def consume_cmd(namesrv: str, topic: str, group: str, expression: str, sql: str | None,
+                from_beginning: bool, count: int | None, timeout: float, as_json: bool) -> None:
+    """Print messages of TOPIC as GROUP, committing offsets. Chunked messages are printed
+    whole."""
     got = 0
     consumer = PullConsumer(namesrv, group, consume_from="first" if from_beginning else "last")
     with consumer:
@@ -261,7 +265,10 @@ def consume_cmd(namesrv: str, topic: str, group: str, expression: str, from_begi
                 f"topic {topic!r} has no readable queue (its permission is write-only); "
                 "nothing can be consumed from it"
             )
-        consumer.subscribe(topic, expression)
+        try:
+            consumer.subscribe(topic, expression, sql=sql)
+        except ValueError as exc:  # a bad SQL92 expression, or tags and --sql together
+            raise click.BadParameter(str(exc)) from None
         idle_since = time.monotonic()
         while count is None or got < count:
             msgs = consumer.poll(timeout=1.0)
@@ -277,7 +284,9 @@ def consume_cmd(namesrv: str, topic: str, group: str, expression: str, from_begi
                 for m in keep:
                     last[m.message_queue] = m.queue_offset + 1
                 for m in msgs[count - got :]:
-                    last.setdefault(m.message_queue, m.queue_offset)
+                    # a whole chunked message left for the next run: from its first chunk
+                    first = first_chunk_offset(m)
+                    last.setdefault(m.message_queue, m.queue_offset if first is None else first)
                 msgs = keep
                 for m in msgs:
                     _print_msg(m, as_json)

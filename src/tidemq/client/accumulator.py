@@ -1,12 +1,33 @@
 """The producer's batch accumulator (SPEC PR3; Pulsar's batch container, Kafka's
-RecordAccumulator).
+RecordAccumulator): every send path batches.
 
-``send_async`` messages without routing options are collected per topic and sent as one batch
-when ``batch_max_messages`` (1000) or ``batch_max_bytes`` (128 KiB) is reached or
-``batch_max_delay`` (1 ms) has passed. Each message gets its own future and SendResult; the
-messages of a batch share a queue. At most ``max_pending_messages`` messages may be unanswered
-(queued here or in flight), so a caller that never awaits cannot grow memory without limit
-(Pulsar's maxPendingMessages).
+Messages are gathered in *buckets*, one per key: ``topic`` for sends the router may place on any
+queue (each batch then goes to the next queue), ``(topic, MessageQueue)`` for ordered sends
+pinned to a queue (``queue_id=``, ``selector=``, ``hash_key=``). A bucket leaves as one batch
+(one frame, one round trip) when:
+
+- it holds ``batch_max_messages`` (1000) or ``batch_max_bytes`` (128 KiB): at once;
+- it holds a waiting caller (``await send()``, blocking ``send()``) and no batch of the bucket is
+  in flight: at the end of the current event-loop iteration (no added latency when idle; every
+  send of the same iteration joins it); while one is in flight, arriving sends gather and leave
+  together when it is answered;
+- it holds only ``send_async`` messages: ``batch_max_delay`` (1 ms) after the first.
+
+A pinned bucket has at most one batch in flight, so a retry cannot overtake a later batch of the
+same queue: ordered sends keep their order. Each message keeps its own future and SendResult,
+and its own error: a message that cannot be encoded (or that the broker refuses for its content:
+MESSAGE_ILLEGAL, MESSAGE_TOO_LARGE, INVALID_ARGUMENT) fails only its own caller, the others of
+the batch are sent again without it. A waiting caller's timeout covers its time in the bucket:
+the batch is sent with the earliest deadline of its messages, a message whose deadline passed
+before its batch left fails with RequestTimeoutError.
+
+At most ``max_pending_messages`` messages may be unanswered (in a bucket or in flight): a send
+that finds no room waits for it (``await room()``) or raises ProducerQueueFullError (Pulsar's
+maxPendingMessages and blockIfQueueFull).
+
+For [scale]'s multi-queue frames: the key is the only thing that decides what travels
+together, and ``BatchSend`` receives the bucket's key with its messages; a key per broker and a
+send that builds one frame of several queues' batches plug in here.
 
 Threading: one event loop (the producer's).
 """
@@ -14,111 +35,275 @@ Threading: one event loop (the producer's).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import concurrent.futures
+import contextlib
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
-from tidemq.client.errors import ProducerQueueFullError
-from tidemq.client.message import Message, SendResult
+from tidemq.client.errors import MessageRejectedError, ProducerQueueFullError, RequestTimeoutError
+from tidemq.client.message import Message, MessageQueue, SendResult
+from tidemq.protocol.codes import ResponseCode
+from tidemq.protocol.errors import BrokerError
 
-__all__ = ["Accumulator"]
+__all__ = ["Accumulator", "BatchSend", "split_result"]
 
 _Future = asyncio.Future
 
-# Sends one batch of a topic; the result of the whole batch.
-BatchSend = Callable[[str, list[Message]], Awaitable[SendResult]]
+# Sends one bucket's batch: (topic, pinned queue or None, messages, timeout or None).
+BatchSend = Callable[[str, MessageQueue | None, list[Message], float | None],
+                     Awaitable[SendResult]]
+# The reason one message of a batch cannot be sent (None: it can), found without sending.
+Check = Callable[[Message], Exception | None]
+
+# Broker answers about a batch's content: one bad message of a shared batch must not fail the
+# others, so they are told apart by sending them again.
+_InvalidState = (asyncio.InvalidStateError, concurrent.futures.InvalidStateError)
+_CONTENT_CODES = frozenset({ResponseCode.MESSAGE_ILLEGAL, ResponseCode.MESSAGE_TOO_LARGE,
+                            ResponseCode.INVALID_ARGUMENT})
+
+
+class _Bucket:
+    __slots__ = ("key", "topic", "mq", "msgs", "futs", "deadlines", "size", "waiting",
+                 "inflight", "loop", "scheduled", "timer", "cool")
+
+    def __init__(self, key: Hashable, topic: str, mq: MessageQueue | None,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.key = key
+        self.topic = topic
+        self.mq = mq
+        self.msgs: list[Message] = []
+        self.futs: list[asyncio.Future[SendResult]] = []
+        self.deadlines: list[float] = []  # of waiting callers only (0: none)
+        self.size = 0
+        self.waiting = False  # a caller waits on a message of the bucket
+        self.inflight = 0
+        self.loop = loop
+        self.scheduled = False  # a dispatch at the end of this loop iteration is queued
+        self.timer: asyncio.TimerHandle | None = None  # the earliest waiting deadline
+        # A batch was answered in this loop iteration: the senders it wakes are about to send
+        # again, so a send finding the bucket empty joins them instead of leaving alone.
+        self.cool = False
 
 
 class Accumulator:
     def __init__(self, send: BatchSend, *, batch_max_messages: int, batch_max_bytes: int,
-                 batch_max_delay: float, max_pending_messages: int) -> None:
+                 batch_max_delay: float, max_pending_messages: int,
+                 check: Check | None = None) -> None:
         if max_pending_messages < 1:
             raise ValueError("max_pending_messages must be >= 1")
         self._send = send
+        self._check = check
         self.batch_max_messages = batch_max_messages
         self.batch_max_bytes = batch_max_bytes
         self.batch_max_delay = batch_max_delay
         self.max_pending_messages = max_pending_messages
-        # The open batch of each topic: [messages, futures, body bytes, loop].
-        self._open: dict[str, list[Any]] = {}
+        self._buckets: dict[Hashable, _Bucket] = {}
         self._flush_scheduled = False
-        #: messages handed over and not answered yet (in an open batch or in flight)
+        #: messages handed over and not answered yet (in a bucket or in flight)
         self.npending = 0
+        self._room: asyncio.Event | None = None  # set when npending drops below the bound
         #: the tasks of batches in flight (and other tracked sends)
         self.tasks: set[asyncio.Future[Any]] = set()
         #: when several topics' batches flush together: takes those it sends in frames of many
         #: batches per broker (SEND_MULTI_QUEUE, client/multi_sender.py), returns the rest
         self.send_many: Callable[[list[Any]], list[Any]] | None = None
+        #: batches sent from buckets so far, and the messages in them
+        self.batches = 0
+        self.batched_messages = 0
 
+    # -- the pending bound -------------------------------------------------------------------
     def check_room(self, n: int = 1) -> None:
         if self.npending + n > self.max_pending_messages:
             raise ProducerQueueFullError(
-                f"{self.npending} messages sent with send_async are not answered yet "
+                f"{self.npending} messages sent are not answered yet "
                 f"(max_pending_messages={self.max_pending_messages}); await some of their "
                 "futures or `await producer.flush()` before sending more"
             )
 
-    def add(self, msg: Message) -> asyncio.Future[SendResult]:
-        """Queue ``msg`` into its topic's open batch (the caller checked room and counted it
-        in ``npending``); its future."""
-        pending = self._open.get(msg.topic)
-        if pending is None:
-            return self._start(msg)
-        # The hot path, kept to the least work per message (no per-future callbacks: close()
-        # waits for the batch's task instead).
-        fut: asyncio.Future[SendResult] = _Future(loop=pending[3])
-        msgs = pending[0]
-        msgs.append(msg)
-        pending[1].append(fut)
-        size = pending[2] + len(msg.body)
-        pending[2] = size
-        if len(msgs) >= self.batch_max_messages or size >= self.batch_max_bytes:
-            self._dispatch(msg.topic)
-        return fut
+    async def room(self, deadline: float | None = None) -> None:
+        """Wait until one more message fits under the bound (RequestTimeoutError at
+        ``deadline``, a loop time)."""
+        while self.npending >= self.max_pending_messages:
+            if self._room is None:
+                self._room = asyncio.Event()
+            self._room.clear()
+            if deadline is None:
+                await self._room.wait()
+                continue
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                await asyncio.wait_for(self._room.wait(), max(left, 0.0))
+            except TimeoutError:
+                raise RequestTimeoutError(
+                    f"no room for the message before its send timeout: {self.npending} "
+                    f"messages are unanswered (max_pending_messages="
+                    f"{self.max_pending_messages})") from None
 
-    def _start(self, msg: Message) -> asyncio.Future[SendResult]:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[SendResult] = loop.create_future()
-        # [messages, futures, body bytes, loop]
-        pending = self._open[msg.topic] = [[msg], [fut], len(msg.body), loop]
-        if self.batch_max_messages <= 1 or pending[2] >= self.batch_max_bytes:
-            self._dispatch(msg.topic)
+    def _answered(self, n: int) -> None:
+        self.npending -= n
+        if self._room is not None and self.npending < self.max_pending_messages:
+            self._room.set()
+
+    # -- adding ------------------------------------------------------------------------------
+    async def send(self, msg: Message, key: Hashable | None, mq: MessageQueue | None,
+                   deadline: float) -> SendResult:
+        """A waiting sender's message (counted in ``npending`` by the caller). When its bucket
+        is idle (nothing gathered, nothing in flight) it leaves at once, sent by this very
+        coroutine (no task, no hop: an idle producer costs what a direct send costs), and the
+        sends arriving meanwhile gather behind it; else it joins the bucket."""
+        k = msg.topic if key is None else key
+        b = self._buckets.get(k)
+        if b is not None and (b.msgs or b.inflight or b.cool):
+            return await self.add(msg, key, mq, deadline)
+        if b is None:
+            b = self._buckets[k] = _Bucket(k, msg.topic, mq, asyncio.get_running_loop())
+        b.inflight += 1
+        self.batches += 1
+        self.batched_messages += 1
+        try:
+            return await self._send(b.topic, mq, [msg], max(deadline - b.loop.time(), 0.0))
+        finally:
+            self._answered(1)
+            self._after(b)
+
+    def add(self, msg: Message, key: Hashable | None = None, mq: MessageQueue | None = None,
+            deadline: float = 0.0, fut: Any = None) -> asyncio.Future[SendResult]:
+        """Queue ``msg`` (the caller checked room and counted it in ``npending``); its future.
+        ``key``: the bucket (default: the topic); ``mq``: the queue a pinned bucket goes to;
+        ``deadline`` (loop time): a caller waits for this message until then (0: a
+        ``send_async`` message, which may linger ``batch_max_delay``); ``fut``: where the
+        result goes instead of a new future (anything with ``done()``, ``set_result()``,
+        ``set_exception()``, completed on the loop: the blocking facade's waiters)."""
+        b = self._buckets.get(msg.topic if key is None else key)
+        if b is None:
+            loop = asyncio.get_running_loop()
+            k = msg.topic if key is None else key
+            b = self._buckets[k] = _Bucket(k, msg.topic, mq, loop)
+        if fut is None:
+            fut = _Future(loop=b.loop)
+        msgs = b.msgs
+        msgs.append(msg)
+        b.futs.append(fut)
+        b.deadlines.append(deadline)
+        size = b.size + len(msg.body)
+        b.size = size
+        if len(msgs) >= self.batch_max_messages or size >= self.batch_max_bytes:
+            if not (b.mq is not None and b.inflight):
+                self._dispatch(b)
+            return fut
+        if deadline:
+            b.waiting = True
+            if not b.inflight:
+                if not b.scheduled:
+                    b.scheduled = True
+                    b.loop.call_soon(self._leave, b)
+            elif b.timer is None:  # it waits for the batch in flight: not past its deadline
+                b.timer = b.loop.call_at(deadline, self._expire, b)
         elif not self._flush_scheduled:
             self._flush_scheduled = True
             if self.batch_max_delay > 0:
-                loop.call_later(self.batch_max_delay, self.flush_open)
+                b.loop.call_later(self.batch_max_delay, self.flush_open)
             else:
-                loop.call_soon(self.flush_open)
+                b.loop.call_soon(self.flush_open)
         return fut
+
+    def _expire(self, b: _Bucket) -> None:
+        """Fail the messages of ``b`` whose callers' deadlines passed while they waited."""
+        b.timer = None
+        now = b.loop.time()
+        keep = [i for i, d in enumerate(b.deadlines) if not d or d > now]
+        if len(keep) < len(b.msgs):
+            for f, d in zip(b.futs, b.deadlines, strict=True):
+                if d and d <= now and not f.done():
+                    f.set_exception(_waited_too_long(b.topic))
+            self._answered(len(b.msgs) - len(keep))
+            b.msgs = [b.msgs[i] for i in keep]
+            b.futs = [b.futs[i] for i in keep]
+            b.deadlines = [b.deadlines[i] for i in keep]
+            b.size = sum(len(m.body) for m in b.msgs)
+        waiting = [d for d in b.deadlines if d]
+        b.waiting = bool(waiting)
+        if waiting:
+            b.timer = b.loop.call_at(min(waiting), self._expire, b)
+
+    def _leave(self, b: _Bucket) -> None:
+        if not b.scheduled:  # left already (kick)
+            return
+        b.scheduled = False
+        if b.msgs and not b.inflight:
+            self._dispatch(b)
+
+    @staticmethod
+    def _uncool(b: _Bucket) -> None:
+        b.cool = False
+
+    def kick(self) -> None:
+        """Send now the buckets that would leave at the end of this loop iteration (a caller
+        that added everything it had, the blocking facade's inbox: no further wait)."""
+        for b in self._buckets.values():
+            if b.scheduled:
+                self._leave(b)
 
     @property
     def has_open(self) -> bool:
-        return bool(self._open)
+        return any(b.msgs for b in self._buckets.values())
 
     def flush_open(self) -> None:
-        """Send every open batch now."""
+        """Send every bucket now (a pinned one whose batch is in flight: when it is answered).
+        With ``send_many`` set, the lingering ``send_async`` batches of several topics go to
+        it together (frames of many batches per broker); what it hands back goes alone."""
         self._flush_scheduled = False
-        pending, self._open = self._open, {}
-        loop = asyncio.get_running_loop()
-        if self.send_many is not None and len(pending) > 1:
-            rest = self.send_many([(t, p[0], p[1]) for t, p in pending.items()])
-            for topic, msgs, futs in rest:
-                self.track(loop.create_task(self._send_batch(topic, msgs, futs)))
-            return
-        for topic, (msgs, futs, _size, _loop) in pending.items():
-            self.track(loop.create_task(self._send_batch(topic, msgs, futs)))
+        ready = [b for b in self._buckets.values()
+                 if b.msgs and not (b.mq is not None and b.inflight)]
+        if self.send_many is not None:
+            many = [b for b in ready if b.mq is None and not b.waiting]
+            if len(many) > 1:
+                batches = []
+                for b in many:
+                    batches.append((b.topic, b.msgs, b.futs))
+                    b.msgs, b.futs, b.deadlines, b.size = [], [], [], 0
+                for batch in self.send_many(batches):
+                    self.send_single(batch)
+                ready = [b for b in ready if b.mq is not None or b.waiting]
+        for b in ready:
+            self._dispatch(b)
 
     def send_single(self, batch: tuple[str, list[Message], list[Any]]) -> None:
-        """Send one open batch (topic, messages, futures) through the single-batch path."""
+        """Send one open batch (topic, messages, futures) of an unpinned bucket alone."""
         topic, msgs, futs = batch
-        self.track(asyncio.get_running_loop().create_task(self._send_batch(topic, msgs, futs)))
+        b = self._buckets[topic]
+        b.inflight += 1
+        self.batches += 1
+        self.batched_messages += len(msgs)
+        self.track(b.loop.create_task(self._send_batch(b, msgs, futs, [0.0] * len(msgs))))
 
     def answered(self, n: int) -> None:
-        self.npending -= n
+        """``n`` messages sent by ``send_many`` were answered."""
+        self._answered(n)
 
-    def _dispatch(self, topic: str) -> None:
-        """Send the full batch of ``topic`` now."""
-        msgs, futs, _size, loop = self._open.pop(topic)
-        self.track(loop.create_task(self._send_batch(topic, msgs, futs)))
+    def _dispatch(self, b: _Bucket) -> None:
+        if b.timer is not None:
+            b.timer.cancel()
+            b.timer = None
+        msgs, futs, deadlines = b.msgs, b.futs, b.deadlines
+        if len(msgs) > self.batch_max_messages or b.size > self.batch_max_bytes:
+            # A pinned bucket gathered past the limits while its batch was in flight: send
+            # the first batch's worth; the rest leaves when that is answered.
+            k, size = 0, 0
+            while k < len(msgs) and k < self.batch_max_messages and (
+                    k == 0 or size + len(msgs[k].body) <= self.batch_max_bytes):
+                size += len(msgs[k].body)
+                k += 1
+            b.msgs, b.futs, b.deadlines = msgs[k:], futs[k:], deadlines[k:]
+            b.size -= size
+            b.waiting = any(b.deadlines)
+            msgs, futs, deadlines = msgs[:k], futs[:k], deadlines[:k]
+        else:
+            b.msgs, b.futs, b.deadlines, b.size, b.waiting = [], [], [], 0, False
+        b.inflight += 1
+        self.batches += 1
+        self.batched_messages += len(msgs)
+        self.track(b.loop.create_task(self._send_batch(b, msgs, futs, deadlines)))
 
     def track(self, task: asyncio.Future[Any]) -> None:
         self.tasks.add(task)
@@ -129,31 +314,127 @@ class Accumulator:
         while self.tasks:
             await asyncio.gather(*list(self.tasks), return_exceptions=True)
 
-    async def _send_batch(self, topic: str, msgs: list[Message],
-                          futs: list[asyncio.Future[SendResult]]) -> None:
+    # -- sending -----------------------------------------------------------------------------
+    async def _send_batch(self, b: _Bucket, msgs: list[Message],
+                          futs: list[asyncio.Future[SendResult]], deadlines: list[float]
+                          ) -> None:
         try:
-            r = await self._send(topic, msgs)
+            await self._send_some(b, msgs, futs, deadlines)
+        finally:
+            self._after(b)
+
+    def _after(self, b: _Bucket) -> None:
+        """A batch of ``b`` was answered: send what gathered meanwhile."""
+        b.inflight -= 1
+        if b.msgs and (b.waiting or b.mq is not None) and not b.inflight and not b.scheduled:
+            # At the end of this loop iteration: the senders this answer wakes send their
+            # next messages first, and they all leave together.
+            b.scheduled = True
+            b.loop.call_soon(self._leave, b)
+        elif not b.msgs and not b.inflight and not b.cool:
+            b.cool = True
+            b.loop.call_soon(self._uncool, b)
+        # An idle bucket stays (one per topic, and per queue of ordered sends): the next send
+        # finds it ready.
+
+    async def _send_some(self, b: _Bucket, msgs: list[Message],
+                         futs: list[asyncio.Future[SendResult]], deadlines: list[float],
+                         alone: bool = False) -> None:
+        timeout: float | None = None
+        waited = [d for d in deadlines if d]
+        if waited:
+            now = b.loop.time()
+            first = min(waited)
+            if first <= now:  # some waited past their deadline in the bucket: fail just those
+                keep = [i for i, d in enumerate(deadlines) if not d or d > now]
+                for i, f in enumerate(futs):
+                    if (deadlines[i] and deadlines[i] <= now) and not f.done():
+                        f.set_exception(_waited_too_long(b.topic))
+                self._answered(len(msgs) - len(keep))
+                msgs = [msgs[i] for i in keep]
+                futs = [futs[i] for i in keep]
+                deadlines = [deadlines[i] for i in keep]
+                if not msgs:
+                    return
+                waited = [d for d in deadlines if d]
+            if waited:
+                timeout = min(waited) - now
+        try:
+            r = await self._send(b.topic, b.mq, msgs, timeout)
         except BaseException as exc:
-            self.npending -= len(msgs)
+            if (len(msgs) > 1 and not alone and isinstance(exc, MessageRejectedError | BrokerError)
+                    and (isinstance(exc, MessageRejectedError)
+                         or exc.response_code in _CONTENT_CODES)):
+                await self._isolate(b, msgs, futs, deadlines)
+                return
+            self._answered(len(msgs))
             for f in futs:
                 if not f.done():
                     f.set_exception(exc)
             if not isinstance(exc, Exception):
                 raise
             return
-        self.npending -= len(msgs)
+        self._answered(len(msgs))
         split_result(r, futs)
+
+    async def _isolate(self, b: _Bucket, msgs: list[Message],
+                       futs: list[asyncio.Future[SendResult]], deadlines: list[float]) -> None:
+        """A shared batch was refused for its content: fail the messages that cannot be sent,
+        send the others again without them (or, when no check finds the culprit, each alone)."""
+        bad: list[int] = []
+        if self._check is not None:
+            for i, m in enumerate(msgs):
+                err = self._check(m)
+                if err is not None:
+                    bad.append(i)
+                    if not futs[i].done():
+                        futs[i].set_exception(err)
+        if bad:
+            self._answered(len(bad))
+            keep = [i for i in range(len(msgs)) if i not in set(bad)]
+            if keep:
+                await self._send_some(b, [msgs[i] for i in keep], [futs[i] for i in keep],
+                                      [deadlines[i] for i in keep], alone=True)
+            return
+        for i in range(len(msgs)):  # in order: a pinned bucket keeps its order
+            await self._send_some(b, [msgs[i]], [futs[i]], [deadlines[i]], alone=True)
+
+
+def _finish_after_race(r: SendResult, futs: list[Any]) -> None:
+    """split_result, one future at a time (some were cancelled meanwhile)."""
+    pid = r.producer_id
+    step = 1 if r.queue_offset >= 0 else 0
+    for i, f in enumerate(futs):
+        seq = r.base_seq + i
+        with contextlib.suppress(*_InvalidState):
+            if not f.done():
+                f.set_result(SendResult(r.status, f"{pid:016X}{seq:016X}", r.topic, r.queue_id,
+                                        r.queue_offset + i * step, 1, r.broker_name, pid, seq))
+
+
+def _waited_too_long(topic: str) -> RequestTimeoutError:
+    return RequestTimeoutError(
+        f"send to topic {topic!r} timed out before its batch left (the send timeout covers "
+        "the wait in the batch container behind the batch in flight)")
 
 
 def split_result(r: SendResult, futs: list[asyncio.Future[SendResult]]) -> None:
     """Give each message of a batch its own SendResult (message i: offset and sequence + i)."""
+    if len(futs) == 1:
+        f = futs[0]
+        if not f.done():
+            f.set_result(r)
+        return
     pid = r.producer_id
     prefix = f"{pid:016X}"  # unique_id(pid, seq), formatted once per batch
     status, topic, qid, qoff, bname, base = (r.status, r.topic, r.queue_id, r.queue_offset,
                                              r.broker_name, r.base_seq)
     step = 1 if qoff >= 0 else 0  # a DUPLICATE batch has no offsets: -1 for each
-    for i, f in enumerate(futs):
-        if not f.done():
-            seq = base + i
-            f.set_result(SendResult(status, f"{prefix}{seq:016X}", topic, qid,
-                                    qoff + i * step, 1, bname, pid, seq))
+    try:
+        for i, f in enumerate(futs):
+            if not f.done():
+                seq = base + i
+                f.set_result(SendResult(status, f"{prefix}{seq:016X}", topic, qid,
+                                        qoff + i * step, 1, bname, pid, seq))
+    except _InvalidState:  # a concurrent.futures.Future cancelled by another thread
+        _finish_after_race(r, futs)

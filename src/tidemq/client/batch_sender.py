@@ -122,6 +122,24 @@ class BatchSender:
             )
         return batch, seq
 
+    def check(self, msg: Message) -> Exception | None:
+        """Why ``msg`` alone cannot be sent (the encoder's refusal), or None; sends nothing
+        and takes no sequence."""
+        try:
+            batch = encode_messages(
+                msg.topic, [msg], queue_id=0, producer_id=self.sequencer.producer_id,
+                base_seq=0, born_ts=0, born_host=self.packed_host("127.0.0.1"), born_port=0,
+                compression=self.compression, compress_min=self.compress_min,
+                max_properties_size=self.max_properties_size,
+            )
+        except (ValueError, struct.error) as exc:
+            return MessageRejectedError(f"cannot encode the message: {exc}")
+        if len(batch) > self.max_message_size:
+            return MessageRejectedError(
+                f"the message encodes to {len(batch)} bytes, over the "
+                f"{self.max_message_size}-byte limit")
+        return None
+
     async def send(
         self,
         topic: str,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import concurrent.futures
 import os
 import threading
@@ -24,6 +25,7 @@ from typing import Any, TypeVar
 from tidemq.client.admin import Admin as AioAdmin
 from tidemq.client.admin import GroupInfo, GroupLag, QueueStatus
 from tidemq.client.consumer import PullConsumer as AioPullConsumer
+from tidemq.client.errors import RequestTimeoutError
 from tidemq.client.message import Message, MessageExt, MessageQueue, SendResult
 from tidemq.client.producer import Producer as AioProducer
 from tidemq.client.producer import SendCallback
@@ -139,12 +141,127 @@ class _Facade:
         _open.discard(self)
 
 
+class _Waiter:
+    """Where one blocking ``send`` waits: a lock taken at birth, released by the loop thread
+    when the answer is in (one wake-up of one thread, no Condition, no Future)."""
+
+    __slots__ = ("_lock", "_done", "result", "error")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._done = False
+        self.result: SendResult | None = None
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, result: SendResult) -> None:
+        self.result = result
+        self._done = True
+        self._lock.release()
+
+    def set_exception(self, exc: BaseException) -> None:
+        self.error = exc
+        self._done = True
+        self._lock.release()
+
+    def wait(self, timeout: float) -> SendResult:
+        if not self._lock.acquire(timeout=timeout):
+            raise RequestTimeoutError(f"no answer from the tidemq-io thread in {timeout:g} s")
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+class _Inbox:
+    """Messages handed from callers' threads to the producer on the loop thread: one
+    ``call_soon_threadsafe`` wake-up for all that arrive before the loop picks them up, which
+    then go into the batch container together (deque appends and pops are thread-safe)."""
+
+    def __init__(self, aio: AioProducer, loop: asyncio.AbstractEventLoop) -> None:
+        self._aio = aio
+        self._loop = loop
+        self._items: collections.deque[tuple[Message, dict[str, Any], Any, bool]] = (
+            collections.deque())
+        self._armed = False
+
+    def put(self, msg: Message, options: dict[str, Any], sink: Any, wait: bool) -> None:
+        self._items.append((msg, options, sink, wait))
+        if not self._armed:
+            # Two threads may both arm it: one wake-up finds nothing, which is harmless.
+            self._armed = True
+            self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        self._armed = False
+        items = self._items
+        hand_over = self._aio._hand_over
+        while items:
+            msg, options, sink, wait = items.popleft()
+            hand_over(msg, options, sink, wait)
+        self._aio.accumulator.kick()
+
+
+# Bumped in a child after fork(): a facade built before it rebuilds its asyncio twin there
+# (the parent's loop thread and connections do not exist in the child).
+_fork_generation = 0
+
+
+def _after_fork_in_child() -> None:
+    global _fork_generation
+    _fork_generation += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Producer(_Facade):
-    """Blocking producer; options as ``tidemq.aio.Producer``. Any thread."""
+    """Blocking producer; options as ``tidemq.aio.Producer``. Any thread; safe across
+    ``fork()``: in the child the producer builds a fresh asyncio producer (new connections on
+    the child's own loop thread) on its next call.
+
+    A blocking ``send`` hands the message to the loop thread through an inbox (one wake-up for
+    everything that arrives before the loop picks it up) and waits on a lock the loop thread
+    releases with the answer; concurrent senders' messages share frames (the batch container,
+    docs/producer-path.md)."""
 
     def __init__(self, namesrv: str | Sequence[str], group: str | None = None,
                  **options: Any) -> None:
+        self._args = (namesrv, group, options)
+        self._build()
+
+    def _build(self) -> None:
+        namesrv, group, options = self._args
+        self._gen = _fork_generation
+        self._started = False
         self._aio: AioProducer = _run(_make(lambda: AioProducer(namesrv, group, **options)))
+        self._inbox = _Inbox(self._aio, io_loop())
+        self._wait_slack = self._aio.send_timeout + 30.0
+
+    def _fresh(self) -> None:
+        """In a child after fork(): a new asyncio producer, started if the parent's was."""
+        started = self._started
+        self._build()
+        if started:
+            self.start()
+
+    def start(self) -> Producer:
+        if self._gen != _fork_generation:
+            self._fresh()
+        _run(self._aio.start())
+        self._started = True
+        _open.add(self)
+        return self
+
+    def close(self) -> None:
+        if self._gen != _fork_generation:
+            return  # the parent's producer: nothing of it runs in this process
+        _run(self._aio.close())
+        _open.discard(self)
 
     @property
     def producer_id(self) -> int:
@@ -152,7 +269,14 @@ class Producer(_Facade):
 
     def send(self, msg: Message, **options: Any) -> SendResult:
         """Send and wait (options: queue_id, selector, arg, hash_key, timeout)."""
-        return _run(self._aio.send(msg, **options))
+        if self._gen != _fork_generation:
+            self._fresh()
+        if type(msg) is not Message or threading.current_thread().name == "tidemq-io":
+            return _run(self._aio.send(msg, **options))
+        w = _Waiter()
+        self._inbox.put(msg, options, w, True)
+        timeout = options.get("timeout")
+        return w.wait(self._wait_slack if timeout is None else timeout + 30.0)
 
     def send_batch(self, msgs: Sequence[Message], **options: Any) -> SendResult:
         return _run(self._aio.send_batch(msgs, **options))
@@ -165,6 +289,12 @@ class Producer(_Facade):
     ) -> concurrent.futures.Future[SendResult]:
         """Start a send; the future resolves to its SendResult. ``callback(result, error)``
         runs on the tidemq-io thread."""
+        if self._gen != _fork_generation:
+            self._fresh()
+        if callback is None and type(msg) is Message:
+            fut: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
+            self._inbox.put(msg, options, fut, False)
+            return fut
 
         async def go() -> SendResult:
             return await self._aio.send_async(msg, callback, **options)

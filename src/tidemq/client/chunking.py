@@ -46,6 +46,7 @@ __all__ = [
     "CHUNK_SIZE",
     "chunk_body_size",
     "may_be_chunk",
+    "first_chunk_offset",
 ]
 
 log = logging.getLogger(__name__)
@@ -171,7 +172,7 @@ class ChunkAssembler:
                       len(body), p.size)
             return None
         self.assembled += 1
-        return _Assembled(body, m.queue_offset, m.tags, m._b, m._i)
+        return _Assembled(body, m.queue_offset, m.tags, m._b, m._i, p.first_offset)
 
     def _expire(self, now: float) -> None:
         for uuid in [u for u, p in self._partial.items() if now - p.started > self.expire_s]:
@@ -183,6 +184,11 @@ class ChunkAssembler:
         got = sum(1 for x in p.parts if x is not None)
         log.warning("chunked message %s dropped (%s): %d of %d chunks, first at offset %d",
                     uuid, why, got, p.total, p.first_offset)
+
+
+def first_chunk_offset(m: MessageExt) -> int | None:
+    """Queue offset of the first chunk of a reassembled message; None for any other."""
+    return m.first_offset if type(m) is _Assembled else None
 
 
 async def send_chunks(msg: Message, uuid: str, chunk_size: int, base_seq: int,
@@ -203,7 +209,10 @@ def may_be_chunk(m: MessageExt) -> bool:
 
 
 class _Assembled(MessageExt, array_like=True, gc=False):
-    """A reassembled chunked message: the user's properties, without the chunk bookkeeping."""
+    """A reassembled chunked message: the user's properties, without the chunk bookkeeping;
+    its queue offset is its last chunk's, ``first_offset`` its first chunk's."""
+
+    first_offset: int = -1
 
     @property
     def properties(self) -> dict[str, str]:

@@ -91,6 +91,37 @@ def _tag_hash(tag: str) -> int:
     return h
 
 
+_tag_entries: dict[str, tuple[bytes, int]] = {}
+
+
+def _tag_entry(tag: str) -> tuple[bytes, int]:
+    """(UTF-8 bytes, hash) of a tag, cached: tags are few, and both cost per message."""
+    e = _tag_entries.get(tag)
+    if e is None:
+        b = tag.encode()
+        if len(b) > 0xFFFF:
+            raise ValueError("tags must be at most 65535 bytes")
+        e = (b, tag_hash(tag))
+        if len(_tag_entries) < 65536:
+            _tag_entries[tag] = e
+    return e
+
+
+def _props_bytes(props: dict[str, str], i: int, max_props: int) -> bytes:
+    """``record.encode_properties`` for one message in one join and two counts: a separator
+    inside a name or value shows as more separators than properties, and then the reference
+    encoder names the culprit."""
+    s = "".join([f"{k}\x01{v}\x02" for k, v in props.items()])
+    n = len(props)
+    if s.count("\x01") != n or s.count("\x02") != n:
+        b = encode_properties(props)  # raises, naming the property
+    else:
+        b = s.encode()
+    if len(b) > max_props:
+        raise ValueError(properties_over_limit(i, len(b), max_props))
+    return b
+
+
 def encode_messages(
     topic: str,
     messages: Sequence[Message],
@@ -151,9 +182,14 @@ def encode_messages(
             topic, messages, queue_id, producer_id, base_seq, born_ts, born_host, born_port,
             compression, compress_min, max_properties_size,
         )
-    records, index, keys = (_small_records if n <= _SMALL else _general_records)(
-        messages, born_ts, max_properties_size
-    )
+    if n > _SMALL:
+        # One allocation, one copy of every payload: the sections joined straight into the
+        # batch buffer after room for the headers.
+        parts, index, keys, rec_size = _general_records(messages, born_ts, max_properties_size)
+        buf = bytearray().join([bytes(q), index, keys, *parts])
+        return _seal(buf, p, topic_b, queue_id, producer_id, base_seq, born_host, born_port,
+                     n, len(keys), rec_size, delay, deliver_at)
+    records, index, keys = _small_records(messages, born_ts, max_properties_size)
     total = q + len(index) + len(keys) + len(records)
     buf = bytearray(total)
     buf[q : q + len(index)] = index
@@ -350,42 +386,63 @@ def _small_records(messages: Sequence[Message], born_ts: int, max_props: int
 
 
 def _general_records(messages: Sequence[Message], born_ts: int, max_props: int
-                     ) -> tuple[bytes, bytes, bytes]:
-    """Records, index and keys section of messages with tags, keys or properties."""
-    pack = RECORD_HEADER.pack
+                     ) -> tuple[list[bytes | memoryview], bytes, bytes, int]:
+    """Records, index and keys section of messages with tags, keys or properties, each of its
+    own size, tags, keys and properties: per message only what differs (its tag from a cache,
+    its properties, three lengths); the record headers and the index are built as columns
+    (numpy). Returns (the records as parts to join, index, keys, records size)."""
     n = len(messages)
-    idx = np.zeros(n, dtype=_IDX_DTYPE)
-    hashes = idx["hash"]
-    rels = idx["rel"]
-    parts: list[bytes] = []
+    tls = [0] * n
+    pls = [0] * n
+    bls = [0] * n
+    hashes = [0] * n
+    tbs: list[bytes] = [b""] * n
+    pbs: list[bytes] = [b""] * n
+    bodies: list[bytes] = [b""] * n
     keys_parts: list[bytes] = []
-    rel = 0
+    entries = _tag_entries
     for i, m in enumerate(messages):
         tags = m.tags
-        tags_b = tags.encode() if tags else b""
-        if len(tags_b) > 0xFFFF:
-            raise ValueError("tags must be at most 65535 bytes")
-        props_b = encode_properties(m.properties) if m.properties else b""
-        if len(props_b) > max_props:
-            raise ValueError(properties_over_limit(i, len(props_b), max_props))
-        body = m.body
-        size = RECORD_HEADER_SIZE - 4 + len(tags_b) + len(props_b) + len(body)
-        parts.append(pack(size, born_ts, 0, len(tags_b), 0, len(props_b), len(body)))
-        if tags_b:
-            parts.append(tags_b)
-            hashes[i] = _tag_hash(tags)  # type: ignore[arg-type]
-        if props_b:
-            parts.append(props_b)
-        parts.append(body)
-        rels[i] = rel
-        rel += size + 4
-        if m.keys:
-            kb = m.keys_string.encode()  # type: ignore[union-attr]
+        if tags:
+            e = entries.get(tags) or _tag_entry(tags)
+            tbs[i] = tb = e[0]
+            tls[i] = len(tb)
+            hashes[i] = e[1]
+        props = m.properties
+        if props:
+            pbs[i] = pb = _props_bytes(props, i, max_props)
+            pls[i] = len(pb)
+        bodies[i] = body = m.body
+        bls[i] = len(body)
+        k = m.keys
+        if k:
+            kb = (k if type(k) is str else m.keys_string).encode()  # type: ignore[union-attr]
             if len(kb) > 0xFFFF:
                 raise ValueError("keys must be at most 65535 bytes")
             keys_parts.append(KEYS_ENTRY.pack(i, len(kb)))
             keys_parts.append(kb)
-    return b"".join(parts), idx.tobytes(), b"".join(keys_parts)
+    hdr = np.zeros(n, dtype=_REC_DTYPE)
+    tl = np.array(tls, dtype=np.int64)
+    pl = np.array(pls, dtype=np.int64)
+    bl = np.array(bls, dtype=np.int64)
+    sizes = tl + pl + bl + (RECORD_HEADER_SIZE - 4)
+    hdr["size"] = sizes
+    hdr["born_ts"] = born_ts
+    hdr["tl"] = tl
+    hdr["pl"] = pl
+    hdr["bl"] = bl
+    idx = np.empty(n, dtype=_IDX_DTYPE)
+    idx["hash"] = np.array(hashes, dtype=np.uint64)
+    ends = np.cumsum(sizes + 4)
+    idx["rel"] = ends - (sizes + 4)
+    hv = memoryview(hdr.tobytes())
+    parts: list[bytes | memoryview] = [b""] * (4 * n)
+    parts[0::4] = [hv[i : i + RECORD_HEADER_SIZE]
+                   for i in range(0, n * RECORD_HEADER_SIZE, RECORD_HEADER_SIZE)]
+    parts[1::4] = tbs
+    parts[2::4] = pbs
+    parts[3::4] = bodies
+    return parts, idx.tobytes(), b"".join(keys_parts), int(ends[-1])
 
 
 def _encode_generic(

@@ -701,6 +701,10 @@ class PullConsumer:
             "queues": len(self._queues),
             "buffered": sum(q.buffered for q in self._queues.values()),
             "corrupt_skipped": self.corrupt.total,
+            "chunks_assembled": sum(q.assembler.assembled for q in self._queues.values()
+                                    if q.assembler is not None),
+            "chunks_expired": sum(q.assembler.expired for q in self._queues.values()
+                                  if q.assembler is not None),
         }
 
     def _batcher(self, addr: str, suspend_ms: int, timeout: float) -> PullBatcher | None:

@@ -11,6 +11,12 @@ is the minimum in-flight offset without any sorting (removal keeps the order of 
 Flow control reads ``msg_count``, ``msg_size`` and :meth:`max_span` (thresholds 1000 messages,
 100 MiB and a span of 2000 offsets, checked by the pull service before every pull).
 
+Chunked messages (PR5): :meth:`assemble` feeds pulled messages through the queue's
+``ChunkAssembler`` (created at the first chunk seen), so listeners get whole messages. A
+reassembled message sits here under the offset of its last chunk, and the offset committed never
+passes the first chunk of a chunked message in flight or still being assembled
+(:meth:`floor`): a consumer that dies re-reads every chunk of what it had not consumed.
+
 Orderly consumption moves messages from ``msgs`` to ``consuming`` (:meth:`take_messages`) and
 either commits them (:meth:`commit`) or puts them back to be consumed again
 (:meth:`make_messages_to_consume_again`); ``locked`` / ``last_lock_ts`` mirror the broker lock.
@@ -24,6 +30,7 @@ import asyncio
 import time
 from collections import deque
 
+from tidemq.client.chunking import CHUNK_UUID, ChunkAssembler, first_chunk_offset, may_be_chunk
 from tidemq.client.message import MessageExt
 
 __all__ = ["ProcessQueue", "LOCK_MAX_LIVE", "PULL_MAX_IDLE"]
@@ -38,7 +45,8 @@ class ProcessQueue:
     __slots__ = (
         "msgs", "msg_count", "msg_size", "queue_offset_max", "dropped", "locked",
         "last_lock_ts", "last_pull_ts", "last_consume_ts", "consuming", "orderly_running",
-        "consume_lock", "batch_times", "local_retries", "try_unlock_times",
+        "consume_lock", "batch_times", "local_retries", "try_unlock_times", "assembler",
+        "chunk_starts",
     )
 
     def __init__(self) -> None:
@@ -58,6 +66,29 @@ class ProcessQueue:
         self.batch_times: deque[tuple[int, float]] = deque()  # (first offset, put time)
         self.local_retries: dict[int, int] = {}  # orderly: offset -> local reconsume count
         self.try_unlock_times = 0
+        self.assembler: ChunkAssembler | None = None
+        #: offset of a reassembled message in flight -> offset of its first chunk
+        self.chunk_starts: dict[int, int] = {}
+
+    def assemble(self, msgs: list[MessageExt], expire_s: float) -> list[MessageExt]:
+        """``msgs`` with chunks replaced by the whole messages they complete."""
+        a = self.assembler
+        if a is None:
+            if not any(may_be_chunk(m) and CHUNK_UUID in m.properties for m in msgs):
+                return msgs
+            a = self.assembler = ChunkAssembler(expire_s=expire_s)
+        return a.feed(msgs)
+
+    def floor(self, offset: int) -> int:
+        """``offset`` lowered to the first chunk of a chunked message in flight or held."""
+        if self.chunk_starts:
+            offset = min(offset, min(self.chunk_starts.values()))
+        a = self.assembler
+        if a is not None:
+            low = a.low_water()
+            if low is not None and low < offset:
+                offset = low
+        return offset
 
     def put_messages(self, msgs: list[MessageExt]) -> bool:
         """Add pulled messages; True when an orderly consume request should be dispatched."""
@@ -70,6 +101,9 @@ class ProcessQueue:
                 d[off] = m
                 new += 1
                 size += len(m.body)
+                first = first_chunk_offset(m)
+                if first is not None:
+                    self.chunk_starts[off] = first
         if new:
             self.msg_count += new
             self.msg_size += size
@@ -93,10 +127,13 @@ class ProcessQueue:
         size = 0
         removed = 0
         pop = d.pop
+        starts = self.chunk_starts
         for m in msgs:
             if pop(m.queue_offset, None) is not None:
                 removed += 1
                 size += len(m.body)
+                if starts:
+                    starts.pop(m.queue_offset, None)
         self.msg_count -= removed
         self.msg_size -= size
         if d:
@@ -104,9 +141,9 @@ class ProcessQueue:
             bt = self.batch_times
             while len(bt) > 1 and bt[1][0] <= first:
                 bt.popleft()
-            return first
+            return self.floor(first)
         self.batch_times.clear()
-        return self.queue_offset_max + 1 if self.queue_offset_max >= 0 else -1
+        return self.floor(self.queue_offset_max + 1) if self.queue_offset_max >= 0 else -1
 
     def oldest_age(self) -> float:
         """Seconds since the batch holding the smallest in-flight message was pulled."""
@@ -141,10 +178,11 @@ class ProcessQueue:
         self.msg_size -= sum(len(m.body) for m in c.values())
         for off in c:
             self.local_retries.pop(off, None)
+            self.chunk_starts.pop(off, None)
         c.clear()
         if self.msgs:
-            return next(iter(self.msgs))
-        return last + 1
+            return self.floor(next(iter(self.msgs)))
+        return self.floor(last + 1)
 
     def make_messages_to_consume_again(self, msgs: list[MessageExt]) -> None:
         """Orderly: put taken messages back, in front, and count a local retry each."""

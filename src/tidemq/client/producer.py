@@ -48,7 +48,13 @@ __all__ = ["Producer", "Selector", "SendCallback"]
 SendCallback = Callable[[SendResult | None, BaseException | None], None]
 
 DEFAULT_GROUP = "DEFAULT_PRODUCER"
+_ROUTING_OPTIONS = frozenset({"timeout", "queue_id", "selector", "arg", "hash_key"})
 MAX_MESSAGE_SIZE = 4 * 1024 * 1024  # the broker's default batch limit (SPEC BR1)
+
+
+def _pins(options: dict[str, Any]) -> bool:
+    return (options.get("queue_id") is not None or options.get("selector") is not None
+            or options.get("hash_key") is not None)
 
 
 class Producer:
@@ -58,7 +64,8 @@ class Producer:
     (4 MiB per batch, checked before sending), ``compression`` ("none", "lz4", "zstd", "zlib")
     with ``compress_min`` bytes, ``latency_fault`` (True: avoid slow/failed brokers),
     ``route_refresh`` (30 s), ``pool`` (share a ConnectionPool between clients),
-    ``max_pending_messages`` (100 000 unanswered ``send_async`` messages at most),
+    ``max_pending_messages`` (100 000 unanswered messages at most) and
+    ``block_if_queue_full`` (True: a ``send`` waits for room; False: it raises),
     ``retry_another_broker_when_not_store_ok`` (False: see below), ``max_properties_size``
     (32 KiB of encoded properties per message, the broker's default ``max_properties_size``;
     raise both together).
@@ -102,6 +109,7 @@ class Producer:
         route_refresh: float = 30.0,
         pool: ConnectionPool | None = None,
         max_pending_messages: int = 100_000,
+        block_if_queue_full: bool = True,
         retry_another_broker_when_not_store_ok: bool = False,
         max_properties_size: int = DEFAULT_MAX_PROPERTIES_SIZE,
         multi_queue: bool = True,
@@ -115,6 +123,7 @@ class Producer:
         self.send_timeout = send_timeout
         self.max_message_size = max_message_size
         self.auto_batch = auto_batch
+        self.block_if_queue_full = block_if_queue_full
         self.producer_name = producer_name
         policy = RetryPolicy(retries, retry_another_broker_when_not_store_ok)
         self.sequencer = Sequencer(producer_name)
@@ -136,7 +145,7 @@ class Producer:
         self.accumulator = Accumulator(
             self._send_auto, batch_max_messages=batch_max_messages,
             batch_max_bytes=batch_max_bytes, batch_max_delay=batch_max_delay,
-            max_pending_messages=max_pending_messages,
+            max_pending_messages=max_pending_messages, check=self.sender.check,
         )
         acc = self.accumulator
         #: SEND_MULTI_QUEUE: the open batches of many topics leave as one frame per broker
@@ -211,12 +220,42 @@ class Producer:
         sequence_id: int | None = None,
     ) -> SendResult:
         """Send one message and wait for the broker's answer. A message too large for one
-        batch is sent in chunks (PR5); ``sequence_id`` sets its sequence explicitly."""
-        if len(msg.body) > self.max_message_size - chunking.CHUNK_HEADROOM // 2:
-            return await self._send_chunked(msg, queue_id, selector, arg, hash_key, timeout,
-                                            sequence_id)
-        return await self._send(msg.topic, (msg,), queue_id, selector, arg, hash_key, timeout,
-                                RequestCode.SEND_MESSAGE, sequence_id)
+        batch is sent in chunks (PR5); ``sequence_id`` sets its sequence explicitly.
+
+        With ``auto_batch`` (the default) the message goes through the batch container
+        (``accumulator.py``): it leaves at once when nothing of its topic (or, for a pinned
+        send, its queue) is in flight, else it gathers with the sends arriving meanwhile and
+        they leave together as one batch. Its result and its error are its own; ``timeout``
+        covers the wait in the container; with ``max_pending_messages`` unanswered the send
+        waits for room (``block_if_queue_full``, the default) or raises
+        ProducerQueueFullError."""
+        acc = self.accumulator
+        if (
+            sequence_id is not None or not self.auto_batch or msg.delay_level or msg.deliver_at
+            or len(msg.body) >= acc.batch_max_bytes
+        ):
+            if len(msg.body) > self.max_message_size - chunking.CHUNK_HEADROOM // 2:
+                return await self._send_chunked(msg, queue_id, selector, arg, hash_key, timeout,
+                                                sequence_id)
+            return await self._send(msg.topic, (msg,), queue_id, selector, arg, hash_key,
+                                    timeout, RequestCode.SEND_MESSAGE, sequence_id)
+        if not self._started or self._closed:
+            await self._ensure_started()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.send_timeout if timeout is None else timeout)
+        key: Any = None
+        mq: MessageQueue | None = None
+        if queue_id is not None or selector is not None or hash_key is not None:
+            route = self.routes.cached(msg.topic) or await self._route(msg.topic)
+            mq, _pinned = self.router.select(route, msg, queue_id, selector, arg, hash_key,
+                                             None)
+            key = (msg.topic, mq)
+        if acc.npending >= acc.max_pending_messages:
+            if not self.block_if_queue_full:
+                acc.check_room()
+            await acc.room(deadline)
+        acc.npending += 1
+        return await acc.send(msg, key, mq, deadline)
 
     async def send_batch(
         self,
@@ -308,14 +347,13 @@ class Producer:
         ):
             acc.npending += 1
             fut = acc.add(msg)
-        else:
-            coro = self.send_batch(msg, **options) if isinstance(msg, list | tuple) else (
-                self.send(msg, **options)  # type: ignore[arg-type]
-            )
-            n = len(msg) if isinstance(msg, list | tuple) else 1
-            acc.npending += n
-            fut = asyncio.ensure_future(self._counted(coro, n))
+        elif isinstance(msg, list | tuple):
+            acc.npending += len(msg)
+            fut = asyncio.ensure_future(self._counted(self.send_batch(msg, **options),
+                                                      len(msg)))
             acc.track(fut)
+        else:
+            fut = self._pinned_async(msg, options)
         if callback is not None:
 
             def done(f: asyncio.Future[SendResult]) -> None:
@@ -328,6 +366,91 @@ class Producer:
 
             fut.add_done_callback(done)
         return fut
+
+    def _hand_over(self, msg: Message, options: dict[str, Any], sink: Any, wait: bool) -> None:
+        """On the loop: a message of the blocking facade (``send`` when ``wait``, else
+        ``send_async``) into the batch container, its answer to ``sink`` (anything with
+        ``done()``, ``set_result()``, ``set_exception()``; completed on the loop). The
+        facade calls :meth:`Accumulator.kick` after handing over what it had."""
+        acc = self.accumulator
+        try:
+            if (
+                self._started and not self._closed and self.auto_batch
+                and type(msg) is Message and len(msg.body) < acc.batch_max_bytes
+                and not msg.delay_level and not msg.deliver_at
+                and set(options) <= _ROUTING_OPTIONS
+            ):
+                key: Any = None
+                mq: MessageQueue | None = None
+                full = acc.npending >= acc.max_pending_messages
+                if full and (not wait or not self.block_if_queue_full):
+                    acc.check_room()  # raises
+                route = self.routes.cached(msg.topic)
+                if not full and (route is not None or not _pins(options)):
+                    if route is not None and _pins(options):
+                        mq, _pinned = self.router.select(
+                            route, msg, options.get("queue_id"), options.get("selector"),
+                            options.get("arg"), options.get("hash_key"), None)
+                        key = (msg.topic, mq)
+                    deadline = 0.0
+                    if wait:
+                        timeout = options.get("timeout")
+                        deadline = asyncio.get_running_loop().time() + (
+                            self.send_timeout if timeout is None else timeout)
+                    acc.npending += 1
+                    acc.add(msg, key, mq, deadline, sink)
+                    return
+        except Exception as exc:  # refused before it was queued: this sender's error
+            sink.set_exception(exc)
+            return
+        # Everything else (a route not known yet, a full container, chunks, delays, ...):
+        # the coroutine path.
+        try:
+            task = asyncio.ensure_future(self.send(msg, **options) if wait
+                                         else self.send_async(msg, **options))
+        except Exception as exc:
+            sink.set_exception(exc)
+            return
+        self.accumulator.track(task)
+
+        def done(t: asyncio.Future[SendResult]) -> None:
+            if sink.done():
+                return
+            if t.cancelled():
+                sink.set_exception(asyncio.CancelledError())
+            elif t.exception() is not None:
+                sink.set_exception(t.exception())
+            else:
+                sink.set_result(t.result())
+
+        task.add_done_callback(done)
+
+    def _pinned_async(self, msg: Message, options: dict[str, Any]) -> asyncio.Future[SendResult]:
+        """``send_async`` with routing options: straight into the queue's bucket when the
+        route is known (so sends keep the order of the calls), else through ``send``."""
+        route = self.routes.cached(msg.topic)
+        if (
+            route is not None and self.auto_batch and self._started and not self._closed
+            and set(options) <= {"queue_id", "selector", "arg", "hash_key"}
+            and len(msg.body) < self.accumulator.batch_max_bytes
+            and not msg.delay_level and not msg.deliver_at
+        ):
+            mq, _pinned = self.router.select(
+                route, msg, options.get("queue_id"), options.get("selector"), options.get("arg"),
+                options.get("hash_key"), None)
+            self.accumulator.npending += 1
+            return self.accumulator.add(msg, (msg.topic, mq), mq)
+        fut = asyncio.ensure_future(self.send(msg, **options))
+        self.accumulator.track(fut)
+        return fut
+
+    async def write_queues(self, topic: str) -> list[MessageQueue]:
+        """The writable queues a send to ``topic`` chooses from, sorted (``queue_id=`` indexes
+        this list). For a topic no broker has yet, the queues of the default route a send
+        would use (the broker creates the topic on the first send, ``auto_create_route``)."""
+        await self._ensure_started()
+        route = self.routes.cached(topic) or await self._route(topic)
+        return list(route.write_queues)
 
     async def cancel(self, result: SendResult, *, timeout: float | None = None) -> None:
         """Cancel a pending timed message (sent with ``deliver_at`` / ``deliver_after``) by
@@ -405,10 +528,11 @@ class Producer:
         return await self.sender.send(topic, msgs, queue_id, selector, arg, hash_key, timeout,
                                       code, sequence_id)
 
-    async def _send_auto(self, topic: str, msgs: list[Message]) -> SendResult:
-        """One batch of the accumulator."""
+    async def _send_auto(self, topic: str, mq: MessageQueue | None, msgs: list[Message],
+                         timeout: float | None) -> SendResult:
+        """One batch of the accumulator (``mq``: the queue of a pinned bucket)."""
         code = RequestCode.SEND_BATCH if len(msgs) > 1 else RequestCode.SEND_MESSAGE
-        return await self._send(topic, msgs, None, None, None, None, None, code)
+        return await self._send(topic, msgs, mq, None, None, None, timeout, code)
 
     async def _counted(self, coro: Any, n: int) -> SendResult:
         """Run a send_async send; its ``n`` messages stop counting as pending before its

@@ -217,6 +217,8 @@ class PullService:
                 )
                 if sub.sql is not None:
                     msgs = sub.keep(msgs, frame.body, h.members)
+                if msgs:
+                    msgs = pq.assemble(msgs, c.chunk_expire)  # chunks -> whole messages (PR5)
                 req.next_offset = h.next_begin_offset
                 if msgs:
                     if mq.topic.startswith(RETRY_PREFIX):
@@ -237,7 +239,7 @@ class PullService:
             else:  # NO_NEW_MSG, NO_MATCHED_MSG
                 req.next_offset = h.next_begin_offset
                 if pq.msg_count == 0:
-                    c.offset_store.update(mq, req.next_offset, True)
+                    c.offset_store.update(mq, pq.floor(req.next_offset), True)
                 self.execute_now(req)
         except asyncio.CancelledError:
             raise

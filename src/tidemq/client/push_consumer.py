@@ -100,7 +100,9 @@ class PushConsumer:
     local offset file, so keep it stable across restarts), ``offset_dir`` (~/.tidemq_offsets),
     ``hooks`` (ConsumeHook objects), ``check_crc`` (True), ``max_uncompressed_bytes`` (4 MiB
     + 64 KiB: the largest records section of one received batch, uncompressed; raise it with
-    the broker's ``max_message_size``).
+    the broker's ``max_message_size``), ``chunk_expire`` (60 s: a chunked message still
+    incomplete that long after its first chunk arrived is dropped; ``stats()`` counts
+    ``chunks_assembled`` and ``chunks_expired`` of the queues held).
 
     What cannot be decoded (a CRC mismatch, records that do not decompress or would
     decompress past ``max_uncompressed_bytes``, a tag, key or property that is not UTF-8) is
@@ -143,6 +145,7 @@ class PushConsumer:
         request_timeout: float = DEFAULT_TIMEOUT,
         route_refresh: float = 30.0,
         max_uncompressed_bytes: int = DEFAULT_MAX_RAW_SIZE,
+        chunk_expire: float = 60.0,
     ) -> None:
         problem = group_name_problem(group)
         if problem:
@@ -188,6 +191,7 @@ class PushConsumer:
         self.hooks = list(hooks)
         self.check_crc = check_crc
         self.max_uncompressed_bytes = max_uncompressed_bytes
+        self.chunk_expire = chunk_expire
         #: records skipped because they do not decode ("tolerate on the way out")
         self.corrupt = CorruptRecords(log)
         self.request_timeout = request_timeout
@@ -241,6 +245,10 @@ class PushConsumer:
             "rebalances": self.rebalance.rebalances,
             "in_flight": sum(pq.msg_count for pq in self.rebalance.table.values()),
             "corrupt_skipped": self.corrupt.total,
+            "chunks_assembled": sum(pq.assembler.assembled for pq in self.rebalance.table.values()
+                                    if pq.assembler is not None),
+            "chunks_expired": sum(pq.assembler.expired for pq in self.rebalance.table.values()
+                                  if pq.assembler is not None),
         }
 
     # -- lifecycle -------------------------------------------------------------------------------

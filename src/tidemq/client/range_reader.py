@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from tidemq.client import offsets
 from tidemq.client.blocking import _run, _submit
 from tidemq.client.codec import _ARANGE_REC, _IDX_DTYPE, _REC_DTYPE, parse_tag_expression
 from tidemq.client.connection import ConnectionPool, raise_for_error
@@ -483,6 +484,16 @@ class RangeReader:
                     inflight.result()
                 except BaseException:  # noqa: BLE001 - the prefetch is no longer wanted
                     pass
+
+    def max_offset(self, mq: MessageQueue) -> int:
+        """The queue's max offset now (where the next message will be stored)."""
+        async def go() -> int:
+            if self._pool is None:
+                self._pool = ConnectionPool()
+            addr = await self._addr(mq)
+            return await offsets.max_offset(self._pool, addr, mq, timeout=self.request_timeout)
+
+        return _run(go())
 
     def _corrupt(self, mq: MessageQueue, queue_offset: int, count: int, why: str) -> None:
         where = (f"offsets {queue_offset}..{queue_offset + count - 1}" if count > 0

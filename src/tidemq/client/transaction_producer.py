@@ -205,7 +205,10 @@ class TransactionProducer(Producer):
             raise ValueError("a transactional message cannot be delayed (RocketMQ's rule too)")
         token = _HALF.set(True)
         try:
-            r = await self.send(msg, timeout=timeout)
+            # Not through the batch container: the half mark (a context variable) must
+            # reach this message's encoding only.
+            r = await self._send(msg.topic, (msg,), None, None, None, None, timeout,
+                                 RequestCode.SEND_MESSAGE)
         finally:
             _HALF.reset(token)
         try:

@@ -333,12 +333,17 @@ class Perm:
 
 
 class TopicConfig(Header):
+    """A topic on one broker. ``shrinking_to``: set by the broker only (a value sent is
+    ignored) while read queues above it are kept until drained (broker/queue_shrink.py); 0 =
+    not shrinking."""
+
     topic_name: str
     read_queue_nums: U32 = 8
     write_queue_nums: U32 = 8
     perm: int = Perm.READ_WRITE
     topic_sys_flag: int = 0
     order: bool = False
+    shrinking_to: U32 = 0
 
 
 class RegisterBrokerRequestHeader(Header):

@@ -24,6 +24,7 @@ runs in executor Python workers on an unpickled copy of a partition.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Sequence
 
 import pyarrow as pa
@@ -44,6 +45,8 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from tidemq.client.chunk_columns import ColumnAssembler
+from tidemq.client.range_reader import RangeReader
 from tidemq.spark.options import ReadOptions
 from tidemq.spark.planner import Offsets, Planner, QueueRange
 from tidemq.spark.schema import READ_SCHEMA, to_record_batch
@@ -54,14 +57,47 @@ log = logging.getLogger(__name__)
 
 
 def read_range(partition: InputPartition) -> Iterator[pa.RecordBatch]:
-    """The messages of one planned range as Arrow RecordBatches (runs in a Spark task)."""
+    """The messages of one planned range as Arrow RecordBatches (runs in a Spark task).
+
+    Chunked messages (PR5) come out whole, once, from the range holding their first chunk: a
+    range ending inside one reads on until it is complete, the next range skips its other
+    chunks (``client/chunk_columns.py``)."""
     assert isinstance(partition, QueueRange)
+    asm = ColumnAssembler()
     with partition.read() as reader:
         for chunk in reader.read(partition.queue, partition.start, partition.end,
                                  tags=partition.tags,
                                  fail_on_data_loss=partition.fail_on_data_loss):
+            chunk = asm.feed(chunk)
             if len(chunk):
                 yield to_record_batch(chunk)
+        if asm.pending:
+            yield from _read_on(reader, asm, partition)
+    if asm.expired:
+        log.warning("%s: %d incomplete chunked messages expired", partition.queue, asm.expired)
+
+
+def _read_on(reader: RangeReader, asm: ColumnAssembler, p: QueueRange
+             ) -> Iterator[pa.RecordBatch]:
+    """Past the range's end, the rest of the chunked messages it started: as it is stored,
+    until each is complete or expired (its first chunk stored over 60 s ago, the rest not)."""
+    offset = p.end
+    while asm.pending:
+        mx = reader.max_offset(p.queue)
+        if mx > offset:
+            hi = min(mx, offset + _READ_ON_STEP)
+            for chunk in reader.read(p.queue, offset, hi, tags=p.tags, fail_on_data_loss=False):
+                chunk = asm.feed(chunk, tail=True)
+                if len(chunk):
+                    yield to_record_batch(chunk)
+                if not asm.pending:
+                    return
+            offset = hi
+        elif not asm.expire(int(time.time() * 1000)):
+            time.sleep(0.1)  # the producer is still sending the rest
+
+
+_READ_ON_STEP = 64  # offsets read at a time past a range's end (chunks are up to 4 MiB each)
 
 
 class TideMQDataSource(DataSource):

@@ -1,0 +1,107 @@
+"""Key-shared selection (Pulsar's Key_Shared subscription; docs/pop-dispatch.md, SPEC CO10).
+
+In a key-shared subscription every message with the same *ordering key* goes to one consumer,
+so per-key order holds while the keys spread over the consumers. The ordering key of a message
+is its sharding key (the ``__SHARDINGKEY`` property, RocketMQ 5's message group), else its first
+key; a message without either has none and is dispatched as in a shared subscription.
+
+Keys are hashed into 65 536 slots (``key_slot``) and the slots are split between the consumers
+by consistent hashing (Pulsar's ConsistentHashingStickyKeyConsumerSelector): each consumer has
+``replicas`` (100) points on a ring of the slot space, and a slot belongs to the consumer whose
+point comes first at or after it (wrapping). So the assignment is
+
+- *consistent*: every broker and every restart computes the same owner from the same member set;
+- *sticky*: a consumer joining takes about 1/n of the slots, all from the others, and a consumer
+  leaving gives away only its own -- no other key changes owner.
+
+Pulsar's recently-joined-consumer rule (a joining consumer receives a key's messages only after
+what was dispatched before it joined is acked) lives with the dispatcher, which knows what is in
+flight; this module is the pure selection.
+
+Sans-IO; one owner (the dispatcher).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping
+from hashlib import blake2b
+
+__all__ = ["SLOTS", "SHARDING_KEY", "KeySharedSelector", "key_slot", "ordering_key"]
+
+SLOTS = 65_536
+#: the property naming a message's ordering key (RocketMQ's MessageConst.PROPERTY_SHARDING_KEY)
+SHARDING_KEY = "__SHARDINGKEY"
+
+
+def _hash(data: bytes) -> int:
+    return int.from_bytes(blake2b(data, digest_size=4).digest(), "little")
+
+
+def key_slot(key: str | bytes) -> int:
+    """The slot (0 .. 65 535) of an ordering key."""
+    return _hash(key.encode() if isinstance(key, str) else key) % SLOTS
+
+
+def ordering_key(properties: Mapping[str, str], keys: Iterable[str] | str | None) -> str | None:
+    """The sharding key, else the first key, else None (no ordering key)."""
+    sk = properties.get(SHARDING_KEY)
+    if sk:
+        return sk
+    if isinstance(keys, str):
+        first = keys.split(" ", 1)[0]
+        return first or None
+    for k in keys or ():
+        if k:
+            return k
+    return None
+
+
+class KeySharedSelector:
+    """Which consumer gets a slot: consistent hashing of the slot space (see the module doc)."""
+
+    def __init__(self, replicas: int = 100) -> None:
+        if replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        self.replicas = replicas
+        self._points: list[int] = []  # sorted ring positions
+        self._owners: list[str] = []  # consumer at each position
+        self._members: set[str] = set()
+
+    @property
+    def consumers(self) -> frozenset[str]:
+        return frozenset(self._members)
+
+    def add(self, consumer: str) -> None:
+        if consumer in self._members:
+            return
+        self._members.add(consumer)
+        for i in range(self.replicas):
+            p = _hash(f"{consumer}#{i}".encode()) % SLOTS
+            k = bisect.bisect_left(self._points, p)
+            # equal positions: order by name, so the ring is the same whatever the join order
+            while k < len(self._points) and self._points[k] == p and self._owners[k] < consumer:
+                k += 1
+            self._points.insert(k, p)
+            self._owners.insert(k, consumer)
+
+    def remove(self, consumer: str) -> None:
+        if consumer not in self._members:
+            return
+        self._members.discard(consumer)
+        keep = [(p, c) for p, c in zip(self._points, self._owners, strict=True) if c != consumer]
+        self._points = [p for p, _ in keep]
+        self._owners = [c for _, c in keep]
+
+    def owner(self, slot: int) -> str | None:
+        """The consumer of ``slot``; None without consumers."""
+        if not self._points:
+            return None
+        if not 0 <= slot < SLOTS:
+            raise ValueError(f"slot {slot} is outside 0..{SLOTS - 1}")
+        k = bisect.bisect_left(self._points, slot)
+        return self._owners[k % len(self._owners)]
+
+    def select(self, key: str | bytes) -> str | None:
+        """The consumer of an ordering key."""
+        return self.owner(key_slot(key))

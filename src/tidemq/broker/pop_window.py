@@ -1,0 +1,140 @@
+"""The pop state of one queue for one consumer group (docs/pop-dispatch.md, stage 2 piece).
+
+Server-side dispatch (POP) hands the messages of a queue to any member of a group; each popped
+message is invisible for a while and comes back, with its delivery attempt + 1, unless it is
+acked in time. :class:`PopWindow` is that bookkeeping for one (group, topic, queue), with no I/O
+and no clock of its own (every call takes ``now`` in ms), so the broker, the revive timer and
+the tests drive it alike:
+
+- ``start``: every offset below it is acked (what the group's committed offset becomes);
+- ``next``: the first offset never popped;
+- for each offset in ``[start, next)``: acked, or in flight with its ``pop_time``, invisible
+  deadline and delivery ``attempt``.
+
+:meth:`pop` hands out first the offsets whose deadline passed (revived, attempt + 1, in offset
+order), then new ones from ``next``; :meth:`ack` and :meth:`change_invisible` take the
+``pop_time`` of the delivery they answer (it is in the receipt handle, ``protocol/receipt.py``):
+an answer to an older delivery of the same offset is *stale* and changes nothing, so a consumer
+that was too slow cannot ack the message another consumer now holds. Acks move ``start`` over
+the acked prefix.
+
+Kept in plain dicts keyed by offset (O(1) per pop, ack and change); revival scans the in-flight
+entries in offset order, bounded by ``max_messages``. Not durable by itself: the broker logs pops
+and acks (docs/pop-dispatch.md, "Broker state") and rebuilds a window from that log.
+
+Threads: one owner (the broker's event loop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PopWindow", "Popped"]
+
+
+@dataclass(frozen=True, slots=True)
+class Popped:
+    """One delivery: the message at ``offset``, its ``attempt`` (1 = first) and ``pop_time``
+    (the receipt handle's; ms), invisible until ``pop_time + invisible_ms``."""
+
+    offset: int
+    attempt: int
+    pop_time: int
+    invisible_ms: int
+
+
+class _InFlight:
+    __slots__ = ("pop_time", "deadline", "attempt")
+
+    def __init__(self, pop_time: int, deadline: int, attempt: int) -> None:
+        self.pop_time = pop_time
+        self.deadline = deadline
+        self.attempt = attempt
+
+
+class PopWindow:
+    """Pop/ack/revive state of one queue for one group (see the module doc)."""
+
+    def __init__(self, start: int = 0) -> None:
+        if start < 0:
+            raise ValueError("start offset must be >= 0")
+        self.start = start
+        self.next = start
+        self._inflight: dict[int, _InFlight] = {}
+        self._acked: set[int] = set()  # acked offsets in [start, next)
+        self.redelivered = 0  # deliveries with attempt > 1
+
+    # -- queries -----------------------------------------------------------------------------
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    def unacked(self, max_offset: int) -> int:
+        """Messages of the queue (up to ``max_offset``) not acked yet: the group's lag, holes
+        included."""
+        return len(self._inflight) + max(0, max_offset - self.next)
+
+    def state(self, offset: int) -> str:
+        """"acked", "in_flight" or "new" (never popped)."""
+        if offset < self.start or offset in self._acked:
+            return "acked"
+        if offset in self._inflight:
+            return "in_flight"
+        return "new"
+
+    # -- operations ----------------------------------------------------------------------------
+    def pop(self, max_messages: int, now: int, invisible_ms: int, max_offset: int
+            ) -> list[Popped]:
+        """Up to ``max_messages`` deliveries: revived offsets first (deadline <= now), then new
+        ones below ``max_offset`` (the queue's end)."""
+        if max_messages < 1 or invisible_ms < 1:
+            raise ValueError("max_messages and invisible_ms must be >= 1")
+        out: list[Popped] = []
+        deadline = now + invisible_ms
+        for off in sorted(o for o, e in self._inflight.items() if e.deadline <= now):
+            if len(out) >= max_messages:
+                break
+            e = self._inflight[off]
+            e.attempt += 1
+            e.pop_time = now
+            e.deadline = deadline
+            self.redelivered += 1
+            out.append(Popped(off, e.attempt, now, invisible_ms))
+        while len(out) < max_messages and self.next < max_offset:
+            off = self.next
+            self.next += 1
+            self._inflight[off] = _InFlight(now, deadline, 1)
+            out.append(Popped(off, 1, now, invisible_ms))
+        return out
+
+    def ack(self, offset: int, pop_time: int) -> bool:
+        """Ack the delivery of ``offset`` popped at ``pop_time``; False when it is stale
+        (acked already, popped again since, or never popped)."""
+        e = self._inflight.get(offset)
+        if e is None or e.pop_time != pop_time:
+            return False
+        del self._inflight[offset]
+        self._acked.add(offset)
+        self._advance()
+        return True
+
+    def change_invisible(self, offset: int, pop_time: int, invisible_ms: int, now: int
+                         ) -> Popped | None:
+        """Make the delivery of ``offset`` popped at ``pop_time`` invisible for
+        ``invisible_ms`` from ``now``; the new delivery (its receipt handle replaces the old),
+        or None when the old one is stale."""
+        if invisible_ms < 1:
+            raise ValueError("invisible_ms must be >= 1")
+        e = self._inflight.get(offset)
+        if e is None or e.pop_time != pop_time:
+            return None
+        e.pop_time = now
+        e.deadline = now + invisible_ms
+        return Popped(offset, e.attempt, now, invisible_ms)
+
+    def _advance(self) -> None:
+        acked = self._acked
+        s = self.start
+        while s in acked:
+            acked.discard(s)
+            s += 1
+        self.start = s

@@ -1,0 +1,113 @@
+"""PopWindow (broker/pop_window.py) against a model: a plain dict of offset -> state, driven
+by a hypothesis state machine of pops, acks (current and stale), invisible-time changes, clock
+steps and queue growth. Nothing is lost (every offset below the queue's end is acked, in flight
+or new), nothing acked comes back, stale answers change nothing, and start is the acked
+prefix."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from tidemq.broker.pop_window import PopWindow
+
+
+class PopModel(RuleBasedStateMachine):
+    @initialize(start=st.integers(0, 5))
+    def init(self, start):
+        self.w = PopWindow(start)
+        self.now = 1_000
+        self.end = start
+        self.start = start
+        # offset -> ("acked",) | ("flight", pop_time, deadline, attempt)
+        self.model: dict[int, tuple] = {}
+        self.handles: list[tuple[int, int]] = []  # every (offset, pop_time) ever handed out
+
+    @rule(n=st.integers(1, 5))
+    def produce(self, n):
+        self.end += n
+
+    @rule(ms=st.integers(0, 3000))
+    def tick(self, ms):
+        self.now += ms
+
+    @rule(n=st.integers(1, 6), invisible=st.integers(1, 2000))
+    def pop(self, n, invisible):
+        got = self.w.pop(n, self.now, invisible, self.end)
+        # model: revived first, in offset order, then new ones
+        revived = sorted(o for o, s in self.model.items()
+                         if s[0] == "flight" and s[2] <= self.now)[:n]
+        new_from = max([o for o in self.model] + [self.start - 1]) + 1
+        fresh = list(range(new_from, self.end))[: n - len(revived)]
+        assert [p.offset for p in got] == revived + fresh
+        for p in got:
+            attempt = self.model[p.offset][3] + 1 if p.offset in revived else 1
+            assert (p.attempt, p.pop_time, p.invisible_ms) == (attempt, self.now, invisible)
+            self.model[p.offset] = ("flight", self.now, self.now + invisible, attempt)
+            self.handles.append((p.offset, p.pop_time))
+
+    @precondition(lambda self: self.handles)
+    @rule(data=st.data())
+    def ack(self, data):
+        off, pt = data.draw(st.sampled_from(self.handles))
+        s = self.model.get(off)
+        current = s is not None and s[0] == "flight" and s[1] == pt
+        assert self.w.ack(off, pt) is current
+        if current:
+            self.model[off] = ("acked",)
+            while self.model.get(self.start) == ("acked",):
+                del self.model[self.start]
+                self.start += 1
+
+    @precondition(lambda self: self.handles)
+    @rule(data=st.data(), invisible=st.integers(1, 2000))
+    def change(self, data, invisible):
+        off, pt = data.draw(st.sampled_from(self.handles))
+        s = self.model.get(off)
+        current = s is not None and s[0] == "flight" and s[1] == pt
+        p = self.w.change_invisible(off, pt, invisible, self.now)
+        assert (p is not None) is current
+        if current:
+            assert (p.offset, p.attempt, p.pop_time) == (off, s[3], self.now)
+            self.model[off] = ("flight", self.now, self.now + invisible, s[3])
+            self.handles.append((off, self.now))
+
+    @invariant()
+    def agrees(self):
+        if not hasattr(self, "w"):
+            return
+        assert self.w.start == self.start
+        for off in range(max(0, self.start - 2), self.end + 2):
+            s = self.model.get(off)
+            want = ("acked" if off < self.start or s == ("acked",)
+                    else "in_flight" if s is not None else "new")
+            assert self.w.state(off) == want, off
+        assert self.w.in_flight() == sum(1 for s in self.model.values() if s[0] == "flight")
+        assert self.w.unacked(self.end) == sum(
+            1 for o in range(self.start, self.end) if self.model.get(o) != ("acked",))
+
+
+TestPopModel = PopModel.TestCase
+TestPopModel.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_a_slow_consumers_ack_is_stale_once_the_message_came_back():
+    w = PopWindow()
+    [first] = w.pop(1, now=0, invisible_ms=100, max_offset=1)
+    assert w.pop(1, now=50, invisible_ms=100, max_offset=1) == []  # still invisible
+    [again] = w.pop(1, now=150, invisible_ms=100, max_offset=1)  # revived: attempt 2
+    assert (again.offset, again.attempt) == (0, 2) and w.redelivered == 1
+    assert not w.ack(0, first.pop_time)  # the first consumer was too slow
+    assert w.ack(0, again.pop_time) and w.start == 1
+    assert w.pop(5, now=1000, invisible_ms=100, max_offset=1) == []  # acked never comes back
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        PopWindow(-1)
+    with pytest.raises(ValueError):
+        PopWindow().pop(0, 0, 10, 5)
+    with pytest.raises(ValueError):
+        PopWindow().change_invisible(0, 0, 0, 0)
