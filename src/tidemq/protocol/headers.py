@@ -272,6 +272,11 @@ class MultiQueuePull(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     commit_offset: NonNeg = 0
     subscription: str | None = None
     expression_type: str = "TAG"
+    #: a queue without a start yet: 0 = pull from queue_offset; else the broker starts at the
+    #: group's committed offset, or (none) at 1 = the queue's first, 2 = its last, 3 = the
+    #: first stored at or after ``timestamp`` (ms) -- saving the consumer a lookup per queue
+    resolve: NonNeg = 0
+    timestamp: NonNeg = 0
 
 
 class PullMultiQueueRequestHeader(Header):
@@ -297,6 +302,10 @@ class MultiQueuePullResult(msgspec.Struct, array_like=True, omit_defaults=True, 
     message: str = ""
     members: list[bytes] = []
     suggest_which_broker_id: int = MASTER_ID
+    #: with ``resolve``: the offset the pull started at (-1: not resolved), and whether it is
+    #: the group's committed offset
+    start_offset: int = -1
+    start_committed: bool = False
 
 
 class PullMultiQueueResponseHeader(Header):
