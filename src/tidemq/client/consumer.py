@@ -139,7 +139,7 @@ class PullConsumer:
     batch, uncompressed; raise it with the broker's ``max_message_size``), ``request_timeout``
     (3 s for other requests), ``pool``; group membership when subscribing:
     ``heartbeat_interval`` (30 s), ``rebalance_interval`` (20 s), ``allocate_strategy``
-    (AllocateStrategy.AVG), ``instance_name`` (part of ``client_id``); ``multi_queue_min`` (64:
+    (AllocateStrategy.AVG), ``instance_name`` (part of ``client_id``); ``multi_queue_min`` (256:
     with this many assigned queues or more, the pulls to one broker travel together in
     PULL_MULTI_QUEUE requests, held by the broker as one long poll; 0 = never).
     """
@@ -167,7 +167,7 @@ class PullConsumer:
         rebalance_interval: float = 20.0,
         allocate_strategy: AllocateStrategy | str = AllocateStrategy.AVG,
         instance_name: str | None = None,
-        multi_queue_min: int = 64,
+        multi_queue_min: int = 256,
     ) -> None:
         problem = group_name_problem(group)
         if problem:
