@@ -22,6 +22,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
+    "SimpleConsumer",
+    "ReceivedMessage",
+    "StaleReceiptError",
     "Producer",
     "TransactionProducer",
     "LocalTransactionState",
@@ -57,6 +60,9 @@ __all__ = [
 ]
 
 _WHERE = {
+    "SimpleConsumer": "tidemq.client.blocking_simple",
+    "ReceivedMessage": "tidemq.client.simple_consumer",
+    "StaleReceiptError": "tidemq.client.simple_consumer",
     "Producer": "tidemq.client.blocking",
     "TransactionProducer": "tidemq.client.blocking",
     "LocalTransactionState": "tidemq.client.transaction_producer",
@@ -100,6 +106,7 @@ if TYPE_CHECKING:
         PushConsumer,
         TransactionProducer,
     )
+    from tidemq.client.blocking_simple import SimpleConsumer
     from tidemq.client.errors import (
         BrokerError,
         ClientClosedError,
@@ -128,6 +135,7 @@ if TYPE_CHECKING:
     )
     from tidemq.client.rebalance import AllocateStrategy
     from tidemq.client.selection import SqlFilterError
+    from tidemq.client.simple_consumer import ReceivedMessage, StaleReceiptError
     from tidemq.client.transaction_producer import LocalTransactionState, TransactionSendResult
 
 

@@ -49,6 +49,7 @@ from tidemq.client.message import (
 from tidemq.client.producer import Producer, Selector, SendCallback
 from tidemq.client.push_consumer import PushConsumer
 from tidemq.client.rebalance import AllocateStrategy
+from tidemq.client.simple_consumer import ReceivedMessage, SimpleConsumer, StaleReceiptError
 from tidemq.client.transaction_producer import (
     LocalTransactionState,
     TransactionProducer,
@@ -56,6 +57,9 @@ from tidemq.client.transaction_producer import (
 )
 
 __all__ = [
+    "SimpleConsumer",
+    "ReceivedMessage",
+    "StaleReceiptError",
     "Producer",
     "TransactionProducer",
     "LocalTransactionState",

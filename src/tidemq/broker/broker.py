@@ -51,6 +51,7 @@ from tidemq.broker.long_polling import PullRequestHoldService
 from tidemq.broker.metrics import MetricsServer
 from tidemq.broker.multi_pull import MultiPullProcessor
 from tidemq.broker.non_persistent import NonPersistentTopics
+from tidemq.broker.pop_processor import PopProcessor
 from tidemq.broker.pull_processor import PullProcessor
 from tidemq.broker.queue_lock import QueueLockManager
 from tidemq.broker.queue_shrink import QueueShrinker
@@ -156,6 +157,7 @@ class Broker:
         self._stopped = False
         self._loaded = False
         self.started_at = 0.0
+        self.pop: PopProcessor | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -209,6 +211,8 @@ class Broker:
         self.multi_pull = MultiPullProcessor(self)
         self.admin_processor = AdminProcessor(self)
         self.send_back = SendBackProcessor(self)
+        self.pop = PopProcessor(self)
+        self.pop.recover()  # POP windows from rmq_sys_POP_LOG, before serving
         self._handlers = {
             RequestCode.SEND_MESSAGE: self.send_processor.handle,
             RequestCode.SEND_BATCH: self.send_processor.handle,
@@ -220,6 +224,7 @@ class Broker:
             **self.consumers.handlers(),
             **self.queue_locks.handlers(),
             **self.send_back.handlers(),
+            **self.pop.handlers(),
             **self.subscription_groups.handlers(),
             RequestCode.END_TRANSACTION: self.transactions.handle_end,
             RequestCode.CANCEL_TIMER_MESSAGE: self._cancel_timer_message,
@@ -330,6 +335,8 @@ class Broker:
         self.connections.discard(conn)
         if conn.held and self.hold is not None:
             self.hold.drop_connection(conn)
+        if self.pop is not None:
+            self.pop.drop_connection(conn)
         if not self._stopped:
             self.consumers.connection_closed(conn)
 

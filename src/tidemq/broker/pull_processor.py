@@ -56,6 +56,7 @@ from tidemq.broker.connection import decode_request
 from tidemq.broker.consume_switches import check_consume_allowed, check_ordered_topic
 from tidemq.broker.errors import RequestRejected, check_group
 from tidemq.broker.long_polling import HeldPull
+from tidemq.broker.pop_processor import PULL
 from tidemq.broker.sql_select import read_selected, sql_filter_for
 from tidemq.protocol.codes import DLQ_PREFIX, TOOLS_CONSUMER_GROUP, ResponseCode
 from tidemq.protocol.headers import (
@@ -186,6 +187,8 @@ class PullProcessor:
         group = h.consumer_group
         check_group(group)
         check_consume_allowed(self.broker, group)
+        if self.broker.pop is not None:
+            self.broker.pop.check_mode(group, PULL)
         tc = self.topics.get(h.topic)
         broker_name = self.config.broker_name
         if tc is None:

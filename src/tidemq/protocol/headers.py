@@ -39,6 +39,7 @@ from typing import Annotated
 
 import msgspec
 
+from tidemq.protocol import pop as _pop
 from tidemq.protocol.codes import RequestCode, ResponseCode, describe
 from tidemq.protocol.errors import LocalProtocolError
 from tidemq.protocol.frame import Frame, decode_header, encode_header
@@ -927,3 +928,13 @@ def error_response(request: Frame, code: int, message: str | None = None) -> Fra
         raise LocalProtocolError("an error response needs a non-zero response code")
     return request.response(code, ErrorResponseHeader(message or describe(code)))
 
+
+
+# -- server-side dispatch (POP): the headers live in protocol/pop.py, registered here ------------
+REQUEST_HEADER_TYPES[RequestCode.POP_MESSAGE] = _pop.PopMessageRequestHeader
+REQUEST_HEADER_TYPES[RequestCode.ACK_MESSAGE] = _pop.AckMessageRequestHeader
+REQUEST_HEADER_TYPES[RequestCode.CHANGE_INVISIBLE_TIME] = _pop.ChangeInvisibleRequestHeader
+RESPONSE_HEADER_TYPES[RequestCode.POP_MESSAGE] = _pop.PopMessageResponseHeader
+RESPONSE_HEADER_TYPES[RequestCode.ACK_MESSAGE] = _pop.AckMessageResponseHeader
+RESPONSE_HEADER_TYPES[RequestCode.CHANGE_INVISIBLE_TIME] = _pop.ChangeInvisibleResponseHeader
+_OUTCOMES[RequestCode.POP_MESSAGE] = frozenset({ResponseCode.SUCCESS, ResponseCode.PULL_NOT_FOUND})
