@@ -267,3 +267,34 @@ def test_many_queues_start_where_the_group_committed_without_a_lookup_per_queue(
     finally:
         br.stop()
         ns.stop()
+
+
+def test_spread_traffic_over_many_topics_is_split_into_bounded_frames(tmp_path):
+    from tidemq.client import multi_sender
+
+    ns = start_namesrv(tmp_path)
+    br = start_broker(tmp_path, ns.addr)
+    try:
+        async def run() -> None:
+            topics = [f"wide{i}" for i in range(40)]
+            async with Admin(ns.addr) as admin:
+                for t in topics:
+                    await admin.create_topic(t, 2)
+            async with Producer(ns.addr, batch_max_delay=0.005) as p:
+                for t in topics:
+                    await p.send(Message(t, b"first"))
+                frames0 = p.multi.frames
+                old = multi_sender.MAX_FRAME_BATCHES
+                multi_sender.MAX_FRAME_BATCHES = 8
+                try:
+                    rs = await asyncio.gather(*(p.send_async(Message(t, b"x" * 100))
+                                                for t in topics))
+                finally:
+                    multi_sender.MAX_FRAME_BATCHES = old
+                assert all(r.queue_offset >= 1 for r in rs)
+                assert p.multi.frames - frames0 >= 5  # 40 batches, at most 8 a frame
+
+        asyncio.run(run())
+    finally:
+        br.stop()
+        ns.stop()
