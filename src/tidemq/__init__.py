@@ -31,6 +31,7 @@ __all__ = [
     "TransactionSendResult",
     "PullConsumer",
     "PushConsumer",
+    "PushConsumerOptions",
     "ConsumeStatus",
     "ConsumeOrderlyStatus",
     "ConsumeContext",
@@ -69,6 +70,7 @@ _WHERE = {
     "TransactionSendResult": "tidemq.client.transaction_producer",
     "PullConsumer": "tidemq.client.blocking",
     "PushConsumer": "tidemq.client.blocking",
+    "PushConsumerOptions": "tidemq.client.consumer_options",
     "ConsumeStatus": "tidemq.client.listener",
     "ConsumeOrderlyStatus": "tidemq.client.listener",
     "ConsumeContext": "tidemq.client.listener",
@@ -107,6 +109,7 @@ if TYPE_CHECKING:
         TransactionProducer,
     )
     from tidemq.client.blocking_simple import SimpleConsumer
+    from tidemq.client.consumer_options import PushConsumerOptions
     from tidemq.client.errors import (
         BrokerError,
         ClientClosedError,

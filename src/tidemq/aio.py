@@ -19,6 +19,7 @@ from __future__ import annotations
 from tidemq.client.admin import Admin, GroupLag, QueueLag, QueueStatus
 from tidemq.client.connection import Connection, ConnectionPool
 from tidemq.client.consumer import PullConsumer
+from tidemq.client.consumer_options import PushConsumerOptions
 from tidemq.client.errors import (
     BrokerError,
     ClientClosedError,
@@ -66,6 +67,7 @@ __all__ = [
     "TransactionSendResult",
     "PullConsumer",
     "PushConsumer",
+    "PushConsumerOptions",
     "ConsumeStatus",
     "ConsumeOrderlyStatus",
     "ConsumeContext",

@@ -1,5 +1,5 @@
 """CONSUMER_SEND_MSG_BACK: retry and dead-letter queues (RocketMQ's
-SendMessageProcessor#consumerSendMsgBack; SPEC BR7).
+SendMessageProcessor#consumerSendMsgBack; ref BR7).
 
 A concurrent consumer whose listener failed (RECONSUME_LATER or an exception) sends the message
 back by its place in the CommitLog: the physical offset of its batch and its index inside it.
@@ -32,6 +32,7 @@ Threads: the broker's event loop only.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tidemq.broker.connection import decode_request
@@ -72,7 +73,7 @@ class SendBackProcessor:
         self.retried = 0  # copies put into retry topics (runtime info)
         self.dead = 0  # copies put into dead-letter queues
 
-    def handlers(self) -> dict:
+    def handlers(self) -> dict[int, Callable[..., None]]:
         return {RequestCode.CONSUMER_SEND_MSG_BACK: self.handle}
 
     def handle(self, conn: BrokerConnection, frame: Frame) -> None:
