@@ -74,3 +74,15 @@ def test_out_of_range_fields_do_not_decode():
         decode_header(bad, PopMessageRequestHeader)
     assert isinstance(exc.value, (msgspec.ValidationError, ValueError)) or "invisible" in str(
         exc.value)
+
+
+def test_receipt_strings_equal_the_encoded_handles():
+    from tidemq.protocol.pop import receipt_strings
+    from tidemq.protocol.receipt import encode_receipt
+    h = PopMessageResponseHeader(broker="broker-a", pop_time=1700000000123, invisible_ms=30000,
+                                 batches=[PoppedBatch(3, b"\x05\x01", [1, 4, 2])])
+    fast = receipt_strings(h, "orders", 0, 100)
+    slow = receipt_handles(h, "orders", 0, 100)
+    assert [t for _q, _o, t, _a in fast] == [encode_receipt(r) for r in slow]
+    assert [(q, o, a) for q, o, _t, a in fast] == [(r.queue_id, r.offset, r.attempt)
+                                                   for r in slow]

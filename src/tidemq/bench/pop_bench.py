@@ -49,7 +49,10 @@ async def _member(namesrv: str, group: str, topic: str, pop_batch: int, invisibl
             if not msgs:
                 continue
             redelivered += sum(1 for m in msgs if m.delivery_attempt > 1)
-            results = await asyncio.gather(*(c.ack(m) for m in msgs), return_exceptions=True)
+            # one ack per message (each its own handle and result); the client sends the acks
+            # queued in this turn of the loop as one frame
+            results = await asyncio.gather(*[c.ack_nowait(m) for m in msgs],
+                                           return_exceptions=True)
             acked += sum(1 for r in results if r is None)
             now = time.monotonic()
             arr[base], arr[base + 1], arr[base + 2] = acked, redelivered, c.stale

@@ -50,9 +50,9 @@ from tidemq.protocol.pop import (
     AckMessageRequestHeader,
     ChangeInvisibleRequestHeader,
     PopMessageRequestHeader,
-    receipt_handles,
+    receipt_strings,
 )
-from tidemq.protocol.receipt import MAX_INVISIBLE_MS, encode_receipt
+from tidemq.protocol.receipt import MAX_INVISIBLE_MS
 from tidemq.protocol.record import read_total_size_magic
 
 __all__ = ["SimpleConsumer", "ReceivedMessage", "StaleReceiptError"]
@@ -243,19 +243,23 @@ class SimpleConsumer:
         body = frame.body
         mv = body if isinstance(body, memoryview) else memoryview(body)
         wanted: dict[tuple[int, int], tuple[str, int]] = {}
+        out: list[ReceivedMessage] = []
         pos = 0
         for j in range(len(rh.batches)):
             total, _magic = read_total_size_magic(mv, pos)
             base = int.from_bytes(mv[pos + _QUEUE_OFFSET_AT:pos + _QUEUE_OFFSET_AT + 8], "little")
-            for r in receipt_handles(rh, topic, j, base):
-                wanted[(r.queue_id, r.offset)] = (encode_receipt(r), r.attempt)
+            handles = receipt_strings(rh, topic, j, base)
+            for q, off, text, attempt in handles:
+                wanted[(q, off)] = (text, attempt)
+            if handles:
+                # decoded from the first member on (a batch shared by several consumers)
+                msgs, _end = decode_pull_body(mv[pos:pos + total], from_offset=handles[0][1],
+                                              broker_name=rh.broker, topic=topic)
+                for m in msgs:
+                    w = wanted.pop((m.queue_id, m.queue_offset), None)
+                    if w is not None:
+                        out.append(ReceivedMessage(m, w[0], w[1], addr))
             pos += total
-        msgs, _end = decode_pull_body(body, from_offset=0, broker_name=rh.broker, topic=topic)
-        out: list[ReceivedMessage] = []
-        for m in msgs:
-            w = wanted.pop((m.queue_id, m.queue_offset), None)
-            if w is not None:
-                out.append(ReceivedMessage(m, w[0], w[1], addr))
         if wanted:
             # a popped message that did not decode: ack it, nobody can consume it
             log.warning("%d popped messages of %s did not decode; acking them", len(wanted),

@@ -42,6 +42,7 @@ __all__ = [
     "ChangeInvisibleRequestHeader",
     "ChangeInvisibleResponseHeader",
     "receipt_handles",
+    "receipt_strings",
     "MAX_POP_MESSAGES",
     "MAX_ACKS_PER_FRAME",
 ]
@@ -137,4 +138,21 @@ def receipt_handles(h: PopMessageResponseHeader, topic: str, j: int, base_offset
         raise ValueError(f"pop answer batch {j}: {len(idx)} members but {len(attempts)} attempts")
     return [ReceiptHandle(h.broker, topic, b.queue_id, base_offset + i, h.pop_time,
                           h.invisible_ms, h.revive_queue_id, a)
+            for i, a in zip(idx, attempts, strict=True)]
+
+
+def receipt_strings(h: PopMessageResponseHeader, topic: str, j: int, base_offset: int
+                    ) -> list[tuple[int, int, str, int]]:
+    """``(queue id, offset, receipt handle string, attempt)`` of the members of body batch
+    ``j``: :func:`receipt_handles` encoded, without building and re-checking each handle (the
+    client's hot path; the broker checks every handle it is given back)."""
+    b = h.batches[j]
+    idx = member_indices(b.members)
+    attempts = b.attempts or [1] * len(idx)
+    if len(attempts) != len(idx):
+        raise ValueError(f"pop answer batch {j}: {len(idx)} members but {len(attempts)} attempts")
+    q = b.queue_id
+    head = f"v1 {h.broker} {topic} {q} "
+    tail = f" {h.pop_time} {h.invisible_ms} {h.revive_queue_id} "
+    return [(q, base_offset + i, f"{head}{base_offset + i}{tail}{a}", a)
             for i, a in zip(idx, attempts, strict=True)]

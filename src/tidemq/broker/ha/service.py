@@ -91,6 +91,10 @@ _WRITES = {
     RequestCode.CONSUMER_SEND_MSG_BACK: "messages sent back for retry",
     RequestCode.END_TRANSACTION: "transaction commits and rollbacks",
     RequestCode.CANCEL_TIMER_MESSAGE: "timer cancellations",
+    # POP writes its state into rmq_sys_POP_LOG: served by the master only
+    RequestCode.POP_MESSAGE: "pops",
+    RequestCode.ACK_MESSAGE: "pop acks",
+    RequestCode.CHANGE_INVISIBLE_TIME: "pop invisible-time changes",
 }
 _TICK_S = 1.0
 
