@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 import tidemq
+from broker.forge import Rec, forge
 from broker.wire import Wire, decode_pull, error_message
 from support.cluster import info, same_commitlog, start_cluster, wait_until
 from tidemq.protocol.codes import RequestCode, ResponseCode
-from tidemq.protocol.headers import TopicConfig
+from tidemq.protocol.headers import SendMultiQueueRequestHeader, TopicConfig
 
 TOPIC = "rep"
 
@@ -66,6 +67,12 @@ def test_slave_refuses_writes_and_serves_reads(cluster):
         r = w.send_messages(TOPIC, [b"nope"])
         assert r.code == ResponseCode.SERVICE_NOT_AVAILABLE
         assert "is a SLAVE" in error_message(r) and "master" in error_message(r)
+        # a frame of batches for many queues is a send too
+        batch = forge(TOPIC, [Rec(body=b"nope")], queue_id=0)
+        r = w.request(RequestCode.SEND_MULTI_QUEUE,
+                      SendMultiQueueRequestHeader(producer_group="pg", batches=1), batch)
+        assert r.code == ResponseCode.SERVICE_NOT_AVAILABLE, r
+        assert "is a SLAVE" in error_message(r)
         r = w.request(RequestCode.UPDATE_AND_CREATE_TOPIC,
                       TopicConfig(topic_name="x", read_queue_nums=1, write_queue_nums=1))
         assert r.code == ResponseCode.SERVICE_NOT_AVAILABLE

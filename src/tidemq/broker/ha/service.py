@@ -85,6 +85,7 @@ ROLES = (SYNC_MASTER, ASYNC_MASTER, SLAVE)
 _WRITES = {
     RequestCode.SEND_MESSAGE: "sends",
     RequestCode.SEND_BATCH: "sends",
+    RequestCode.SEND_MULTI_QUEUE: "sends",
     RequestCode.UPDATE_AND_CREATE_TOPIC: "topic changes",
     RequestCode.DELETE_TOPIC: "topic changes",
     RequestCode.UPDATE_AND_CREATE_SUBSCRIPTION_GROUP: "group changes",
