@@ -107,6 +107,13 @@ class Accumulator:
         #: when several topics' batches flush together: takes those it sends in frames of many
         #: batches per broker (SEND_MULTI_QUEUE, client/multi_sender.py), returns the rest
         self.send_many: Callable[[list[Any]], list[Any]] | None = None
+        #: a lone message's send without a task (BatchSender.start / finish / send with
+        #: ``started``, wired by the producer); None: every batch is a task
+        self.start_one: Callable[[str, MessageQueue | None, Message, float | None], Any] | None
+        self.start_one = None
+        self.finish_one: Callable[[Any, str, int], SendResult | None] | None = None
+        self.resume_one: Callable[[str, MessageQueue | None, list[Message], Any],
+                                  Awaitable[SendResult]] | None = None
         #: batches sent from buckets so far, and the messages in them
         self.batches = 0
         self.batched_messages = 0
@@ -303,7 +310,57 @@ class Accumulator:
         b.inflight += 1
         self.batches += 1
         self.batched_messages += len(msgs)
+        if len(msgs) == 1 and self.start_one is not None:
+            # A lone message (the blocking facade's send when nothing else is in flight):
+            # written now, answered from the response future's callback; a task only when
+            # the answer is not a plain success (errors, retries: finish_one says None).
+            d = deadlines[0]
+            timeout = None
+            if d:
+                timeout = d - b.loop.time()
+            if timeout is None or timeout > 0:
+                st = self.start_one(b.topic, b.mq, msgs[0], timeout)
+                if st is not None:
+                    st.fut.add_done_callback(lambda _f: self._one_done(b, st, msgs, futs))
+                    self.track(st.fut)
+                    return
         self.track(b.loop.create_task(self._send_batch(b, msgs, futs, deadlines)))
+
+    def _one_done(self, b: _Bucket, st: Any, msgs: list[Message], futs: list[Any]) -> None:
+        assert self.finish_one is not None and self.resume_one is not None
+        try:
+            r = self.finish_one(st, b.topic, 1)
+        except Exception:  # noqa: BLE001 - the coroutine path reports it
+            r = None
+        if r is None:
+            self.track(b.loop.create_task(self._resume(b, st, msgs, futs)))
+            return
+        self._answered(1)
+        f = futs[0]
+        if not f.done():
+            with contextlib.suppress(*_InvalidState):  # cancelled by another thread
+                f.set_result(r)
+        self._after(b)
+
+    async def _resume(self, b: _Bucket, st: Any, msgs: list[Message], futs: list[Any]
+                      ) -> None:
+        """A started lone message whose answer was not a plain success: the send's coroutine
+        from its first answer on (retries, errors), then as any batch."""
+        assert self.resume_one is not None
+        try:
+            try:
+                r = await self.resume_one(b.topic, b.mq, msgs, st)
+            except BaseException as exc:
+                self._answered(1)
+                if not futs[0].done():
+                    futs[0].set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+                return
+            self._answered(1)
+            split_result(r, futs)
+        finally:
+            self._after(b)
 
     def track(self, task: asyncio.Future[Any]) -> None:
         self.tasks.add(task)
