@@ -62,7 +62,7 @@ Encoder = Callable[..., tuple[bytearray, int]]
 class Started(NamedTuple):
     """A send's first attempt, written by :meth:`BatchSender.start`."""
 
-    fut: asyncio.Future[Frame]  # the response frame
+    fut: Any  # the response frame: a future, or start()'s sink
     route: TopicRoute
     mq: MessageQueue
     pinned: bool
@@ -156,13 +156,14 @@ class BatchSender:
         return None
 
     def start(self, topic: str, msgs: Sequence[Message], queue_id: MessageQueue | None,
-              timeout: float | None, code: int) -> Started | None:
+              timeout: float | None, code: int, sink: Any = None) -> Started | None:
         """The first attempt of :meth:`send` without a coroutine: encode and write the request
         now, return what :meth:`finish` needs once its response future completes -- or None
         when this send needs the coroutine from the start (no cached route or open writable
         connection, a deduplicated producer, a message the encoder refuses: :meth:`send` then
         does everything, and raises what it must). The blocking facade's lone sends take this
-        path: no task, no coroutine frames, no loop iteration to wake a task."""
+        path: no task, no coroutine frames, no loop iteration to wake a task. ``sink``:
+        where the connection puts the answer (``Connection.start_request``)."""
         if self.sequencer.dedup:
             return None
         route = self.router.cached(topic)
@@ -180,19 +181,15 @@ class BatchSender:
             batch, seq = self.encode(topic, msgs, mq.queue_id, conn.local_host,
                                      conn.local_port, None, born_ts)
             header = self.header(topic, mq.queue_id, code == _SEND_BATCH, born_ts)
-            fut = conn.start_request(code, header, batch, timeout)
+            fut = conn.start_request(code, header, batch, timeout, sink)
         except (ClientError, LocalProtocolError):
             return None  # the coroutine path sends it again and reports what it must
         return Started(fut, route, mq, pinned, batch, seq, t0, conn._loop.time() + timeout)
 
-    def finish(self, st: Started, topic: str, count: int) -> SendResult | None:
-        """The SendResult of a started send whose answer is a plain SEND_OK, else None (the
-        coroutine, :meth:`send` with ``started``, takes it from there: errors, retries,
-        statuses that may be sent again elsewhere)."""
-        fut = st.fut
-        if fut.cancelled() or fut.exception() is not None:
-            return None
-        frame = fut.result()
+    def finish(self, st: Started, topic: str, frame: Frame) -> SendResult | None:
+        """The SendResult of a started send whose answer ``frame`` is a plain SEND_OK, else
+        None (the coroutine, :meth:`send` with ``started``, takes it from there: errors,
+        retries, statuses that may be sent again elsewhere)."""
         if frame.code != _SUCCESS:
             return None
         mq = st.mq

@@ -538,11 +538,11 @@ class Producer:
         return await self._send(topic, msgs, mq, None, None, None, timeout, code)
 
     def _start_one(self, topic: str, mq: MessageQueue | None, msg: Message,
-                   timeout: float | None) -> Started | None:
+                   timeout: float | None, sink: Any) -> Started | None:
         """A lone message of the accumulator written without a task (None: it needs one)."""
         if not self._started or self._closed:
             return None
-        return self.sender.start(topic, (msg,), mq, timeout, RequestCode.SEND_MESSAGE)
+        return self.sender.start(topic, (msg,), mq, timeout, RequestCode.SEND_MESSAGE, sink)
 
     async def _resume_one(self, topic: str, mq: MessageQueue | None, msgs: list[Message],
                           st: Started) -> SendResult:
