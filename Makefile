@@ -39,6 +39,7 @@ run: setup
 lint: setup
 	$(BIN)/ruff check src tests examples
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 test: lint
 	$(BIN)/python -m pytest -q tests

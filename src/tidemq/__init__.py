@@ -22,12 +22,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
+    "SimpleConsumer",
+    "ReceivedMessage",
+    "StaleReceiptError",
     "Producer",
     "TransactionProducer",
     "LocalTransactionState",
     "TransactionSendResult",
     "PullConsumer",
     "PushConsumer",
+    "PushConsumerOptions",
     "ConsumeStatus",
     "ConsumeOrderlyStatus",
     "ConsumeContext",
@@ -57,12 +61,16 @@ __all__ = [
 ]
 
 _WHERE = {
+    "SimpleConsumer": "tidemq.client.blocking_simple",
+    "ReceivedMessage": "tidemq.client.simple_consumer",
+    "StaleReceiptError": "tidemq.client.simple_consumer",
     "Producer": "tidemq.client.blocking",
     "TransactionProducer": "tidemq.client.blocking",
     "LocalTransactionState": "tidemq.client.transaction_producer",
     "TransactionSendResult": "tidemq.client.transaction_producer",
     "PullConsumer": "tidemq.client.blocking",
     "PushConsumer": "tidemq.client.blocking",
+    "PushConsumerOptions": "tidemq.client.consumer_options",
     "ConsumeStatus": "tidemq.client.listener",
     "ConsumeOrderlyStatus": "tidemq.client.listener",
     "ConsumeContext": "tidemq.client.listener",
@@ -100,6 +108,8 @@ if TYPE_CHECKING:
         PushConsumer,
         TransactionProducer,
     )
+    from tidemq.client.blocking_simple import SimpleConsumer
+    from tidemq.client.consumer_options import PushConsumerOptions
     from tidemq.client.errors import (
         BrokerError,
         ClientClosedError,
@@ -128,6 +138,7 @@ if TYPE_CHECKING:
     )
     from tidemq.client.rebalance import AllocateStrategy
     from tidemq.client.selection import SqlFilterError
+    from tidemq.client.simple_consumer import ReceivedMessage, StaleReceiptError
     from tidemq.client.transaction_producer import LocalTransactionState, TransactionSendResult
 
 

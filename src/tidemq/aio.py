@@ -19,6 +19,7 @@ from __future__ import annotations
 from tidemq.client.admin import Admin, GroupLag, QueueLag, QueueStatus
 from tidemq.client.connection import Connection, ConnectionPool
 from tidemq.client.consumer import PullConsumer
+from tidemq.client.consumer_options import PushConsumerOptions
 from tidemq.client.errors import (
     BrokerError,
     ClientClosedError,
@@ -49,6 +50,7 @@ from tidemq.client.message import (
 from tidemq.client.producer import Producer, Selector, SendCallback
 from tidemq.client.push_consumer import PushConsumer
 from tidemq.client.rebalance import AllocateStrategy
+from tidemq.client.simple_consumer import ReceivedMessage, SimpleConsumer, StaleReceiptError
 from tidemq.client.transaction_producer import (
     LocalTransactionState,
     TransactionProducer,
@@ -56,12 +58,16 @@ from tidemq.client.transaction_producer import (
 )
 
 __all__ = [
+    "SimpleConsumer",
+    "ReceivedMessage",
+    "StaleReceiptError",
     "Producer",
     "TransactionProducer",
     "LocalTransactionState",
     "TransactionSendResult",
     "PullConsumer",
     "PushConsumer",
+    "PushConsumerOptions",
     "ConsumeStatus",
     "ConsumeOrderlyStatus",
     "ConsumeContext",

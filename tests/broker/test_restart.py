@@ -114,7 +114,7 @@ def test_start_errors_are_reported_not_raised(tmp_path):
     import subprocess
     import sys
 
-    from .wire import _env
+    from support.cluster import _env
 
     srv = start_broker(tmp_path, "", data_dir=tmp_path / "d")
     try:

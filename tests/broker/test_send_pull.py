@@ -124,16 +124,29 @@ def test_status_table_is_rocketmqs():
 
 
 def test_tag_expressions():
-    from tidemq.broker.pull_processor import parse_tag_expression
+    from tidemq.protocol.batch.tags import tag_hashes
     from tidemq.protocol.record import tag_hash
 
-    assert parse_tag_expression(None) is None
-    assert parse_tag_expression(" * ") is None
-    assert parse_tag_expression("") is None
-    assert parse_tag_expression("A || B") == {tag_hash("A"), tag_hash("B")}
-    assert parse_tag_expression("A||") == {tag_hash("A")}
+    assert tag_hashes(None) is None
+    assert tag_hashes(" * ") is None
+    assert tag_hashes("") is None
+    assert tag_hashes("A || B") == {tag_hash("A"), tag_hash("B")}
+    assert tag_hashes("A||") == {tag_hash("A")}
+    assert tag_hashes("A || *") == {tag_hash("A"), tag_hash("*")}
     with pytest.raises(ValueError):
-        parse_tag_expression("||")
+        tag_hashes("||")
+
+
+def test_a_star_among_tags_is_a_tag_not_everything(wire, topic):
+    """RocketMQ's FilterAPI reading: "A || *" is the tags {A, *}. The broker used to serve
+    everything for it while the client kept only A and *, so B-tagged messages were fetched
+    and silently dropped."""
+    wire.send_messages(topic, [b"a"], tags="A")
+    wire.send_messages(topic, [b"b"], tags="B")
+    wire.send_messages(topic, [b"star"], tags="*")
+    p = wire.pull(topic, 0, subscription="A || *")
+    assert p.code == ResponseCode.SUCCESS
+    assert [(m.queue_offset, m.body) for m in decode_pull(p, 0)] == [(0, b"a"), (2, b"star")]
 
 
 # -- long polling ----------------------------------------------------------------------------------

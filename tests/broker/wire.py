@@ -7,16 +7,12 @@ contract (docs/protocol.md) with nothing but ``tidemq.protocol`` and a socket.
 from __future__ import annotations
 
 import itertools
-import os
 import select
-import signal
 import socket
-import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from support.cluster import Server, start, start_broker, start_namesrv
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.frame import Frame, FrameDecoder, encode_frame
 from tidemq.protocol.headers import (
@@ -205,95 +201,6 @@ def decode_pull(frame: Frame, requested_offset: int, tags: set[str] | None = Non
 
 def error_message(frame: Frame) -> str:
     return getattr(frame.header, "message", "")
-
-
-# -- server processes -----------------------------------------------------------------------------
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    ready: str
-    log_path: str
-    addrs: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def addr(self) -> str:
-        return self.addrs.get("broker") or self.addrs.get("namesrv") or ""
-
-    def kill9(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self, sig=signal.SIGTERM, timeout: float = 20) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout)
-
-    def log(self) -> str:
-        try:
-            return Path(self.log_path).read_text()
-        except OSError:
-            return ""
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-def start(args: list[str], log_path: str, timeout: float = 20.0) -> Server:
-    """Start ``python -m tidemq.cli.main ARGS`` and wait for its ready line."""
-    log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the process
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tidemq.cli.main", *args],
-        stdout=subprocess.PIPE,
-        stderr=log,
-        env=_env(),
-    )
-    deadline = time.monotonic() + timeout
-    line = b""
-    while time.monotonic() < deadline:
-        r, _, _ = select.select([proc.stdout], [], [], 0.1)
-        if r:
-            line = proc.stdout.readline()
-            break
-        if proc.poll() is not None:
-            break
-    text = line.decode().strip()
-    if "ready" not in text:
-        proc.kill()
-        proc.wait()
-        raise RuntimeError(f"server did not start: {text!r}\n{Path(log_path).read_text()}")
-    addrs: dict[str, str] = {}
-    parts = text.split()
-    if parts[1] == "dev":
-        for p in parts[3:]:
-            k, _, v = p.partition("=")
-            addrs[k] = v
-    else:
-        addrs[parts[1]] = parts[3]
-    return Server(proc, text, log_path, addrs)
-
-
-def start_namesrv(tmp: Path, *extra: str) -> Server:
-    return start(["namesrv", "--port", "0", *extra], str(tmp / "namesrv.log"))
-
-
-def start_broker(tmp: Path, namesrv: str = "", *extra: str, name: str = "broker-a",
-                 data_dir: Path | None = None) -> Server:
-    data = data_dir or (tmp / f"data-{name}")
-    args = ["broker", "--port", "0", "--data-dir", str(data), "--name", name,
-            "-o", "store.segment_size=67108864", "-o", "store.index_slots=4096",
-            "-o", "store.index_max_entries=16384", "-o", "store.cq_units_per_file=4096"]
-    if namesrv:
-        args += ["--namesrv", namesrv]
-    return start([*args, *extra], str(tmp / f"{name}.log"))
 
 
 def wait_until(pred, timeout: float = 10.0, interval: float = 0.02):

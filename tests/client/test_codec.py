@@ -8,14 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tidemq.client.codec import (
-    decode_batches,
-    decode_pull_body,
-    encode_messages,
-    parse_tag_expression,
-    set_queue_id,
-)
+from tidemq.client.codec import decode_batches, decode_pull_body
 from tidemq.client.message import Message
+from tidemq.protocol.batch.fast import encode_messages
+from tidemq.protocol.batch.fields import set_queue_id
+from tidemq.protocol.batch.tags import parse_tag_expression
 from tidemq.protocol.errors import CorruptBatchError
 from tidemq.protocol.record import BatchView, MessageData, encode_batch, pack_host
 
@@ -148,6 +145,7 @@ def test_corrupt_batch_is_reported():
 def test_tag_expression():
     assert parse_tag_expression("*") is None
     assert parse_tag_expression(" a || b ") == frozenset({"a", "b"})
+    assert parse_tag_expression("a || *") == frozenset({"a", "*"})
     with pytest.raises(ValueError):
         parse_tag_expression("||")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tidemq.client.codec import encode_messages
 from tidemq.client.columns import Columns, dedup_producer_id
 from tidemq.client.message import Message
+from tidemq.protocol.batch.fast import encode_messages
 
 HOST = bytes(range(16))
 

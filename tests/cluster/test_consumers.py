@@ -20,7 +20,7 @@ N = 1500
 def cluster(tmp_path_factory):
     c = start_cluster(
         tmp_path_factory.mktemp("pc"),
-        # every consumer counts as "far behind": pulls are sent to the slave (seed 004)
+        # every consumer counts as "far behind": pulls are sent to the slave (RocketMQ's rule)
         options=("slave_read_enable=true", "access_message_in_memory_max_ratio=0.0000001"),
     )
     try:

@@ -11,8 +11,8 @@ import tempfile
 
 from tests.golden import cases
 
-from tidemq.client.codec import encode_messages
 from tidemq.client.message import Message
+from tidemq.protocol.batch.fast import encode_messages
 from tidemq.protocol.frame import Frame, encode_frame
 from tidemq.protocol.record import (
     CRC_FIELD,

@@ -43,9 +43,10 @@ class Msg:
 class BatchCase:
     """One batch: ``topic``, ``messages`` and the ``encode_batch`` keywords in ``kw``.
 
-    ``client``: the client's fast encoder (client/codec.py encode_messages) builds the same
-    bytes from the same input (it does for batches without a per-batch transaction type,
-    prepared offset or reconsume count, which only the broker sets)."""
+    ``client``: the fast encoder (protocol/batch/fast.py encode_messages: the numpy paths
+    that were in client/codec.py) builds the same bytes from the same input (it does for
+    batches without a per-batch transaction type, prepared offset or reconsume count, which
+    only the broker sets)."""
 
     name: str
     topic: str

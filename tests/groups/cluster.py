@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from client.conftest import DevCluster, start_dev, stop_dev
+from support.cluster import DevCluster, start_dev, stop_dev
 
 __all__ = ["DevCluster", "start_dev", "stop_dev", "wait_until", "GROUP_OPTIONS", "TEST_LEVELS_MS"]
 

@@ -1,5 +1,5 @@
-"""The broadcasting consumer's local offset file (CO7; docs/format.md §6): golden bytes, reload,
-and a damaged file that is reported, not fatal."""
+"""The broadcasting consumer's local offset file (CO7; docs/format.md, section 8): golden bytes,
+reload, and a damaged file that is reported, not fatal."""
 
 from __future__ import annotations
 

@@ -12,8 +12,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from tests.broker.forge import Rec, compress, forge
 
-from tidemq.client.codec import decode_pull_body, encode_messages
+from tidemq.client.codec import decode_pull_body
 from tidemq.client.message import Message
+from tidemq.protocol.batch.fast import encode_messages
 from tidemq.protocol.batch_rules import BatchLimits, validate_batch
 from tidemq.protocol.errors import CorruptBatchError, MessageTooLargeError
 from tidemq.protocol.record import (

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,9 +16,8 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-from tests.client.conftest import DevCluster, start_dev, stop_dev  # noqa: E402
-
 import tidemq  # noqa: E402
+from support.cluster import DevCluster, dev_cluster  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -47,12 +45,7 @@ def spark() -> Iterator[object]:
 
 @pytest.fixture(scope="module")
 def dev() -> Iterator[DevCluster]:
-    with tempfile.TemporaryDirectory(prefix="tidemq-spark-") as d:
-        c = start_dev(d)
-        try:
-            yield c
-        finally:
-            stop_dev(c)
+    yield from dev_cluster("tidemq-spark-")
 
 
 def create_topic(dev: DevCluster, topic: str, queues: int) -> None:

@@ -8,10 +8,10 @@ import shutil
 import tempfile
 
 import pytest
-from tests.client.conftest import start_dev, stop_dev
 from tests.spark.conftest import Collector, create_topic, send, wait_for
 
 import tidemq
+from support.cluster import start_dev, stop_dev
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import tempfile
 
 import pytest
-from tests.client.conftest import start_dev, stop_dev
 from tests.hostile_records import bomb, poison
 from tests.spark.conftest import create_topic
 
+from support.cluster import start_dev, stop_dev
 from tidemq.broker.config import BrokerConfig
 from tidemq.protocol.record import Compression, MessageData, encode_batch
 from tidemq.store.message_store import MessageStore

@@ -1,4 +1,4 @@
-"""ConsumeQueue (SPEC ST3, ST9): model-based state machine, golden bytes, faults, threads."""
+"""ConsumeQueue (ref ST3, ST9): model-based state machine, golden bytes, faults, threads."""
 
 from __future__ import annotations
 

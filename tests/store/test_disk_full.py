@@ -1,4 +1,4 @@
-"""A really full disk (SPEC ST7, non-negotiable 4): a store on a small tmpfs is written until
+"""A really full disk (ref ST7, non-negotiable 4): a store on a small tmpfs is written until
 the filesystem has no space left.
 
 A memory-mapped store that writes into pages without reserved blocks dies of SIGBUS when the

@@ -1,4 +1,4 @@
-"""IndexService / IndexFile (SPEC ST4): model-based state machine, golden bytes, faults."""
+"""IndexService / IndexFile (ref ST4): model-based state machine, golden bytes, faults."""
 
 from __future__ import annotations
 

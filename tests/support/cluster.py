@@ -1,21 +1,47 @@
-"""The cluster tests' launcher: the product's own LocalCluster (``tidemq cluster up`` runs it
-too) with test-sized settings -- small segments, so replication crosses segment ends, and fast
-replication heartbeats, so a lost link is noticed in seconds. With ``election=True`` an etcd of
-its own (one member, 127.0.0.1, its own data dir) and short leases."""
+"""The one launcher of name servers and brokers for the tests. Three shapes, one module:
+
+- :func:`start_namesrv` / :func:`start_broker` (a :class:`Server`): one ``tidemq namesrv`` or
+  ``tidemq broker`` process each, on ports the OS picks, data and log under a temp dir -- for
+  tests that talk to one broker's wire (tests/broker, tests/namesrv, tests/fuzz);
+- :func:`start_dev` / :func:`dev_cluster` (a :class:`DevCluster`): ``tidemq dev``, a name
+  server and a broker in one process (the product's ``DevProcess``) -- for client, group,
+  producer-path and Spark tests;
+- :func:`start_cluster` (a :class:`LocalCluster`): the product's own LocalCluster (``tidemq
+  cluster up`` runs it too): name servers, broker groups with slaves, and with
+  ``election=True`` an etcd of its own (one member, 127.0.0.1, its own data dir) and short
+  leases; test-sized settings -- small segments, so replication crosses segment ends, and fast
+  replication heartbeats, so a lost link is noticed in seconds.
+
+Import it as ``support.cluster`` (``tests/`` is on the path). New shapes (a dev process with
+a slave, an etcd for a plain broker) belong here too.
+"""
 
 from __future__ import annotations
 
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tidemq.bench.dev_process import DevProcess
 from tidemq.bench.local_cluster import LocalCluster, Proc, find_etcd
 from tidemq.client.blocking import Admin
 
 __all__ = ["TEST_OPTIONS", "ELECTION_OPTIONS", "LocalCluster", "Proc", "start_cluster",
-           "wait_until", "info", "same_commitlog", "needs_etcd"]
+           "wait_until", "info", "same_commitlog", "needs_etcd", "Server", "start",
+           "start_namesrv", "start_broker", "DevCluster", "start_dev", "stop_dev",
+           "dev_cluster"]
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 TEST_OPTIONS = (
     "store.segment_size=1048576",
@@ -83,3 +109,118 @@ def same_commitlog(a: Proc, b: Proc) -> bool:
     names = sorted(set(p.name for p in da.iterdir()) & set(p.name for p in db.iterdir()))
     assert names, "no common segment"
     return all((da / n).read_bytes() == (db / n).read_bytes() for n in names)
+
+
+# -- one name server or broker process ---------------------------------------------------------
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    ready: str
+    log_path: str
+    addrs: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def addr(self) -> str:
+        return self.addrs.get("broker") or self.addrs.get("namesrv") or ""
+
+    def kill9(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+    def log(self) -> str:
+        try:
+            return Path(self.log_path).read_text()
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def start(args: list[str], log_path: str, timeout: float = 20.0) -> Server:
+    """Start ``python -m tidemq.cli.main ARGS`` and wait for its ready line."""
+    log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the process
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidemq.cli.main", *args],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        env=_env(),
+    )
+    deadline = time.monotonic() + timeout
+    line = b""
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([proc.stdout], [], [], 0.1)
+        if r:
+            line = proc.stdout.readline()
+            break
+        if proc.poll() is not None:
+            break
+    text = line.decode().strip()
+    if "ready" not in text:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"server did not start: {text!r}\n{Path(log_path).read_text()}")
+    addrs: dict[str, str] = {}
+    parts = text.split()
+    if parts[1] == "dev":
+        for p in parts[3:]:
+            k, _, v = p.partition("=")
+            addrs[k] = v
+    else:
+        addrs[parts[1]] = parts[3]
+    return Server(proc, text, log_path, addrs)
+
+
+def start_namesrv(tmp: Path, *extra: str) -> Server:
+    return start(["namesrv", "--port", "0", *extra], str(tmp / "namesrv.log"))
+
+
+def start_broker(tmp: Path, namesrv: str = "", *extra: str, name: str = "broker-a",
+                 data_dir: Path | None = None) -> Server:
+    data = data_dir or (tmp / f"data-{name}")
+    args = ["broker", "--port", "0", "--data-dir", str(data), "--name", name,
+            "-o", "store.segment_size=67108864", "-o", "store.index_slots=4096",
+            "-o", "store.index_max_entries=16384", "-o", "store.cq_units_per_file=4096"]
+    if namesrv:
+        args += ["--namesrv", namesrv]
+    return start([*args, *extra], str(tmp / f"{name}.log"))
+
+
+
+# -- `tidemq dev`: name server and broker in one process -----------------------------------------
+
+#: The tests' dev cluster is the product's own child-process helper (also used by benchmarks).
+DevCluster = DevProcess
+
+
+def start_dev(data_dir: str, *options: str) -> DevCluster:
+    """A started ``tidemq dev`` on ``data_dir``; ``options`` are broker settings (KEY=VALUE)."""
+    return DevProcess(data_dir, *options).start(20)
+
+
+def stop_dev(c: DevCluster) -> None:
+    c.stop(10)
+
+
+def dev_cluster(prefix: str, *options: str) -> Iterator[DevCluster]:
+    """Body of a module fixture: a ``tidemq dev`` in a temp dir, stopped and removed after."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as d:
+        c = start_dev(d, *options)
+        try:
+            yield c
+        finally:
+            stop_dev(c)

@@ -4,10 +4,10 @@ would shadow the standard library): a real `tidemq dev` and raw broker requests.
 from __future__ import annotations
 
 import asyncio
-import tempfile
 from collections.abc import Iterator
 
-from client.conftest import DevCluster, start_dev, stop_dev
+from support.cluster import DevCluster
+from support.cluster import dev_cluster as _dev_cluster
 from tidemq import aio
 from tidemq.client.connection import ConnectionPool
 from tidemq.protocol.codes import RequestCode
@@ -16,12 +16,7 @@ from tidemq.protocol.headers import BrokerRuntimeInfo, EmptyHeader
 
 def dev_cluster(*options: str) -> Iterator[DevCluster]:
     """Body of a module fixture: one `tidemq dev` with quick dedup snapshots."""
-    with tempfile.TemporaryDirectory(prefix="tidemq-types-") as d:
-        c = start_dev(d, "dedup_snapshot_interval_ms=200", *options)
-        try:
-            yield c
-        finally:
-            stop_dev(c)
+    yield from _dev_cluster("tidemq-types-", "dedup_snapshot_interval_ms=200", *options)
 
 
 async def runtime_info(broker_addr: str) -> dict:

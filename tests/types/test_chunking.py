@@ -1,4 +1,4 @@
-"""Chunked messages (SPEC PR5): split above the broker limit, reassembled by the consumer."""
+"""Chunked messages (ref PR5): split above the broker limit, reassembled by the consumer."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from producer_path_helpers import dev_cluster, drain, make_topic
 
 from tidemq import aio
 from tidemq.client import chunking
-from tidemq.client.codec import decode_pull_body, encode_messages
+from tidemq.client.codec import decode_pull_body
+from tidemq.protocol.batch.fast import encode_messages
 from tidemq.protocol.record import STORE_FIELDS, STORE_FIELDS_OFFSET, seal_store_header
 
 

@@ -1,4 +1,4 @@
-"""Deduplication by producer name and sequence id (SPEC PR6, BR12)."""
+"""Deduplication by producer name and sequence id (ref PR6, BR12)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import tempfile
 import pytest
 from producer_path_helpers import dev_cluster, drain, make_topic, runtime_info
 
-from client.conftest import start_dev, stop_dev
+from support.cluster import start_dev, stop_dev
 from tidemq import aio
 from tidemq.broker.dedup import DupStatus, MessageDeduplication
 from tidemq.protocol.headers import dedup_producer_id, is_dedup_producer

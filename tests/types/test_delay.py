@@ -1,4 +1,4 @@
-"""Delayed delivery end to end (SPEC BR8, PR8): delay levels through SCHEDULE_TOPIC_XXXX (test-sized
+"""Delayed delivery end to end (ref BR8, PR8): delay levels through SCHEDULE_TOPIC_XXXX (test-sized
 levels), delivery at any time to the millisecond from the durable time index, cancel, the
 40-day limit, and a kill -9 of the broker with messages pending: none lost, none doubled, none
 early. Lateness is measured and printed.
@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import pytest
 from producer_path_helpers import make_topic, runtime_info
 
-from client.conftest import DevCluster, start_dev, stop_dev
+from support.cluster import DevCluster, start_dev, stop_dev
 from tidemq import aio
 from tidemq.protocol.codes import ResponseCode
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from producer_path_helpers import drain, make_topic
 
-from client.conftest import DevCluster
+from support.cluster import DevCluster
 from tidemq import aio
 from tidemq.bench.dev_process import DevProcess
 

@@ -11,7 +11,8 @@ import pytest
 from producer_path_helpers import dev_cluster, drain, make_topic, runtime_info
 
 from tidemq import aio
-from tidemq.client.codec import decode_pull_body, encode_messages
+from tidemq.client.codec import decode_pull_body
+from tidemq.protocol.batch.fast import encode_messages
 from tidemq.protocol.record import BatchView, Compression
 
 NP_LIMIT = 100

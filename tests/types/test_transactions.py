@@ -1,4 +1,4 @@
-"""Transactional messages end to end (SPEC BR9, PR7) against a real `tidemq dev` with a
+"""Transactional messages end to end (ref BR9, PR7) against a real `tidemq dev` with a
 test-sized check service (a round every 150 ms, 1 s immunity, the default 15 checks).
 
 - commit makes the message visible, and nothing is visible while the local transaction runs;

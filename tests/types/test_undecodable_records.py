@@ -28,8 +28,8 @@ from collections.abc import Iterator
 import pytest
 from producer_path_helpers import drain, make_topic, runtime_info
 
-from client.conftest import DevCluster, start_dev, stop_dev
 from hostile_records import bomb, poison
+from support.cluster import DevCluster, start_dev, stop_dev
 from tidemq import aio
 from tidemq.broker.config import BrokerConfig
 from tidemq.broker.envelope import wrap

@@ -28,7 +28,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tidemq.bench.client_bench import bench_produce, run_loop
@@ -67,7 +67,8 @@ def _info(c: LocalCluster) -> dict[str, Any]:
     from tidemq.client.blocking import Admin
 
     with Admin(c.namesrv) as admin:
-        return admin.runtime_info(c.broker("broker-a", 0).addr)
+        info: dict[str, Any] = admin.runtime_info(c.broker("broker-a", 0).addr)
+        return info
 
 
 def bench_replication(*, mode: str = "batched", size: int = 1024, count: int = 0,
@@ -112,7 +113,8 @@ def bench_replication(*, mode: str = "batched", size: int = 1024, count: int = 0
             ca.down(20)
 
     def med(key: str) -> float:
-        return sorted(r["msgs_per_s"] for r in runs[key])[len(runs[key]) // 2]
+        rates: list[float] = sorted(r["msgs_per_s"] for r in runs[key])
+        return rates[len(rates) // 2]
 
     ratio = med("replicated") / max(med("lone"), 1)
     return {
@@ -133,7 +135,7 @@ def bench_replication(*, mode: str = "batched", size: int = 1024, count: int = 0
     }
 
 
-def _pct(vals: list[float], p: float) -> float:
+def _pct(vals: Sequence[float], p: float) -> float:
     if not vals:
         return 0.0
     s = sorted(vals)
@@ -253,7 +255,7 @@ def bench_failover(*, seconds: float = 6.0, data_dir: str | None = None,
                             raise RuntimeError("the slaves never joined the in-sync sets")
                         time.sleep(0.1)
             victim = c.broker("broker-a", 0)
-            r = run_loop(_failover(c, victim, seconds, election))
+            r: dict[str, Any] = run_loop(_failover(c, victim, seconds, election))
             if election:
                 from tidemq.client.blocking import Admin
 

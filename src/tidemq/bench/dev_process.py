@@ -47,7 +47,7 @@ class DevProcess:
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         finally:
-            if self.log_path:
+            if not isinstance(err, int):
                 err.close()
         assert proc.stdout is not None
         deadline = t0 + timeout

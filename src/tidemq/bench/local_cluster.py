@@ -36,6 +36,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 __all__ = ["LocalCluster", "Proc", "find_etcd"]
 
@@ -73,14 +74,14 @@ class Proc:
     started: int = 0  # the process's start time (/proc/<pid>/stat field 22)
     addr: str = ""
     ha: str = ""
-    popen: subprocess.Popen | None = field(default=None, repr=False, compare=False)
+    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False, compare=False)
 
     def alive(self) -> bool:
         if self.popen is not None:
             return self.popen.poll() is None
         return _same_process(self.pid, self.started)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "popen"}
 
 
@@ -303,7 +304,7 @@ class LocalCluster:
             self.save()
 
     def start_broker(self, name: str, broker_id: int = 0, role: str = "ASYNC_MASTER",
-                     **kw) -> Proc:  # noqa: ANN003
+                     **kw: Any) -> Proc:
         p = self.add_broker(name, broker_id, role, **kw)
         self.start(p)
         return p

@@ -42,11 +42,11 @@ _SLOTS = 5  # per member: consumed, topic queues owned, first time, last time, c
 _REPORT = 0.005
 
 
-def _noop(msgs: list, ctx: Any) -> ConsumeStatus:
+def _noop(msgs: list[Any], ctx: Any) -> ConsumeStatus:
     return ConsumeStatus.SUCCESS
 
 
-async def _anoop(msgs: list, ctx: Any) -> ConsumeStatus:
+async def _anoop(msgs: list[Any], ctx: Any) -> ConsumeStatus:
     return ConsumeStatus.SUCCESS
 
 
@@ -92,7 +92,7 @@ async def _member(namesrv: str, group: str, topic: str, i: int, opts: dict[str, 
         await c.close()
 
 
-def _member_process(args: tuple) -> None:
+def _member_process(args: tuple[Any, ...]) -> None:
     run_loop(_member(*args))
 
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from tidemq.protocol.record import MessageData, encode_batch
 from tidemq.store.config import StoreConfig
@@ -126,7 +127,7 @@ def _write_sync(
     run_loop(main())
 
 
-def _resolve(fut: asyncio.Future, err: BaseException | None) -> None:
+def _resolve(fut: asyncio.Future[None], err: BaseException | None) -> None:
     if fut.done():
         return
     if err is None:
@@ -160,7 +161,7 @@ def bench_store(
     writers: int,
     segment_size: int,
     progress: Progress = lambda n: None,
-) -> dict:
+) -> dict[str, Any]:
     base = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="tidemq-bench-"))
     run_dir = base / f"bench-store-{os.getpid()}"
     if run_dir.exists():
@@ -239,7 +240,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def bench_recovery(*, data_dir: str | None, gib: float, segment_size: int) -> dict:
+def bench_recovery(*, data_dir: str | None, gib: float, segment_size: int) -> dict[str, Any]:
     """Write ``gib`` GiB, SIGKILL the writer, then time recovery twice: from the checkpoint (the
     normal crash path) and with the checkpoint removed (every index rebuilt from the log)."""
     base = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="tidemq-bench-"))

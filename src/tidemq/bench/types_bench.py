@@ -1,4 +1,4 @@
-"""`tidemq bench delay-index|txn|dedup`: the message-type targets of SPEC BR8/BR9/BR12, each
+"""`tidemq bench delay-index|txn|dedup`: the message-type targets of ref BR8/BR9/BR12, each
 against a fresh `tidemq dev` (name server + broker in one process) that the bench starts in a
 temporary directory and stops afterwards, so the numbers are the broker's alone.
 
@@ -65,9 +65,9 @@ async def _send_timed(namesrv: str, topic: str, count: int, window: int) -> floa
                 for f in done:
                     f.result()
         if inflight:
-            for f in await asyncio.gather(*inflight, return_exceptions=True):
-                if isinstance(f, BaseException):
-                    raise f
+            for out in await asyncio.gather(*inflight, return_exceptions=True):
+                if isinstance(out, BaseException):
+                    raise out
         return time.monotonic() - t0
 
 
@@ -130,9 +130,10 @@ async def _txn(namesrv: str, topic: str, count: int, window: int) -> float:
     def commit(msg: Message, arg: Any) -> LocalTransactionState:
         return LocalTransactionState.COMMIT_MESSAGE
 
-    async with TransactionProducer(
+    p = TransactionProducer(
         namesrv, "bench-txn", checker=lambda m: LocalTransactionState.COMMIT_MESSAGE
-    ) as p:
+    )
+    async with p:
         await p.send_in_transaction(Message(topic, b"warm"), commit)
         body = b"t" * 100
         t0 = time.monotonic()

@@ -30,7 +30,8 @@ Threads: the broker's event loop only (file writes go to a worker thread).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from tidemq.broker.connection import decode_request
 from tidemq.broker.errors import RequestRejected, check_group
@@ -83,6 +84,10 @@ def rss_bytes() -> int:
         return 0
 
 
+
+def _perm(tc: TopicConfig | None) -> int:
+    return tc.perm if tc is not None else 0
+
 class AdminProcessor:
     """Handles the admin and query requests of the module table (event loop only)."""
 
@@ -94,7 +99,7 @@ class AdminProcessor:
         self.stats = broker.stats
         self.config = broker.config
 
-    def handlers(self) -> dict:
+    def handlers(self) -> dict[int, Callable[..., None]]:
         from tidemq.protocol.codes import RequestCode as C
 
         return {
@@ -156,11 +161,12 @@ class AdminProcessor:
             raise RequestRejected(
                 ResponseCode.NO_PERMISSION,
                 f"topic {topic!r} is not readable on broker {self.config.broker_name} (perm "
-                f"{self.topics.get(topic).perm:#x}); a write-only topic is read by no request",
+                f"{_perm(self.topics.get(topic)):#x}); a write-only topic is read by no request",
             )
 
     @staticmethod
-    def _reply(conn: BrokerConnection, frame: Frame, header, bodies=None) -> None:
+    def _reply(conn: BrokerConnection, frame: Frame, header: Any,
+               bodies: list[Any] | None = None) -> None:
         if not frame.is_oneway:
             conn.respond(frame.opaque, ResponseCode.SUCCESS, header, bodies)
 
@@ -316,7 +322,7 @@ class AdminProcessor:
 
     # -- message queries -------------------------------------------------------------------------
     def _found(self, conn: BrokerConnection, frame: Frame, found: list[StoredMessage]) -> None:
-        bodies = []
+        bodies: list[Any] = []
         indexes = []
         total = 0
         for m in found:

@@ -47,10 +47,11 @@ from tidemq.broker.consumer_offsets import ConsumerOffsetManager
 from tidemq.broker.dedup import MessageDeduplication
 from tidemq.broker.errors import RequestRejected
 from tidemq.broker.ha.service import HAService
-from tidemq.broker.long_polling import PullRequestHoldService
+from tidemq.broker.long_polling import HeldPull, PullRequestHoldService
 from tidemq.broker.metrics import MetricsServer
 from tidemq.broker.multi_pull import MultiPullProcessor
 from tidemq.broker.non_persistent import NonPersistentTopics
+from tidemq.broker.pop_processor import PopProcessor
 from tidemq.broker.pull_processor import PullProcessor
 from tidemq.broker.queue_lock import QueueLockManager
 from tidemq.broker.queue_shrink import QueueShrinker
@@ -101,8 +102,9 @@ class Broker:
     def __init__(self, config: BrokerConfig) -> None:
         config.validate()
         self.config = config
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.store: MessageStore | None = None
+        # Set by start(); read through the properties below, which say so when it has not run.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._store: MessageStore | None = None
         self.port = 0
         self.addr = ""
         self.connections: set[BrokerConnection] = set()
@@ -144,28 +146,50 @@ class Broker:
         #: when it is promoted).
         self.services_started = False
         self.metrics: MetricsServer | None = None
-        self.hold: PullRequestHoldService | None = None
+        self._hold: PullRequestHoldService | None = None
         self.frames = FrameServer(
             self, config.connection_limits(), what="broker", connection_factory=BrokerConnection
         )
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._handlers: dict[int, Callable[[BrokerConnection, Frame], None]] = {}
-        self._topics_persist: asyncio.Task | None = None
+        self._topics_persist: asyncio.Task[None] | None = None
         self._topics_waiters: list[Callable[[], None]] = []
-        self._offsets_persist: asyncio.Future | None = None
+        self._offsets_persist: asyncio.Future[None] | None = None
         self._stopped = False
         self._loaded = False
         self.started_at = 0.0
+        self.pop: PopProcessor | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop :meth:`start` ran on."""
+        if self._loop is None:
+            raise RuntimeError("the broker has not started")
+        return self._loop
+
+    @property
+    def store(self) -> MessageStore:
+        """The message store :meth:`start` opened."""
+        if self._store is None:
+            raise RuntimeError("the broker has not started")
+        return self._store
+
+    @property
+    def hold(self) -> PullRequestHoldService:
+        """Long polling's held pulls (created by :meth:`start`)."""
+        if self._hold is None:
+            raise RuntimeError("the broker has not started")
+        return self._hold
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
-        self.loop = loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         self.port = await self.frames.start(cfg.listen_host, cfg.listen_port, start_serving=False)
         self.addr = cfg.broker_addr(self.port)
         # Opening the store takes its lock (a second broker on the same directory stops here,
         # before touching the config files) and recovers it; nothing else runs yet.
-        self.store = MessageStore(cfg.store_config(self.port))
+        self._store = MessageStore(cfg.store_config(self.port))
         # SYNC_FLUSH: a group commit's callbacks reach the loop in one wake-up (store/flush.py)
         self.store.flush_service.complete_on(handoff_to(loop.call_soon_threadsafe))
         os.makedirs(cfg.config_path, exist_ok=True)
@@ -177,7 +201,7 @@ class Broker:
         # Disk pressure never deletes what a reader has not consumed (store/retention.py).
         self.store.retention.consumed = self._consumed_positions
         self._loaded = True
-        self.hold = PullRequestHoldService(
+        self._hold = PullRequestHoldService(
             loop,
             self._execute_held,
             self._max_offset,
@@ -209,6 +233,8 @@ class Broker:
         self.multi_pull = MultiPullProcessor(self)
         self.admin_processor = AdminProcessor(self)
         self.send_back = SendBackProcessor(self)
+        self.pop = PopProcessor(self)
+        self.pop.recover()  # POP windows from rmq_sys_POP_LOG, before serving
         self._handlers = {
             RequestCode.SEND_MESSAGE: self.send_processor.handle,
             RequestCode.SEND_BATCH: self.send_processor.handle,
@@ -220,6 +246,7 @@ class Broker:
             **self.consumers.handlers(),
             **self.queue_locks.handlers(),
             **self.send_back.handlers(),
+            **self.pop.handlers(),
             **self.subscription_groups.handlers(),
             RequestCode.END_TRANSACTION: self.transactions.handle_end,
             RequestCode.CANCEL_TIMER_MESSAGE: self._cancel_timer_message,
@@ -292,8 +319,8 @@ class Broker:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.ha.stop()
-        if self.hold is not None:
-            self.hold.close()
+        if self._hold is not None:
+            self._hold.close()
         self.frames.close()
         if self._topics_persist is not None:
             await asyncio.gather(self._topics_persist, return_exceptions=True)
@@ -306,7 +333,7 @@ class Broker:
                 self.subscription_groups.persist()
             except OSError as exc:
                 log.error("persisting offsets/topics at shutdown failed: %s", exc)
-        if self.store is not None and self._loaded:
+        if self._store is not None and self._loaded:
             try:
                 if self.services_started:
                     await self.transactions.stop()
@@ -314,7 +341,7 @@ class Broker:
                     await self.timers.stop()
             except OSError as exc:
                 log.error("persisting delay/timer/transaction progress failed: %s", exc)
-        if self.store is not None:
+        if self._store is not None:
             try:
                 self.dedup.save_now(self.store)
             except OSError as exc:
@@ -328,8 +355,10 @@ class Broker:
 
     def connection_lost(self, conn: BrokerConnection) -> None:
         self.connections.discard(conn)
-        if conn.held and self.hold is not None:
-            self.hold.drop_connection(conn)
+        if conn.held and self._hold is not None:
+            self._hold.drop_connection(conn)
+        if self.pop is not None:
+            self.pop.drop_connection(conn)
         if not self._stopped:
             self.consumers.connection_closed(conn)
 
@@ -384,7 +413,7 @@ class Broker:
                 "has the traceback",
             )
 
-    def _execute_held(self, held) -> None:
+    def _execute_held(self, held: HeldPull) -> None:
         self.pull_processor.execute_held(held)
 
     # -- topics ----------------------------------------------------------------------------------
@@ -617,7 +646,6 @@ class Broker:
         an offset reset)."""
         out: dict[tuple[str, int], tuple[int, str]] = {}
         by_topic = self.offsets.by_topic()
-        assert self.store is not None
         for cq in self.store.cqs.all():
             groups = by_topic.get(cq.topic)
             if not groups:
@@ -700,7 +728,7 @@ def _ignore_durable(err: object) -> None:
 
 
 def _write(path: str, data: bytes) -> None:
-    from tidemq.broker.durable_file import write_atomic
+    from tidemq.base.atomic_file import write_atomic
 
     write_atomic(path, data)
 

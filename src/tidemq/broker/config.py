@@ -20,6 +20,7 @@ from tidemq.store.flush import FlushMode
 __all__ = ["BrokerConfig", "apply_overrides", "apply_setting_overrides", "MiB"]
 
 MiB = 1 << 20
+_STORE = StoreConfig(data_dir="")  # the store's defaults
 
 
 @dataclass
@@ -64,8 +65,11 @@ class BrokerConfig:
     # -- storage ------------------------------------------------------------------------------
     data_dir: str = os.path.join("~", "tidemq", "store")
     flush_mode: str = "async"  # "sync" (SYNC_FLUSH) or "async" (ASYNC_FLUSH)
-    #: Extra StoreConfig fields by name (segment_size, cq_units_per_file, ...).
-    store: dict[str, object] = field(default_factory=dict)
+    #: The store's settings (store/config.py: segment_size, cq_units_per_file, ...; ``-o
+    #: store.KEY=VALUE`` sets one). The broker fills in ``data_dir`` and ``flush_mode`` from
+    #: its own fields, and ``max_batch_bytes``, ``store_host`` and ``store_port`` unless they
+    #: are set here. A dict of StoreConfig fields is accepted and turned into one.
+    store: StoreConfig = field(default_factory=lambda: StoreConfig(data_dir=""))
 
     # -- topics -------------------------------------------------------------------------------
     #: RocketMQ autoCreateTopicEnable: a send to an unknown topic creates it.
@@ -73,7 +77,7 @@ class BrokerConfig:
     #: Queues of an auto-created topic (RocketMQ defaultTopicQueueNums).
     default_topic_queue_nums: int = 8
 
-    # -- send limits (SPEC BR1) ---------------------------------------------------------------
+    # -- send limits (ref BR1) ---------------------------------------------------------------
     #: Largest batch accepted, as sent (RocketMQ maxMessageSize, 4 MiB) ...
     max_message_size: int = 4 * MiB
     #: ... plus this much for the batch's own headers and message index.
@@ -81,7 +85,7 @@ class BrokerConfig:
     #: Properties of one message (checked for single-message, uncompressed sends).
     max_properties_size: int = 32 * 1024
 
-    # -- long polling (SPEC BR3) --------------------------------------------------------------
+    # -- long polling (ref BR3) --------------------------------------------------------------
     long_polling_enable: bool = True
     #: Period of the fallback check of held pulls (PullRequestHoldService: 5 s).
     long_polling_check_ms: int = 5000
@@ -90,20 +94,20 @@ class BrokerConfig:
     #: Upper bound of a pull's suspend_timeout_millis (a client cannot pin a request forever).
     max_suspend_ms: int = 60_000
 
-    # -- name server registration (SPEC NS1) --------------------------------------------------
+    # -- name server registration (ref NS1) --------------------------------------------------
     register_interval_ms: int = 30_000
     register_timeout_ms: int = 6000  # RocketMQ registerBrokerTimeoutMills
     #: How long the name server keeps this broker without a registration (120 s).
     heartbeat_timeout_ms: int = 120_000
 
-    # -- consumer offsets and stats (SPEC BR4, BR14) ------------------------------------------
+    # -- consumer offsets and stats (ref BR4, BR14) ------------------------------------------
     offset_persist_interval_ms: int = 5000  # RocketMQ flushConsumerOffsetInterval
     stats_sample_interval_ms: int = 5000
     #: Prometheus metrics at http://listen_host:PORT/metrics (docs/operations.md);
     #: -1 = off, 0 = any free port.
     metrics_port: int = -1
 
-    # -- consumer groups (SPEC BR5-BR7, BR11) -------------------------------------------------
+    # -- consumer groups (ref BR5-BR7, BR11) -------------------------------------------------
     #: A client silent this long is dropped from its groups (RocketMQ channelExpiredTimeout).
     client_channel_expired_ms: int = 120_000
     #: Period of the scan for silent clients (RocketMQ ClientHousekeepingService: 10 s).
@@ -113,7 +117,7 @@ class BrokerConfig:
     #: Auto-create subscription groups on first heartbeat (autoCreateSubscriptionGroup).
     auto_create_subscription_group: bool = True
 
-    # -- producer path (SPEC BR12, BR13; docs/producer-path.md) -------------------------------
+    # -- producer path (ref BR12, BR13; docs/producer-path.md) -------------------------------
     #: Deduplicate batches of named producers (producer_id bit 63) by sequence id.
     dedup_enabled: bool = True
     #: How often the dedup table is snapshotted (restart replays the CommitLog after it).
@@ -124,7 +128,7 @@ class BrokerConfig:
     non_persistent_max_pending_messages: int = 10_000
     non_persistent_max_pending_bytes: int = 64 * MiB
 
-    # -- delayed and timed delivery (SPEC BR8; docs/delayed-and-transactional.md) -------------
+    # -- delayed and timed delivery (ref BR8; docs/delayed-and-transactional.md) -------------
     #: The delay levels (RocketMQ messageDelayLevel); units ms, s, m, h, d.
     message_delay_level: str = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
     #: Time slice of one bucket file of the timer index.
@@ -134,7 +138,7 @@ class BrokerConfig:
     #: Farthest deliver_at accepted, ahead of now (40 days).
     timer_max_delay_ms: int = 40 * 86_400_000
 
-    # -- transactions (SPEC BR9) ---------------------------------------------------------------
+    # -- transactions (ref BR9) ---------------------------------------------------------------
     #: Period of the check of unresolved half messages (transactionCheckInterval: 60 s).
     transaction_check_interval_ms: int = 60_000
     #: A half message younger than this is not checked (transactionTimeOut: 6 s); a message
@@ -145,7 +149,7 @@ class BrokerConfig:
     #: A half message older than this is dropped unchecked (fileReservedTime: 72 h).
     transaction_skip_ms: int = 72 * 3_600_000
 
-    # -- replication (SPEC BR15; docs/cluster.md) ---------------------------------------------
+    # -- replication (ref BR15; docs/cluster.md) ---------------------------------------------
     #: SYNC_MASTER (a send is acknowledged once min_in_sync_replicas slaves hold it),
     #: ASYNC_MASTER (at once; slaves copy behind) or SLAVE (RocketMQ brokerRole).
     broker_role: str = "ASYNC_MASTER"
@@ -201,6 +205,11 @@ class BrokerConfig:
     # -- files under data_dir -----------------------------------------------------------------
     config_dir_name: str = "config"
 
+    def __post_init__(self) -> None:
+        store: object = self.store
+        if isinstance(store, dict):  # the untyped form of earlier versions
+            self.store = StoreConfig(**{"data_dir": "", **store})
+
     @property
     def flush(self) -> FlushMode:
         return FlushMode(self.flush_mode)
@@ -225,17 +234,19 @@ class BrokerConfig:
         return f"{host}:{port}"
 
     def store_config(self, port: int = 0) -> StoreConfig:
-        opts: dict[str, object] = {
-            "data_dir": self.store_path,
-            "flush_mode": self.flush,
+        s = self.store
+        return dataclasses.replace(
+            s,
+            data_dir=self.store_path,
+            flush_mode=self.flush,
             # The store refuses batches above this; the broker checks first with a clearer
             # message, this only keeps the two limits consistent.
-            "max_batch_bytes": self.max_message_size + self.batch_overhead_allowance,
-            "store_host": self.announce_host or self.listen_host,
-            "store_port": port,
-        }
-        opts.update(self.store)
-        return StoreConfig(**opts)  # type: ignore[arg-type]
+            max_batch_bytes=s.max_batch_bytes if s.max_batch_bytes != _STORE.max_batch_bytes
+            else self.max_message_size + self.batch_overhead_allowance,
+            store_host=s.store_host if s.store_host != _STORE.store_host
+            else self.announce_host or self.listen_host,
+            store_port=s.store_port or port,
+        )
 
     def connection_limits(self) -> ConnectionLimits:
         return ConnectionLimits(
@@ -357,7 +368,7 @@ def apply_overrides(config: BrokerConfig, pairs: list[str]) -> BrokerConfig:
     Raises ValueError naming the key for unknown keys and values of the wrong type."""
     fields = {f.name: f for f in dataclasses.fields(config)}
     store_fields = {f.name: f for f in dataclasses.fields(StoreConfig)}
-    store_defaults = StoreConfig(data_dir="")
+    store_defaults = _STORE
     for pair in pairs:
         key, sep, value = pair.partition("=")
         key = key.strip().replace("-", "_")
@@ -373,7 +384,7 @@ def apply_overrides(config: BrokerConfig, pairs: list[str]) -> BrokerConfig:
             if isinstance(like, FlushMode):
                 config.flush_mode = FlushMode(value).value
                 continue
-            config.store[skey] = _convert(value, like, key)
+            setattr(config.store, skey, _convert(value, like, key))
             continue
         if key not in fields or key == "store":
             raise ValueError(f"unknown broker setting {key!r}; known: {', '.join(sorted(fields))}")

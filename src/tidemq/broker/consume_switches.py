@@ -1,4 +1,4 @@
-"""A consumer group's switches, enforced where messages leave the broker (SPEC BR11).
+"""A consumer group's switches, enforced where messages leave the broker (ref BR11).
 
 RocketMQ's PullMessageProcessor checks the group's SubscriptionGroupConfig on every pull:
 

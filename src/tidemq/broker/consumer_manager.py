@@ -1,4 +1,4 @@
-"""Consumer groups on the broker: who is in which group (RocketMQ's ConsumerManager; SPEC BR5).
+"""Consumer groups on the broker: who is in which group (RocketMQ's ConsumerManager; ref BR5).
 
 A push consumer sends HEART_BEAT every 30 s with its client id and, per group, its message model,
 consume-from and subscriptions. The broker keeps, per group, the member clients with the
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tidemq.broker.connection import decode_request
@@ -95,7 +96,7 @@ class ConsumerManager:
         self.groups: dict[str, ConsumerGroupInfo] = {}
         self.notifications = 0  # NOTIFY_CONSUMER_IDS_CHANGED frames sent (runtime info)
 
-    def handlers(self) -> dict:
+    def handlers(self) -> dict[int, Callable[..., None]]:
         return {
             RequestCode.HEART_BEAT: self.heart_beat,
             RequestCode.UNREGISTER_CLIENT: self.unregister_client,

@@ -1,10 +1,10 @@
-"""Committed consumer offsets (RocketMQ's ConsumerOffsetManager; SPEC BR4, CO7).
+"""Committed consumer offsets (RocketMQ's ConsumerOffsetManager; ref BR4, CO7).
 
 An offset is the next queue offset the group will consume, per (group, topic, queue id). It is
 committed explicitly (UPDATE_CONSUMER_OFFSET) or piggy-backed on a pull (PullSysFlag
 COMMIT_OFFSET), kept in memory, and persisted every ``offset_persist_interval_ms`` (5 s) and on
-shutdown to ``<data_dir>/config/consumer_offsets.json`` (durable_file: tmp, fsync, rename, fsync
-dir)::
+shutdown to ``<data_dir>/config/consumer_offsets.json`` (base.atomic_file: tmp, fsync, rename,
+fsync dir)::
 
     {"offset_table": {"<topic>@<group>": {"0": 1200, "1": 1180}}}
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import msgspec
 
-from tidemq.broker.durable_file import read_file, write_atomic
+from tidemq.base.atomic_file import read_file, write_atomic
 
 __all__ = ["ConsumerOffsetManager", "NO_OFFSET"]
 

@@ -1,5 +1,5 @@
-"""Message deduplication by producer name and sequence id (Pulsar's MessageDeduplication; SPEC
-BR12, PR6; docs/producer-path.md).
+"""Message deduplication by producer name and sequence id (Pulsar's MessageDeduplication;
+ref BR12, PR6; docs/producer-path.md).
 
 A named producer stamps every batch with ``producer_id = dedup_producer_id(name)`` (bit 63 set)
 and ``base_seq``; message ``i`` has sequence ``base_seq + i``. Per producer id this broker keeps
@@ -42,13 +42,15 @@ import asyncio
 import enum
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from tidemq.base.atomic_file import read_file, write_atomic
 from tidemq.broker.connection import decode_request
-from tidemq.broker.durable_file import read_file, write_atomic
 from tidemq.broker.errors import RequestRejected
+from tidemq.protocol.batch.fields import dedup_fields_at
 from tidemq.protocol.codes import ResponseCode
 from tidemq.protocol.headers import (
     LastSequenceRequestHeader,
@@ -56,7 +58,7 @@ from tidemq.protocol.headers import (
     dedup_producer_id,
     is_dedup_producer,
 )
-from tidemq.protocol.record import BATCH_MAGIC, FILLER_MAGIC, PRODUCER_HEADER, STORE_HEADER
+from tidemq.protocol.record import BATCH_MAGIC, FILLER_MAGIC
 
 if TYPE_CHECKING:
     from tidemq.broker.connection import BrokerConnection
@@ -67,12 +69,6 @@ __all__ = ["MessageDeduplication", "DupStatus"]
 
 log = logging.getLogger(__name__)
 
-_TOPIC_LEN_OFFSET = 52
-_STORE_TS_OFFSET = 28  # record.STORE_HEADER: store_ts i64
-# Offsets inside the producer section (record.PRODUCER_HEADER).
-_COUNT_OFFSET = 8
-_PRODUCER_FIELDS_OFFSET = 24  # producer_id u64
-_BASE_SEQ_OFFSET = 32
 
 
 class DupStatus(enum.Enum):
@@ -99,7 +95,8 @@ class MessageDeduplication:
     """Highest pushed / persisted sequence per named producer (event loop only)."""
 
     def __init__(self, path: str, *, enabled: bool = True, snapshot_interval_s: float = 10.0,
-                 inactivity_s: float = 6 * 3600.0, clock=time.time) -> None:
+                 inactivity_s: float = 6 * 3600.0,
+                 clock: Callable[[], float] = time.time) -> None:
         self.path = path
         self.enabled = enabled
         self.snapshot_interval_s = snapshot_interval_s
@@ -215,26 +212,18 @@ class MessageDeduplication:
                 break
             if magic == FILLER_MAGIC:
                 continue
-            if magic != BATCH_MAGIC or rel + STORE_HEADER.size > seg.size:
+            if magic != BATCH_MAGIC:
                 break
-            mm = seg.mm
-            topic_len = int.from_bytes(mm[rel + _TOPIC_LEN_OFFSET : rel + _TOPIC_LEN_OFFSET + 2],
-                                       "little")
-            p = rel + STORE_HEADER.size + topic_len
-            if p + PRODUCER_HEADER.size > seg.size:
+            got = dedup_fields_at(memoryview(seg.mm), rel, seg.size)
+            if got is None:
                 break
-            pid = int.from_bytes(mm[p + _PRODUCER_FIELDS_OFFSET : p + _PRODUCER_FIELDS_OFFSET + 8],
-                                 "little")
+            pid, base, count, stored_ms = got
             n += 1
             if not is_dedup_producer(pid):
                 continue
-            base = int.from_bytes(mm[p + _BASE_SEQ_OFFSET : p + _BASE_SEQ_OFFSET + 8], "little")
-            count = int.from_bytes(mm[p + _COUNT_OFFSET : p + _COUNT_OFFSET + 4], "little")
             hi = base + count - 1
             if hi > persisted.get(pid, -1):
                 persisted[pid] = hi
-            stored_ms = int.from_bytes(mm[rel + _STORE_TS_OFFSET : rel + _STORE_TS_OFFSET + 8],
-                                       "little")
             last_seen[pid] = max(last_seen.get(pid, 0.0), stored_ms / 1000)
         self.replayed_to = end
         return n

@@ -1,4 +1,4 @@
-"""Key-shared selection (Pulsar's Key_Shared subscription; docs/pop-dispatch.md, SPEC CO10).
+"""Key-shared selection (Pulsar's Key_Shared subscription; docs/pop-dispatch.md, ref CO10).
 
 In a key-shared subscription every message with the same *ordering key* goes to one consumer,
 so per-key order holds while the keys spread over the consumers. The ordering key of a message

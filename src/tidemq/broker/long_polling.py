@@ -1,4 +1,4 @@
-"""Long polling: pulls that found nothing wait here for messages (SPEC BR3; seeds 000, 004 §4.3.4).
+"""Long polling: pulls that found nothing wait here for messages (ref BR3).
 
 This is RocketMQ's PullRequestHoldService plus its NotifyMessageArrivingListener:
 
@@ -39,16 +39,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from tidemq.protocol.record import INDEX_ENTRY_SIZE, BatchView
+from tidemq.protocol.batch.layout import index_hashes
+from tidemq.protocol.record import BatchView
 
 __all__ = ["HeldPull", "PullRequestHoldService", "hold_key"]
 
 log = logging.getLogger(__name__)
 
-_TAG_DTYPE = np.dtype([("tag", "<u8"), ("rel", "<u4")])
-assert _TAG_DTYPE.itemsize == INDEX_ENTRY_SIZE
 
 
 def hold_key(topic: str, queue_id: int) -> str:
@@ -110,7 +107,7 @@ class PullRequestHoldService:
         self.check_interval_s = check_interval_s
         self.table: dict[str, list[HeldPull]] = {}
         self._loop_thread = threading.get_ident()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self.woken_by_arrival = 0
         self.woken_by_check = 0
         self.timed_out = 0
@@ -168,7 +165,7 @@ class PullRequestHoldService:
         if key not in self.table:  # the common case: nobody waits on this queue
             return
         if threading.get_ident() != self._loop_thread:
-            tags = np.frombuffer(batch.index_view(), _TAG_DTYPE)["tag"].tolist()
+            tags = index_hashes(batch.index_view()).tolist()
             self.loop.call_soon_threadsafe(self.notify_message_arriving, key, new_max_offset, tags)
             return
         self.notify_message_arriving(key, new_max_offset, batch)
@@ -273,4 +270,4 @@ def _tags_of(batch: BatchView | list[int]) -> set[int]:
         return set(batch)
     if batch.count == 1:
         return {batch.tag_hash_at(0)}
-    return set(np.frombuffer(batch.index_view(), _TAG_DTYPE)["tag"].tolist())
+    return set(index_hashes(batch.index_view()).tolist())

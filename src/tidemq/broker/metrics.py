@@ -1,4 +1,4 @@
-"""Prometheus metrics of one broker (SPEC BR14; docs/operations.md lists every metric).
+"""Prometheus metrics of one broker (ref BR14; docs/operations.md lists every metric).
 
 ``tidemq broker --metrics-port 9100`` (or ``-o metrics_port=9100``; 0 = any free port, -1 =
 off, the default) serves the text exposition format at ``http://HOST:PORT/metrics``.
@@ -191,7 +191,7 @@ class MetricsServer:
 
     def __init__(self, broker: Broker) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(BrokerCollector(broker))  # type: ignore[arg-type]
+        self.registry.register(BrokerCollector(broker))
         self._server: asyncio.Server | None = None
         self.port = 0
 

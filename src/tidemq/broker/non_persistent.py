@@ -1,4 +1,4 @@
-"""Non-persistent topics: never written to disk (Pulsar's NonPersistentTopic; SPEC BR13).
+"""Non-persistent topics: never written to disk (Pulsar's NonPersistentTopic; ref BR13).
 
 A topic whose name starts with ``%NP%`` (``NON_PERSISTENT_PREFIX``; RocketMQ marks its system
 topics with ``%`` the same way, and Pulsar spells it ``non-persistent://``) is non-persistent:
@@ -25,16 +25,14 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from tidemq.protocol.batch.fields import stamp_store_fields
 from tidemq.protocol.codes import ResponseCode
 from tidemq.protocol.headers import SendMessageResponseHeader
 from tidemq.protocol.record import (
-    STORE_FIELDS,
-    STORE_FIELDS_OFFSET,
     BatchView,
-    seal_store_header,
     unique_id,
 )
-from tidemq.store.message_store import GetResult, GetStatus, ReadBatch
+from tidemq.store.pull_outcome import GetResult, ReadBatch, position_outcome, read_outcome
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -46,7 +44,6 @@ __all__ = ["NonPersistentTopics", "NON_PERSISTENT_PREFIX", "is_non_persistent"]
 log = logging.getLogger(__name__)
 
 NON_PERSISTENT_PREFIX = "%NP%"
-_QUEUE_ID_OFFSET = 44
 
 
 def is_non_persistent(topic: str) -> bool:
@@ -95,8 +92,8 @@ class NonPersistentTopics:
 
     # -- publish -------------------------------------------------------------------------------
     def publish(
-        self, conn: BrokerConnection, opaque: int, oneway: int, body: bytes | memoryview,
-        v: BatchView, queue_id: int,
+        self, conn: BrokerConnection, opaque: int, oneway: int,
+        body: bytes | bytearray | memoryview, v: BatchView, queue_id: int,
     ) -> None:
         topic = v.topic
         w = self._queues.get((topic, queue_id))
@@ -105,10 +102,9 @@ class NonPersistentTopics:
         qoff = w.max_offset
         buf = bytearray(body)
         now = time.time_ns() // 1_000_000
-        STORE_FIELDS.pack_into(buf, STORE_FIELDS_OFFSET, 0, qoff, now)
-        buf[_QUEUE_ID_OFFSET : _QUEUE_ID_OFFSET + 4] = queue_id.to_bytes(4, "little")
-        buf[54:72] = self.store_host
-        seal_store_header(buf, 0, v.producer_start)
+        stamp_store_fields(buf, phys_offset=0, queue_offset=qoff, store_ts=now,
+                           queue_id=queue_id, store_addr=self.store_host,
+                           producer_start=v.producer_start)
         w.batches.append((qoff, v.count, buf))
         w.offs.append(qoff)
         w.max_offset = qoff + v.count
@@ -158,17 +154,10 @@ class NonPersistentTopics:
     ) -> GetResult:
         """Same contract as ``MessageStore.get_messages`` over the in-memory window."""
         w = self._queues.get((topic, queue_id))
-        if w is None:
-            return GetResult(GetStatus.NO_MATCHED_LOGIC_QUEUE, 0, 0, 0)
-        mn, mx = w.min_offset, w.max_offset
-        if mx == 0:
-            return GetResult(GetStatus.NO_MESSAGE_IN_QUEUE, 0, mn, mx)
-        if offset < mn:
-            return GetResult(GetStatus.OFFSET_TOO_SMALL, mn, mn, mx)
-        if offset == mx:
-            return GetResult(GetStatus.OFFSET_OVERFLOW_ONE, offset, mn, mx)
-        if offset > mx:
-            return GetResult(GetStatus.OFFSET_OVERFLOW_BADLY, mx, mn, mx)
+        mn, mx = (w.min_offset, w.max_offset) if w is not None else (0, 0)
+        early = position_outcome(w is not None, offset, mn, mx)
+        if early is not None or w is None:
+            return early  # type: ignore[return-value]
         out: list[ReadBatch] = []
         n = 0
         q = offset
@@ -191,8 +180,7 @@ class NonPersistentTopics:
             n += count - first
             q = qoff + count
         w.read_upto = max(w.read_upto, q)
-        status = GetStatus.FOUND if out else GetStatus.NO_MATCHED_MESSAGE
-        return GetResult(status, q, mn, mx, out)
+        return read_outcome(q, mn, mx, out)
 
     def delete_topic(self, topic: str) -> None:
         for key in [k for k in self._queues if k[0] == topic]:

@@ -131,6 +131,24 @@ class PopWindow:
         e.deadline = now + invisible_ms
         return Popped(offset, e.attempt, now, invisible_ms)
 
+    def restore(self, offset: int, attempt: int, pop_time: int, invisible_ms: int) -> None:
+        """Replay one logged delivery (recovery, ``broker/pop_log.py``): ``offset`` is in
+        flight with this attempt and deadline, unless it is acked already. Offsets between
+        ``next`` and ``offset`` that no record names (a lost record) become in flight with a
+        passed deadline: delivered again at the next pop, never lost."""
+        if offset < self.start or offset in self._acked:
+            return
+        while self.next < offset:
+            self._inflight.setdefault(self.next, _InFlight(0, 0, 0))
+            self.next += 1
+        if offset == self.next:
+            self.next += 1
+        e = self._inflight.get(offset)
+        if e is None:
+            self._inflight[offset] = _InFlight(pop_time, pop_time + invisible_ms, attempt)
+        else:
+            e.pop_time, e.deadline, e.attempt = pop_time, pop_time + invisible_ms, attempt
+
     def _advance(self) -> None:
         acked = self._acked
         s = self.start

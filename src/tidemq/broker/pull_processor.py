@@ -1,4 +1,5 @@
-"""PULL_MESSAGE (RocketMQ's PullMessageProcessor; SPEC BR2, seed 004 §4.3.2).
+"""PULL_MESSAGE (RocketMQ's PullMessageProcessor; ref BR2; the
+status table is in docs/protocol.md, "Pull").
 
 A pull names (group, topic, queue id, queue offset, max messages, sys flags, commit offset,
 suspend timeout, subscription). The processor
@@ -27,7 +28,7 @@ suspend timeout, subscription). The processor
 5. answers FOUND with the stored batches, unmodified, as the body: the first batch may start
    before the requested offset and the last may run past max_msg_nums; the client skips and
    re-filters by tag string (the broker filters by tag hash only).
-6. suggests the broker to pull from next (``suggest_which_broker_id``, seed 004): with
+6. suggests the broker to pull from next (``suggest_which_broker_id``, as RocketMQ): with
    ``slave_read_enable``, a consumer left more than ``access_message_in_memory_max_ratio`` % of
    memory behind the CommitLog's end is sent to the group's ``which_broker_when_consume_slowly``
    (a slave), any other to the master (docs/cluster.md).
@@ -36,10 +37,11 @@ A write-only topic cannot be pulled, with one exception: a dead-letter topic ``%
 may be read by the admin tools' group ``TOOLS_CONSUMER`` (`tidemq dlq list|resend`).
 
 Subscriptions: ``"*"``, empty or absent = every message; ``"TagA || TagB"`` = messages whose tag
-is one of these (by ``record.tag_hash``); expression type ``SQL92``: messages the expression
-selects (``protocol/sql_filter.py``), evaluated per message as the batches are read
-(``broker/sql_select.py``), the answer naming them in ``members``. An expression that does not
-compile is SUBSCRIPTION_PARSE_FAILED, with the reason.
+is one of these (by tag hash; ``protocol/batch/tags.py`` is the one parser, shared with the
+client: ``"A || *"`` is the tags {A, *}, not everything); expression type ``SQL92``: messages
+the expression selects (``protocol/sql_filter.py``), evaluated per message as the batches are
+read (``broker/sql_select.py``), the answer naming them in ``members``. An expression that does
+not compile is SUBSCRIPTION_PARSE_FAILED, with the reason.
 Without a consumer registry (heartbeats), the broker takes the subscription from the request
 whether or not PullSysFlag.SUBSCRIPTION is set.
 
@@ -49,14 +51,16 @@ Threads: the broker's event loop only.
 from __future__ import annotations
 
 import os
-import struct
 from typing import TYPE_CHECKING
 
 from tidemq.broker.connection import decode_request
 from tidemq.broker.consume_switches import check_consume_allowed, check_ordered_topic
 from tidemq.broker.errors import RequestRejected, check_group
 from tidemq.broker.long_polling import HeldPull
+from tidemq.broker.pop_processor import PULL
 from tidemq.broker.sql_select import read_selected, sql_filter_for
+from tidemq.protocol.batch.fields import phys_offset_at
+from tidemq.protocol.batch.tags import tag_hashes
 from tidemq.protocol.codes import DLQ_PREFIX, TOOLS_CONSUMER_GROUP, ResponseCode
 from tidemq.protocol.headers import (
     MASTER_ID,
@@ -65,7 +69,6 @@ from tidemq.protocol.headers import (
     PullMessageResponseHeader,
     PullSysFlag,
 )
-from tidemq.protocol.record import tag_hash
 from tidemq.store.message_store import GetStatus
 
 if TYPE_CHECKING:
@@ -73,9 +76,8 @@ if TYPE_CHECKING:
     from tidemq.broker.connection import BrokerConnection
     from tidemq.protocol.frame import Frame
 
-__all__ = ["PullProcessor", "parse_tag_expression", "response_code_for"]
+__all__ = ["PullProcessor", "response_code_for"]
 
-_PHYS = struct.Struct("<Q")  # a stored batch's phys_offset, at byte 12 of its header
 
 
 def _memory_bytes() -> int:
@@ -99,31 +101,13 @@ _EMPTY_QUEUE = frozenset({_S.NO_MESSAGE_IN_QUEUE, _S.NO_MATCHED_LOGIC_QUEUE})
 
 
 def response_code_for(status: GetStatus, requested_offset: int) -> ResponseCode:
-    """RocketMQ's GetMessageStatus -> ResponseCode table (seed 004 §4.3.2, step 8)."""
+    """RocketMQ's GetMessageStatus -> ResponseCode table (docs/protocol.md, "Pull")."""
     code = _FIXED_CODES.get(status)
     if code is not None:
         return code
     if status in _EMPTY_QUEUE:
         return _R.PULL_OFFSET_MOVED if requested_offset != 0 else _R.PULL_NOT_FOUND
     raise AssertionError(f"unmapped store status {status}")
-
-
-def parse_tag_expression(expression: str | None) -> frozenset[int] | None:
-    """Tag hashes of ``"TagA || TagB"``; None means every message (``"*"``, empty, None).
-
-    ValueError for an expression that names no tag ("||")."""
-    if expression is None:
-        return None
-    expr = expression.strip()
-    if not expr or expr == "*":
-        return None
-    tags = [t.strip() for t in expr.split("||")]
-    tags = [t for t in tags if t]
-    if not tags:
-        raise ValueError(f"tag expression {expression!r} names no tag; use '*' or 'TagA || TagB'")
-    if "*" in tags:
-        return None
-    return frozenset(tag_hash(t) for t in tags)
 
 
 class PullProcessor:
@@ -162,7 +146,7 @@ class PullProcessor:
         if expr in cache:
             return cache[expr]
         try:
-            hashes = parse_tag_expression(expr)
+            hashes = tag_hashes(expr)
         except ValueError as exc:
             raise RequestRejected(ResponseCode.SUBSCRIPTION_PARSE_FAILED, str(exc)) from None
         if len(cache) > 4096:
@@ -186,6 +170,8 @@ class PullProcessor:
         group = h.consumer_group
         check_group(group)
         check_consume_allowed(self.broker, group)
+        if self.broker.pop is not None:
+            self.broker.pop.check_mode(group, PULL)
         tc = self.topics.get(h.topic)
         broker_name = self.config.broker_name
         if tc is None:
@@ -282,11 +268,11 @@ class PullProcessor:
         )
 
     def _suggest(self, group: str, last: memoryview) -> int:
-        """Seed 004 / RocketMQ's suggestWhichBrokerId: a consumer more than
+        """RocketMQ's suggestWhichBrokerId: a consumer more than
         ``access_message_in_memory_max_ratio`` % of memory behind the CommitLog's end reads
         from the group's ``which_broker_when_consume_slowly`` (a slave, 1 by default); one
         that caught up goes back to the master."""
-        behind = self.store.max_phys_offset - (_PHYS.unpack_from(last, 12)[0] + len(last))
+        behind = self.store.max_phys_offset - (phys_offset_at(last) + len(last))
         if behind > self.slow_backlog:
             sg = self.broker.subscription_groups.get(group)
             return sg.which_broker_when_consume_slowly if sg is not None else 1

@@ -1,4 +1,4 @@
-"""Queue locks for ordered consumption (RocketMQ's RebalanceLockManager; SPEC BR6).
+"""Queue locks for ordered consumption (RocketMQ's RebalanceLockManager; ref BR6).
 
 An orderly consumer may consume a queue only while it holds the broker's lock on it, so that
 during a rebalance the old owner and the new one never consume the same queue at once. A client
@@ -16,6 +16,7 @@ Threads: the broker's event loop only.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tidemq.broker.connection import decode_request
@@ -51,7 +52,7 @@ class QueueLockManager:
         self.max_live = max_live_ms / 1000
         self._groups: dict[str, dict[_Key, _Lock]] = {}
 
-    def handlers(self) -> dict:
+    def handlers(self) -> dict[int, Callable[..., None]]:
         return {
             RequestCode.LOCK_BATCH_MQ: self.lock_batch,
             RequestCode.UNLOCK_BATCH_MQ: self.unlock_batch,

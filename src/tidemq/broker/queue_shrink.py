@@ -1,4 +1,4 @@
-"""Shrinking a topic's queues without hiding messages (SPEC BR11), as RocketMQ operators do it.
+"""Shrinking a topic's queues without hiding messages (ref BR11), as RocketMQ operators do it.
 
 RocketMQ keeps read and write queue counts apart so that a topic can shrink safely: lower
 ``write_queue_nums`` first (producers stop writing to the queues above it), let consumers drain

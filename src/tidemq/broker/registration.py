@@ -1,4 +1,4 @@
-"""The broker's side of the name servers (RocketMQ's BrokerOuterAPI; SPEC NS1).
+"""The broker's side of the name servers (RocketMQ's BrokerOuterAPI; ref NS1).
 
 Every ``register_interval_ms`` (30 s), and at once whenever the topic set changes, the broker
 sends REGISTER_BROKER with *all* its topic configs to every name server, in parallel. Each name

@@ -1,4 +1,4 @@
-"""Delay levels: RocketMQ's ScheduleMessageService (SPEC BR8, seed 003 "延时消息").
+"""Delay levels: RocketMQ's ScheduleMessageService (ref BR8).
 
 A batch whose attributes carry delay level ``L`` (1..18 by default) is parked in an envelope
 (``broker/envelope.py``) on ``SCHEDULE_TOPIC_XXXX``, queue ``L - 1``. Every message of one level
@@ -30,7 +30,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from tidemq.broker.durable_file import read_file, write_atomic
+from tidemq.base.atomic_file import read_file, write_atomic
 from tidemq.broker.envelope import REAL_QID, REAL_TOPIC, delivered_copy_exists, wrap
 from tidemq.protocol.errors import CorruptBatchError, MessageTooLargeError, TidemqError
 from tidemq.protocol.record import BatchView
@@ -85,7 +85,7 @@ class ScheduleMessageService:
         self.lateness_ms: list[int] = []  # recent (delivery - due), for stats and tests
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._persisting: asyncio.Task | None = None
+        self._persisting: asyncio.Task[None] | None = None
         self._dirty = False
         self._closed = False
 

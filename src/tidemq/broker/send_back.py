@@ -1,5 +1,5 @@
 """CONSUMER_SEND_MSG_BACK: retry and dead-letter queues (RocketMQ's
-SendMessageProcessor#consumerSendMsgBack; SPEC BR7).
+SendMessageProcessor#consumerSendMsgBack; ref BR7).
 
 A concurrent consumer whose listener failed (RECONSUME_LATER or an exception) sends the message
 back by its place in the CommitLog: the physical offset of its batch and its index inside it.
@@ -32,6 +32,7 @@ Threads: the broker's event loop only.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tidemq.broker.connection import decode_request
@@ -41,14 +42,21 @@ from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import TidemqError
 from tidemq.protocol.headers import ConsumerSendMsgBackRequestHeader, EmptyHeader
 from tidemq.protocol.names import is_system_topic
-from tidemq.protocol.record import MAX_DELAY_LEVEL, MessageData, encode_batch, unpack_host
+from tidemq.protocol.record import (
+    MAX_DELAY_LEVEL,
+    BatchView,
+    MessageData,
+    StoredMessage,
+    encode_batch,
+    unpack_host,
+)
 
 if TYPE_CHECKING:
     from tidemq.broker.broker import Broker
     from tidemq.broker.connection import BrokerConnection
     from tidemq.protocol.frame import Frame
 
-__all__ = ["SendBackProcessor", "PROPERTY_RETRY_TOPIC", "PROPERTY_ORIGIN_MESSAGE_ID"]
+__all__ = ["SendBackProcessor", "store_copy", "PROPERTY_RETRY_TOPIC", "PROPERTY_ORIGIN_MESSAGE_ID"]
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +73,7 @@ class SendBackProcessor:
         self.retried = 0  # copies put into retry topics (runtime info)
         self.dead = 0  # copies put into dead-letter queues
 
-    def handlers(self) -> dict:
+    def handlers(self) -> dict[int, Callable[..., None]]:
         return {RequestCode.CONSUMER_SEND_MSG_BACK: self.handle}
 
     def handle(self, conn: BrokerConnection, frame: Frame) -> None:
@@ -122,26 +130,40 @@ class SendBackProcessor:
             delay = h.delay_level if h.delay_level > 0 else 3 + times
             delay = min(delay, broker.max_delay_level(), MAX_DELAY_LEVEL)
             self.retried += 1
-        batch = encode_batch(
-            topic,
-            [MessageData(body=m.body, tags=m.tags, keys=m.keys, properties=props, flag=m.flag,
-                         born_ts=m.born_ts)],
-            queue_id=0,
-            producer_id=v.producer_id,
-            base_seq=v.base_seq + h.index,
-            born_host=unpack_host(v.born_host_raw),
-            born_port=v.born_port,
-            delay_level=delay,
-            reconsume_times=times + 1,
-        )
         try:
-            broker.put_for_consumer(batch, 0)
+            store_copy(broker, v, h.index, m, topic, delay=delay, reconsume_times=times + 1,
+                       properties=props)
         except TidemqError as exc:
             raise rejection_for_store_error(exc) from None
         if not frame.is_oneway:
             # answered once durable (SYNC_FLUSH) and held by the slaves (SYNC_MASTER), as
             # RocketMQ answers a send-back after its put
             broker.store.when_durable(_Answer(conn, frame.opaque))
+
+
+def store_copy(broker: Broker, v: BatchView, index: int, m: StoredMessage, topic: str, *,
+               delay: int, reconsume_times: int, properties: dict[str, str] | None = None
+               ) -> None:
+    """Store a copy of message ``index`` of batch ``v`` (``m``, decoded) into queue 0 of
+    ``topic``, as a batch of one (a retry or dead-letter copy; also POP's dead letters).
+    Without ``properties``: the message's own plus RETRY_TOPIC / ORIGIN_MESSAGE_ID."""
+    if properties is None:
+        properties = dict(m.properties)
+        properties.setdefault(PROPERTY_RETRY_TOPIC, m.topic)
+        properties.setdefault(PROPERTY_ORIGIN_MESSAGE_ID, m.msg_id)
+    batch = encode_batch(
+        topic,
+        [MessageData(body=m.body, tags=m.tags, keys=m.keys, properties=properties,
+                     flag=m.flag, born_ts=m.born_ts)],
+        queue_id=0,
+        producer_id=v.producer_id,
+        base_seq=v.base_seq + index,
+        born_host=unpack_host(v.born_host_raw),
+        born_port=v.born_port,
+        delay_level=delay,
+        reconsume_times=reconsume_times,
+    )
+    broker.put_for_consumer(batch, 0)
 
 
 class _Answer:

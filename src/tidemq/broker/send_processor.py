@@ -1,4 +1,4 @@
-"""SEND_MESSAGE / SEND_BATCH / SEND_MULTI_QUEUE (RocketMQ's SendMessageProcessor; SPEC BR1, ST9).
+"""SEND_MESSAGE / SEND_BATCH / SEND_MULTI_QUEUE (RocketMQ's SendMessageProcessor; ref BR1, ST9).
 
 The body is exactly one batch as the producer encoded it (``record.encode_batch``). Per batch,
 never per message, the processor checks, in this order:
@@ -47,7 +47,7 @@ import collections
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tidemq.broker.connection import decode_request
 from tidemq.broker.dedup import DupStatus, MessageDeduplication
@@ -373,7 +373,7 @@ class SendProcessor:
         agg.armed()
 
     def _handle_send(self, conn: BrokerConnection, h: SendMessageRequestHeader,
-                     body: bytes | memoryview, flags: int, opaque: int) -> None:
+                     body: bytes | bytearray | memoryview, flags: int, opaque: int) -> None:
         """One batch through the door and into the store; answered on ``conn`` (a real
         connection, or a SEND_MULTI_QUEUE slot)."""
         size = len(body)
@@ -554,8 +554,8 @@ class SendProcessor:
             )
 
     def _put(
-        self, h: SendMessageRequestHeader, conn: BrokerConnection, body: bytes, qid: int,
-        v: BatchView, on_durable: object = None,
+        self, h: SendMessageRequestHeader, conn: BrokerConnection,
+        body: bytes | bytearray | memoryview, qid: int, v: BatchView, on_durable: Any = None,
     ) -> PutResult:
         """Half messages to the transaction service; everything else through
         ``Broker.put_internal`` (which holds delayed and timed batches)."""

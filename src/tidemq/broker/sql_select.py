@@ -1,4 +1,4 @@
-"""Reading for an SQL92 subscription (SPEC BR10): whole batches, plus who in them is selected.
+"""Reading for an SQL92 subscription (ref BR10): whole batches, plus who in them is selected.
 
 RocketMQ evaluates a consumer's SQL92 expression on the broker for every message it reads
 (``ExpressionMessageFilter.isMatchedByCommitLog``). Here the store keeps serving whole stored
@@ -30,7 +30,7 @@ from tidemq.protocol.errors import CorruptBatchError
 from tidemq.protocol.members import bitmap, filter_fields
 from tidemq.protocol.record import BatchView
 from tidemq.protocol.sql_filter import SqlFilter, SqlFilterError, compile_sql
-from tidemq.store.message_store import GetResult, GetStatus
+from tidemq.store.pull_outcome import GetResult, GetStatus
 
 __all__ = ["read_selected", "sql_filter_for", "check_subscription", "SCAN_LIMIT"]
 

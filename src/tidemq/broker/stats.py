@@ -1,4 +1,4 @@
-"""Broker statistics (RocketMQ's BrokerStatsManager / StoreStatsService; SPEC BR14).
+"""Broker statistics (RocketMQ's BrokerStatsManager / StoreStatsService; ref BR14).
 
 Counters only grow: messages and bytes put per topic, messages and bytes got per
 ``topic@group``, batches, and a histogram of store put latency. They are updated once per batch
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 __all__ = ["BrokerStats", "LATENCY_BUCKETS_MS"]
 
@@ -27,10 +28,16 @@ LATENCY_BUCKETS_MS = (0.1, 0.5, 1.0, 5.0, 10.0, 50.0, 100.0, 500.0)
 _WINDOW_S = 60.0
 
 
+# (time, put messages by topic, get messages by topic@group, put total, get total)
+_Sample = tuple[float, dict[str, int], dict[str, int], int, int]
+
+
 class BrokerStats:
     """Counters and rate samples of one broker (event loop only)."""
 
-    def __init__(self, sample_interval_s: float = 5.0, clock=time.monotonic) -> None:
+    def __init__(
+        self, sample_interval_s: float = 5.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._clock = clock
         self.started = clock()
         self.started_wall_ms = time.time_ns() // 1_000_000
@@ -46,7 +53,7 @@ class BrokerStats:
         self.send_errors = 0
         n = max(2, int(_WINDOW_S / max(sample_interval_s, 0.001)) + 1)
         # (time, put totals by topic, get totals by topic@group, put total, get total)
-        self._samples: deque[tuple[float, dict, dict, int, int]] = deque(maxlen=n)
+        self._samples: deque[_Sample] = deque(maxlen=n)
 
     # -- hot path: once per batch ----------------------------------------------------------------
     def record_put(self, topic: str, msgs: int, nbytes: int, latency_s: float) -> None:
@@ -97,7 +104,7 @@ class BrokerStats:
             )
         )
 
-    def _base(self) -> tuple[float, dict, dict, int, int]:
+    def _base(self) -> _Sample:
         if self._samples:
             return self._samples[0]
         return (self.started, {}, {}, 0, 0)

@@ -1,11 +1,11 @@
-"""Subscription group configs (RocketMQ's SubscriptionGroupManager; SPEC BR11).
+"""Subscription group configs (RocketMQ's SubscriptionGroupManager; ref BR11).
 
 Per consumer group: whether it may consume, whether broadcasting is allowed, how many queues its
 retry topic has (1) and how many times a message is retried before it goes to the dead-letter
 queue (``retry_max_times``, 16). A group is created on its first heartbeat when
 ``auto_create_subscription_group`` is on (the default), or explicitly with
 UPDATE_AND_CREATE_SUBSCRIPTION_GROUP (``tidemq group update``). Persisted to
-``<data_dir>/config/subscription_groups.json`` (durable_file: tmp, fsync, rename, fsync dir)::
+``<data_dir>/config/subscription_groups.json`` (base.atomic_file: tmp, fsync, rename, fsync dir)::
 
     {"groups": {"billing": {"group_name": "billing", "retry_max_times": 3}}}
 
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from tidemq.base.atomic_file import read_file, write_atomic
 from tidemq.broker.connection import decode_request
-from tidemq.broker.durable_file import read_file, write_atomic
 from tidemq.broker.errors import RequestRejected, check_group
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.headers import EmptyHeader, SubscriptionGroupConfig
@@ -76,7 +76,7 @@ class SubscriptionGroupManager:
     def persist(self) -> None:
         write_atomic(self.path, self.snapshot())
 
-    def handlers(self) -> dict:
+    def handlers(self) -> dict[int, Callable[..., None]]:
         return {RequestCode.UPDATE_AND_CREATE_SUBSCRIPTION_GROUP: self.update_request}
 
     def update_request(self, conn: BrokerConnection, frame: Frame) -> None:

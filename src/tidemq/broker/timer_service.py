@@ -1,4 +1,4 @@
-"""Delivery at any time, to the millisecond (SPEC BR8 "beyond"; RocketMQ 5's timer messages).
+"""Delivery at any time, to the millisecond (ref BR8 "beyond"; RocketMQ 5's timer messages).
 
 A batch whose ``deliver_at`` is in the future (at most ``timer_max_delay_ms`` ahead, 40 days by
 default) is parked in an envelope (``broker/envelope.py``) on the timer topic
@@ -90,7 +90,7 @@ class TimerMessageService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._armed_for: int | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------------

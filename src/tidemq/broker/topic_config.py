@@ -1,10 +1,10 @@
-"""Topic configs of one broker (RocketMQ's TopicConfigManager; SPEC BR11).
+"""Topic configs of one broker (RocketMQ's TopicConfigManager; ref BR11).
 
 A topic has read and write queue counts, permission bits (``Perm``) and an order flag. Producers
 send only to queues below ``write_queue_nums``; consumers pull only from queues below
 ``read_queue_nums`` (RocketMQ lets them differ so queues can be drained before they shrink).
 
-The table is persisted to ``<data_dir>/config/topics.json`` (durable_file: tmp, fsync, rename,
+The table is persisted to ``<data_dir>/config/topics.json`` (base.atomic_file: tmp, fsync, rename,
 fsync dir)::
 
     {"data_version": 7, "topics": {"orders": {"topic_name": "orders", "read_queue_nums": 8, ...}}}
@@ -24,7 +24,7 @@ import logging
 
 import msgspec
 
-from tidemq.broker.durable_file import read_file, write_atomic
+from tidemq.base.atomic_file import read_file, write_atomic
 from tidemq.protocol.headers import Perm, TopicConfig
 from tidemq.protocol.names import topic_name_problem
 

@@ -1,5 +1,5 @@
-"""Transactional messages: half messages, END_TRANSACTION and the check service (SPEC BR9,
-seed 003 "事务消息").
+"""Transactional messages: half messages, END_TRANSACTION and the check service (ref BR9,
+RocketMQ 4.9's transactional messages).
 
 Flow (RocketMQ's TransactionalMessageServiceImpl / EndTransactionProcessor /
 TransactionalMessageCheckService)::
@@ -44,12 +44,13 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from tidemq.broker.durable_file import read_file, write_atomic
+from tidemq.base.atomic_file import read_file, write_atomic
 from tidemq.broker.envelope import REAL_QID, REAL_TOPIC, wrap
 from tidemq.broker.errors import RequestRejected, check_group
+from tidemq.protocol.batch import fields
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import OffsetOutOfRangeError, TidemqError
 from tidemq.protocol.frame import FLAG_ONEWAY, Frame, encode_frame_parts
@@ -59,13 +60,11 @@ from tidemq.protocol.headers import (
     HeartbeatRequestHeader,
 )
 from tidemq.protocol.record import (
-    STORE_HEADER,
-    STORE_HEADER_SIZE,
     BatchView,
     MessageData,
+    StoredMessage,
     TxnType,
     encode_batch,
-    seal_store_header,
     unique_id,
 )
 from tidemq.store.message_store import GetStatus, PutResult
@@ -88,7 +87,6 @@ TRAN_ID = "TRAN_ID"
 CHECK_TIMES = "TRANSACTION_CHECK_TIMES"
 FIRST_BORN = "FIRST_BORN"
 IMMUNITY = "CHECK_IMMUNITY_TIME_IN_SECONDS"
-_PREPARED_OFFSET_AT = 36
 _SLICE = 256  # half messages judged per turn of the event loop in a check round
 
 
@@ -96,18 +94,7 @@ def with_topic(data: bytes | bytearray | memoryview, topic: str) -> bytearray:
     """A copy of the batch with another topic in its store header (the producer section and
     its CRC unchanged): how a batch is moved to the discard topic."""
     v = BatchView(data)
-    tb = topic.encode()
-    rest = bytes(memoryview(data)[v.producer_start : v.total_size])
-    total = STORE_HEADER_SIZE + len(tb) + len(rest)
-    buf = bytearray(total)
-    buf[:STORE_HEADER_SIZE] = bytes(memoryview(data)[:STORE_HEADER_SIZE])
-    fields = list(STORE_HEADER.unpack_from(buf, 0))
-    fields[0], fields[11] = total, len(tb)
-    STORE_HEADER.pack_into(buf, 0, *fields)
-    buf[STORE_HEADER_SIZE : STORE_HEADER_SIZE + len(tb)] = tb
-    buf[STORE_HEADER_SIZE + len(tb) :] = rest
-    seal_store_header(buf, 0, STORE_HEADER_SIZE + len(tb))
-    return buf
+    return fields.with_topic(data, topic, v.producer_start, v.total_size)
 
 
 def _now() -> int:
@@ -130,7 +117,7 @@ class TransactionService:
         self._ops: deque[tuple[int, int, str]] = deque()  # (op offset, half offset, txn id)
         self.stats = {"prepared": 0, "committed": 0, "rolled_back": 0, "checks_sent": 0,
                       "discarded": 0, "skipped": 0, "duplicate_ends": 0, "corrupt_skipped": 0}
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -177,7 +164,9 @@ class TransactionService:
         self.store.corrupt.skipped("transaction", f"{topic} queue 0 offset {queue_offset}",
                                    f"passed over: {exc}")
 
-    def _scan(self, topic: str, off: int, end: int | None = None):
+    def _scan(
+        self, topic: str, off: int, end: int | None = None
+    ) -> Iterator[tuple[int, BatchView]]:
         """(queue offset, batch view) of every single-message batch of ``topic``/0 from
         ``off`` up to ``end`` (the queue's end when None)."""
         end = self.store.max_offset(topic, 0) if end is None else end
@@ -199,7 +188,9 @@ class TransactionService:
         if group:
             self.producers.setdefault(group, {})[conn] = time.monotonic()
 
-    def wrap_heartbeat(self, inner):
+    def wrap_heartbeat(
+        self, inner: Callable[[BrokerConnection, Frame], None] | None
+    ) -> Callable[[BrokerConnection, Frame], None]:
         """A HEART_BEAT handler that records the producer groups it lists, then runs
         ``inner`` (the consumer-group handler) or answers SUCCESS itself when there is none."""
 
@@ -302,9 +293,7 @@ class TransactionService:
         elif state == TxnType.COMMIT:
             inner = bytearray(m.body)
             # the committed copy names its half message (RocketMQ's prepared offset)
-            inner[_PREPARED_OFFSET_AT : _PREPARED_OFFSET_AT + 8] = h.commit_log_offset.to_bytes(
-                8, "little", signed=True
-            )
+            fields.set_prepared_offset(inner, h.commit_log_offset)
             self.broker.put_internal(inner, real_qid, on_durable=_ignore_durable)
             self._resolve(txn, v.queue_offset, "commit")
             # durable, and under SYNC_MASTER held by the slaves, like a send (RocketMQ)
@@ -437,7 +426,7 @@ class TransactionService:
             return max(base, int(sec) * 1000)
         return base
 
-    def _check(self, v: BatchView, m, q: int, checks: int) -> None:
+    def _check(self, v: BatchView, m: StoredMessage, q: int, checks: int) -> None:
         """Put the half back with one more check, and ask a live producer of its group."""
         props = dict(m.properties)
         props[CHECK_TIMES] = str(checks + 1)

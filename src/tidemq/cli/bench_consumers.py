@@ -1,4 +1,5 @@
-"""`tidemq bench sql-filter` (tidemq/bench/sql_bench.py): consumer-side broker costs."""
+"""`tidemq bench sql-filter` (tidemq/bench/sql_bench.py): consumer-side broker costs;
+`tidemq bench pop` (tidemq/bench/pop_bench.py): SimpleConsumers draining a backlog."""
 
 from __future__ import annotations
 
@@ -25,7 +26,30 @@ def bench_sql_filter_cmd(count: int, batch: int, size: int, rounds: int, as_json
     emit_result(bench_sql_filter(count=count, batch=batch, size=size, rounds=rounds), as_json)
 
 
+@click.command("pop")
+@click.option("--namesrv", "-n", default="127.0.0.1:9876", show_default=True)
+@click.option("--topic", default="bench_pop", show_default=True)
+@click.option("--group", default=None, help="Consumer group (default: a fresh one).")
+@click.option("--consumers", default=4, show_default=True, help="SimpleConsumer processes.")
+@click.option("--count", default=200_000, show_default=True, help="Backlog to drain.")
+@click.option("--size", default=128, show_default=True, help="Body bytes per message.")
+@click.option("--pop-batch", default=256, show_default=True, help="receive(max) per call.")
+@click.option("--queues", default=8, show_default=True)
+@click.option("--no-produce", is_flag=True, help="Drain the existing backlog of the group.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_pop_cmd(namesrv: str, topic: str, group: str | None, consumers: int, count: int,
+                  size: int, pop_batch: int, queues: int, no_produce: bool,
+                  as_json: bool) -> None:
+    """SimpleConsumers (POP) of one group drain a backlog with per-message acks: msgs/s."""
+    from tidemq.bench.pop_bench import bench_pop
+
+    emit_result(bench_pop(namesrv=namesrv, topic=topic, group=group, consumers=consumers,
+                          count=count, size=size, pop_batch=pop_batch, queues=queues,
+                          produce=not no_produce), as_json)
+
+
 def register(cli: click.Group) -> None:
     bench = cli.commands.get("bench")
     if isinstance(bench, click.Group):
         bench.add_command(bench_sql_filter_cmd)
+        bench.add_command(bench_pop_cmd)

@@ -1,5 +1,5 @@
 """Consumer-group commands: `tidemq group describe|update|reset-offset` (next to `group lag`)
-and `tidemq dlq list|resend` (SPEC BR7, BR11, OP1).
+and `tidemq dlq list|resend` (ref BR7, BR11, OP1).
 
 - ``group describe``: the members each broker knows, message model, subscriptions, the group's
   config (retry_max_times, ...) and its backlog per topic.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -58,8 +59,11 @@ def _text(body: bytes) -> str:
         return "0x" + body.hex()
 
 
-def register(cli: click.Group, group_group: click.Group, namesrv_option: Any,
-             friendly: Any) -> None:
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def register(cli: click.Group, group_group: click.Group, namesrv_option: Decorator,
+             friendly: Decorator) -> None:
     """Add describe/update/reset-offset to `tidemq group` and the `tidemq dlq` group."""
 
     @group_group.command("describe")

@@ -23,7 +23,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 import click
 
@@ -66,7 +67,7 @@ def _raise_fd_limit(want: int = 1 << 20) -> None:
         pass
 
 
-def _run(main: Callable[[], Awaitable[None]]) -> None:
+def _run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
     import asyncio
 
     try:

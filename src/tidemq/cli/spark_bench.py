@@ -65,13 +65,15 @@ def _synthetic_source() -> type:
         def __init__(self, rows: int, size: int, partitions: int) -> None:
             self.rows, self.size, self.nparts = rows, size, partitions
 
-        def initialOffset(self) -> dict:
+        def initialOffset(self) -> dict[str, Any]:
             return {"n": 0}
 
-        def latestOffset(self, start: dict | None = None, limit: Any = None) -> dict:
+        def latestOffset(
+            self, start: dict[str, Any] | None = None, limit: Any = None
+        ) -> dict[str, Any]:
             return {"n": self.rows}
 
-        def partitions(self, start: dict, end: dict) -> list[InputPartition]:
+        def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[InputPartition]:
             lo, hi, k = start["n"], end["n"], self.nparts
             return [_Range(i, lo + (hi - lo) * i // k, lo + (hi - lo) * (i + 1) // k, self.size)
                     for i in range(k) if hi > lo]
@@ -85,7 +87,7 @@ def _synthetic_source() -> type:
                 yield full if left >= chunk else full.slice(0, left)
                 left -= chunk
 
-        def commit(self, end: dict) -> None:
+        def commit(self, end: dict[str, Any]) -> None:
             pass
 
     class SyntheticSource(DataSource):

@@ -1,4 +1,4 @@
-"""The producer's batch accumulator (SPEC PR3; Pulsar's batch container, Kafka's
+"""The producer's batch accumulator (ref PR3; Pulsar's batch container, Kafka's
 RecordAccumulator): every send path batches.
 
 Messages are gathered in *buckets*, one per key: ``topic`` for sends the router may place on any

@@ -1,4 +1,4 @@
-"""The asyncio admin client: topics, routes, offsets, group lag, message lookup (SPEC OP1).
+"""The asyncio admin client: topics, routes, offsets, group lag, message lookup (ref OP1).
 
 Topic changes go to brokers (UPDATE_AND_CREATE_TOPIC, DELETE_TOPIC); brokers re-register with
 the name servers when their topics change, so a route reflects a change a moment later. Unless

@@ -1,4 +1,4 @@
-"""One batch to one queue: encode, send, retry, answer (SPEC PR1).
+"""One batch to one queue: encode, send, retry, answer (ref PR1).
 
 The messages of a batch are encoded once (``codec.encode_messages``, or ``Columns.encode``;
 the broker stores those bytes as received) and sent as SEND_MESSAGE / SEND_BATCH; the queue
@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from tidemq.client.codec import encode_messages, set_queue_id
 from tidemq.client.columns import Columns
 from tidemq.client.connection import ConnectionPool, raise_for_error
 from tidemq.client.errors import (
@@ -32,6 +31,8 @@ from tidemq.client.retry_policy import RetryPolicy
 from tidemq.client.route import TopicRoute
 from tidemq.client.send_router import Selector, SendRouter
 from tidemq.client.sequencer import Sequencer
+from tidemq.protocol.batch.fast import encode_messages
+from tidemq.protocol.batch.fields import set_queue_id
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import BrokerError, LocalProtocolError
 from tidemq.protocol.frame import Frame

@@ -1,4 +1,4 @@
-"""Chunking of messages above the broker's size limit (Pulsar's chunked messages; SPEC PR5,
+"""Chunking of messages above the broker's size limit (Pulsar's chunked messages; ref PR5,
 CO9).
 
 Producer side (:func:`split`): a message whose body does not fit one batch under
@@ -216,7 +216,7 @@ class _Assembled(MessageExt, array_like=True, gc=False):
 
     @property
     def properties(self) -> dict[str, str]:
-        props = MessageExt.properties.fget(self)  # type: ignore[attr-defined]
+        props: dict[str, str] = MessageExt.properties.fget(self)  # type: ignore[attr-defined]
         for k in _CHUNK_PROPS:
             props.pop(k, None)
         return props

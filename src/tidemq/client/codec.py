@@ -1,14 +1,11 @@
-"""The client's hot-path codecs: Messages -> one batch, pulled batches -> MessageExt lists.
+"""The client's hot-path decoder: pulled batches -> MessageExt lists.
 
-Both produce / accept exactly ``record.py``'s batch format (tests compare against
-``record.encode_batch`` and ``record.BatchView.messages``); they exist because the generic
-versions spend ~0.7 µs (encode) and ~3 µs (decode) per message in Python, which caps a client
-far below the broker. The tricks, each measured:
+It accepts exactly the batch format of ``tidemq.protocol.batch`` (tests compare against
+``BatchView.messages``; the layout's offsets and field indexes come from ``batch.layout``, the
+encoder is ``batch.fast``). It exists because the generic decoder spends ~3 µs per message in
+Python, which caps a client far below the broker. The tricks, each measured:
 
-- encode: per-batch numpy arrays for the record headers and the message index instead of a
-  ``struct.pack`` per message; messages of equal body size (the common fixed-size case) are laid
-  out as one 2-D array with no per-message Python at all; tag hashes are cached per tag.
-- decode: the record headers of a batch are gathered by one numpy fancy-index; messages become
+- the record headers of a batch are gathered by one numpy fancy-index; messages become
   ``MessageExt`` Structs holding body / offset / tags, everything else lazy (``message.py``).
 
 Pure functions: any thread may call them.
@@ -16,482 +13,65 @@ Pure functions: any thread may call them.
 
 from __future__ import annotations
 
-import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from tidemq.client.message import Message, MessageExt, _BatchMeta
-from tidemq.protocol.errors import CorruptBatchError
-from tidemq.protocol.record import (
+from tidemq.client.message import MessageExt, _BatchMeta
+from tidemq.protocol.batch.codec import (
+    DEFAULT_MAX_RAW_SIZE,
+    BatchView,
+    decode_utf8,
+)
+from tidemq.protocol.batch.layout import (
+    ARANGE_REC,
     ATTR_COMPRESSION_MASK,
     BATCH_MAGIC,
-    CRC_FIELD,
-    DEFAULT_MAX_PROPERTIES_SIZE,
-    DEFAULT_MAX_RAW_SIZE,
     FORMAT_VERSION,
+    H_ATTRIBUTES,
+    H_BATCH_CRC,
+    H_COUNT,
+    H_IDX0_REL,
+    H_KEYS_SIZE,
+    H_MAGIC,
+    H_QUEUE_OFFSET,
+    H_REC0_BODY_LEN,
+    H_REC0_PROPS_LEN,
+    H_REC0_SIZE,
+    H_REC0_TAGS_LEN,
+    H_RECORDS_SIZE,
+    H_RESERVED,
+    H_STORE_CRC,
+    H_TOPIC_LEN,
+    H_TOTAL_SIZE,
+    H_VERSION,
+    HEADS_FIXED,
+    IDX_DTYPE,
     INDEX_ENTRY,
     INDEX_ENTRY_SIZE,
     KEYS_ENTRY,
-    NO_PREPARED_OFFSET,
     PRODUCER_HEADER,
     PRODUCER_HEADER_SIZE,
+    REC_DTYPE,
     RECORD_HEADER,
     RECORD_HEADER_SIZE,
     STORE_CRC_FROM,
     STORE_HEADER,
     STORE_HEADER_SIZE,
-    BatchView,
-    Compression,
-    MessageData,
     crc32c,
-    decode_utf8,
-    delay_level_for,
-    deliver_at_for,
-    encode_batch,
-    encode_properties,
-    properties_over_limit,
-    seal_store_header,
-    tag_hash,
-    unpack_host,
+    heads_struct,
 )
+from tidemq.protocol.errors import CorruptBatchError
+
+_SMALL = 32  # batches up to this many messages are decoded without numpy
 
 __all__ = [
-    "encode_messages",
     "decode_batches",
     "decode_pull_body",
-    "set_queue_id",
-    "parse_tag_expression",
 ]
 
-_ZERO16 = bytes(16)
-_QUEUE_ID_OFFSET = 44
-
-_REC_DTYPE = np.dtype(
-    [
-        ("size", "<u4"), ("born_ts", "<i8"), ("flag", "<u4"), ("tl", "<u2"), ("res", "<u2"),
-        ("pl", "<u4"), ("bl", "<u4"),
-    ]
-)
-assert _REC_DTYPE.itemsize == RECORD_HEADER_SIZE
-_IDX_DTYPE = np.dtype([("hash", "<u8"), ("rel", "<u4")])
-assert _IDX_DTYPE.itemsize == INDEX_ENTRY_SIZE
-_ARANGE_REC = np.arange(RECORD_HEADER_SIZE, dtype=np.int64)
-
-_tag_hashes: dict[str, int] = {}
-_SMALL = 32  # batches up to this many messages are coded without numpy
-
-
-def _tag_hash(tag: str) -> int:
-    h = _tag_hashes.get(tag)
-    if h is None:
-        h = tag_hash(tag)
-        if len(_tag_hashes) < 65536:  # bounded: tags are few in practice
-            _tag_hashes[tag] = h
-    return h
-
-
-_tag_entries: dict[str, tuple[bytes, int]] = {}
-
-
-def _tag_entry(tag: str) -> tuple[bytes, int]:
-    """(UTF-8 bytes, hash) of a tag, cached: tags are few, and both cost per message."""
-    e = _tag_entries.get(tag)
-    if e is None:
-        b = tag.encode()
-        if len(b) > 0xFFFF:
-            raise ValueError("tags must be at most 65535 bytes")
-        e = (b, tag_hash(tag))
-        if len(_tag_entries) < 65536:
-            _tag_entries[tag] = e
-    return e
-
-
-def _props_bytes(props: dict[str, str], i: int, max_props: int) -> bytes:
-    """``record.encode_properties`` for one message in one join and two counts: a separator
-    inside a name or value shows as more separators than properties, and then the reference
-    encoder names the culprit."""
-    s = "".join([f"{k}\x01{v}\x02" for k, v in props.items()])
-    n = len(props)
-    if s.count("\x01") != n or s.count("\x02") != n:
-        b = encode_properties(props)  # raises, naming the property
-    else:
-        b = s.encode()
-    if len(b) > max_props:
-        raise ValueError(properties_over_limit(i, len(b), max_props))
-    return b
-
-
-def encode_messages(
-    topic: str,
-    messages: Sequence[Message],
-    *,
-    queue_id: int,
-    producer_id: int,
-    base_seq: int,
-    born_ts: int,
-    born_host: bytes = _ZERO16,
-    born_port: int = 0,
-    compression: int = Compression.NONE,
-    compress_min: int = 0,
-    max_properties_size: int = DEFAULT_MAX_PROPERTIES_SIZE,
-) -> bytearray:
-    """One batch holding ``messages`` (all of ``topic``), as ``record.encode_batch`` builds it.
-
-    ``born_host`` is the 16-byte packed address (``record.pack_host``); every message gets
-    ``born_ts``. Raises ValueError for a message the format cannot hold or the broker's door
-    would refuse (protocol/batch_rules.py): properties over ``max_properties_size``, a
-    negative delay level (one above 31 is clamped, as the broker clamps one above its highest).
-    """
-    n = len(messages)
-    if n == 1 and compression == Compression.NONE:
-        m = messages[0]
-        if not (m.keys or m.delay_level or m.deliver_at):
-            return _encode_one(topic, queue_id, m, producer_id, base_seq, born_ts, born_host,
-                               born_port, max_properties_size)
-    if n == 0:
-        raise ValueError("a batch holds at least one message")
-    topic_b = topic.encode()
-    if not topic_b or len(topic_b) > 0xFFFF:
-        raise ValueError("topic must be 1..65535 bytes of UTF-8")
-    p = STORE_HEADER_SIZE + len(topic_b)
-    q = p + PRODUCER_HEADER_SIZE
-    plain = not any(
-        [m.tags or m.properties or m.keys or m.delay_level or m.deliver_at for m in messages]
-    )
-    if plain and compression == Compression.NONE and n > _SMALL:
-        # A large plain batch is written straight into its final buffer (no extra copies).
-        bodies = [m.body for m in messages]
-        lens = np.fromiter(map(len, bodies), dtype=np.int64, count=n)
-        rec_size = int(lens.sum()) + n * RECORD_HEADER_SIZE
-        r = q + n * INDEX_ENTRY_SIZE
-        buf = bytearray(r + rec_size)
-        _plain_into(buf, q, r, bodies, lens, born_ts)
-        return _seal(buf, p, topic_b, queue_id, producer_id, base_seq, born_host, born_port,
-                     n, 0, rec_size, 0, 0)
-    delay = deliver_at = 0
-    if not plain:
-        delay = messages[0].delay_level
-        deliver_at = messages[0].deliver_at
-        if any(m.delay_level != delay or m.deliver_at != deliver_at for m in messages):
-            raise ValueError("all messages of one batch must share delay_level and deliver_at")
-        delay = delay_level_for(delay)
-        deliver_at = deliver_at_for(deliver_at)
-    if compression != Compression.NONE:
-        return _encode_generic(
-            topic, messages, queue_id, producer_id, base_seq, born_ts, born_host, born_port,
-            compression, compress_min, max_properties_size,
-        )
-    if n > _SMALL:
-        # One allocation, one copy of every payload: the sections joined straight into the
-        # batch buffer after room for the headers.
-        parts, index, keys, rec_size = _general_records(messages, born_ts, max_properties_size)
-        buf = bytearray().join([bytes(q), index, keys, *parts])
-        return _seal(buf, p, topic_b, queue_id, producer_id, base_seq, born_host, born_port,
-                     n, len(keys), rec_size, delay, deliver_at)
-    records, index, keys = _small_records(messages, born_ts, max_properties_size)
-    total = q + len(index) + len(keys) + len(records)
-    buf = bytearray(total)
-    buf[q : q + len(index)] = index
-    q += len(index)
-    if keys:
-        buf[q : q + len(keys)] = keys
-        q += len(keys)
-    buf[q:] = records
-    return _seal(buf, p, topic_b, queue_id, producer_id, base_seq, born_host, born_port, n,
-                 len(keys), len(records), delay, deliver_at)
-
-
-# A batch of one message (what ``Producer.send(msg)`` sends), after its store header:
-# the producer section, the one index entry and the record header, packed in one call.
-_ONE_TAIL = struct.Struct(
-    "<I"  # P+0   batch_crc (0, then CRC'd)
-    "H"  # P+4   attributes (0: no compression, no delay)
-    "H"  # P+6   born_port
-    "I"  # P+8   count (1)
-    "I"  # P+12  keys_size (0)
-    "I"  # P+16  records_size
-    "I"  # P+20  raw_size (= records_size)
-    "Q"  # P+24  producer_id
-    "Q"  # P+32  base_seq
-    "q"  # P+40  deliver_at (0)
-    "16s"  # P+48  born_host
-    "Q"  # P+64  index: tag_hash
-    "I"  # P+72  index: rel_offset (0)
-    "I"  # P+76  record_size
-    "q"  # P+80  born_ts
-    "I"  # P+88  flag (0)
-    "H"  # P+92  tags_len
-    "H"  # P+94  reserved
-    "I"  # P+96  props_len
-    "I"  # P+100 body_len
-)
-assert _ONE_TAIL.size == PRODUCER_HEADER_SIZE + INDEX_ENTRY_SIZE + RECORD_HEADER_SIZE
-_one_heads: dict[tuple[str, int], bytes] = {}
-
-
-def _one_head(topic: str, queue_id: int) -> bytes:
-    """Bytes [4, 72 + topic_len) of a producer's batch for (topic, queue_id): magic, version,
-    store_crc and the store fields. On the wire they depend on nothing else, so their CRC is
-    computed once per queue instead of once per message."""
-    key = (topic, queue_id)
-    head = _one_heads.get(key)
-    if head is None:
-        topic_b = topic.encode()
-        if not topic_b or len(topic_b) > 0xFFFF:
-            raise ValueError("topic must be 1..65535 bytes of UTF-8")
-        buf = bytearray(STORE_HEADER_SIZE + len(topic_b))
-        STORE_HEADER.pack_into(
-            buf, 0, 0, BATCH_MAGIC, FORMAT_VERSION, 0, 0, 0, 0, 0, NO_PREPARED_OFFSET,
-            queue_id, 0, len(topic_b), 0, _ZERO16,
-        )
-        buf[STORE_HEADER_SIZE:] = topic_b
-        seal_store_header(buf, 0, len(buf))
-        head = bytes(buf[4:])
-        if len(_one_heads) < 65536:  # bounded: a producer writes to few queues
-            _one_heads[key] = head
-    return head
-
-
-def _encode_one(
-    topic: str, queue_id: int, m: Message, producer_id: int, base_seq: int, born_ts: int,
-    born_host: bytes, born_port: int, max_props: int = DEFAULT_MAX_PROPERTIES_SIZE,
-) -> bytearray:
-    """A batch of one message without keys, delay or compression: the bytes of
-    ``record.encode_batch`` (tests compare them) with one ``pack_into`` for the fixed fields
-    and one CRC, ~4x cheaper than the general path for a single send."""
-    head = _one_head(topic, queue_id)
-    tags = m.tags
-    if tags:
-        tags_b = tags.encode()
-        if len(tags_b) > 0xFFFF:
-            raise ValueError("tags must be at most 65535 bytes")
-        thash = _tag_hash(tags)
-    else:
-        tags_b = b""
-        thash = 0
-    props_b = encode_properties(m.properties) if m.properties else b""
-    if len(props_b) > max_props:
-        raise ValueError(properties_over_limit(0, len(props_b), max_props))
-    body = m.body
-    p = len(head) + 4
-    payload_at = p + _ONE_TAIL.size
-    rec_size = RECORD_HEADER_SIZE + len(tags_b) + len(props_b) + len(body)
-    total = payload_at + rec_size - RECORD_HEADER_SIZE
-    buf = bytearray(total)
-    buf[4:p] = head
-    _ONE_TAIL.pack_into(
-        buf, p, 0, 0, born_port, 1, 0, rec_size, rec_size, producer_id, base_seq, 0, born_host,
-        thash, 0, rec_size - 4, born_ts, 0, len(tags_b), 0, len(props_b), len(body),
-    )
-    if props_b:
-        tags_b += props_b
-    if tags_b:
-        buf[payload_at : payload_at + len(tags_b)] = tags_b
-        payload_at += len(tags_b)
-    buf[payload_at:] = body
-    CRC_FIELD.pack_into(buf, 0, total)  # total_size, outside both CRCs
-    CRC_FIELD.pack_into(buf, p, crc32c(memoryview(buf)[p + 4 :]))
-    return buf
-
-
-def _seal(
-    buf: bytearray, p: int, topic_b: bytes, queue_id: int, producer_id: int, base_seq: int,
-    born_host: bytes, born_port: int, n: int, keys_size: int, records_size: int, delay: int,
-    deliver_at: int,
-) -> bytearray:
-    """Write both headers and the topic into ``buf`` (sections already in place), CRC it."""
-    total = len(buf)
-    STORE_HEADER.pack_into(
-        buf, 0, total, BATCH_MAGIC, FORMAT_VERSION, 0, 0, 0, 0, 0, NO_PREPARED_OFFSET,
-        queue_id, 0, len(topic_b), 0, _ZERO16,
-    )
-    buf[STORE_HEADER_SIZE:p] = topic_b
-    PRODUCER_HEADER.pack_into(
-        buf, p, 0, delay << 5, born_port, n, keys_size, records_size, records_size,
-        producer_id, base_seq, deliver_at, born_host,
-    )
-    buf[p : p + 4] = crc32c(memoryview(buf)[p + 4 :]).to_bytes(4, "little")
-    seal_store_header(buf, 0, p)
-    return buf
-
-
-def _plain_into(
-    buf: bytearray, idx_at: int, rec_at: int, bodies: list[bytes], lens: np.ndarray,
-    born_ts: int,
-) -> None:
-    """Index and records of messages with no tags, keys or properties, written into ``buf``."""
-    n = len(bodies)
-    hdr = np.zeros(n, dtype=_REC_DTYPE)
-    hdr["size"] = lens + (RECORD_HEADER_SIZE - 4)
-    hdr["born_ts"] = born_ts
-    hdr["bl"] = lens
-    rec_sizes = lens + RECORD_HEADER_SIZE
-    arr = np.frombuffer(buf, dtype=np.uint8)
-    idx = arr[idx_at:rec_at].view(_IDX_DTYPE)
-    idx["rel"] = np.cumsum(rec_sizes) - rec_sizes
-    rec = arr[rec_at:]
-    first = int(lens[0])
-    if bool((lens == first).all()):
-        # Fixed-size bodies: one 2-D array, header columns then body columns, no Python loop.
-        rec2d = rec.reshape(n, RECORD_HEADER_SIZE + first)
-        rec2d[:, :RECORD_HEADER_SIZE] = hdr.view(np.uint8).reshape(n, RECORD_HEADER_SIZE)
-        if first:
-            joined = np.frombuffer(b"".join(bodies), dtype=np.uint8)
-            rec2d[:, RECORD_HEADER_SIZE:] = joined.reshape(n, first)
-        return
-    hv = memoryview(hdr.tobytes())
-    parts: list[bytes | memoryview] = [b""] * (2 * n)
-    parts[0::2] = [hv[i : i + RECORD_HEADER_SIZE]
-                   for i in range(0, n * RECORD_HEADER_SIZE, RECORD_HEADER_SIZE)]
-    parts[1::2] = bodies
-    rec[:] = np.frombuffer(b"".join(parts), dtype=np.uint8)
-
-
-def _small_records(messages: Sequence[Message], born_ts: int, max_props: int
-                   ) -> tuple[bytes, bytes, bytes]:
-    """Records, index and keys of a few messages: struct only (numpy's per-call overhead of
-    several microseconds outweighs its gain below ~_SMALL messages)."""
-    pack = RECORD_HEADER.pack
-    pack_idx = INDEX_ENTRY.pack
-    parts: list[bytes] = []
-    idx: list[bytes] = []
-    keys_parts: list[bytes] = []
-    rel = 0
-    for i, m in enumerate(messages):
-        tags = m.tags
-        tags_b = tags.encode() if tags else b""
-        if len(tags_b) > 0xFFFF:
-            raise ValueError("tags must be at most 65535 bytes")
-        props_b = encode_properties(m.properties) if m.properties else b""
-        if len(props_b) > max_props:
-            raise ValueError(properties_over_limit(i, len(props_b), max_props))
-        body = m.body
-        size = RECORD_HEADER_SIZE - 4 + len(tags_b) + len(props_b) + len(body)
-        parts.append(pack(size, born_ts, 0, len(tags_b), 0, len(props_b), len(body)))
-        if tags_b:
-            parts.append(tags_b)
-        if props_b:
-            parts.append(props_b)
-        parts.append(body)
-        idx.append(pack_idx(_tag_hash(tags) if tags_b else 0, rel))  # type: ignore[arg-type]
-        rel += size + 4
-        if m.keys:
-            kb = m.keys_string.encode()  # type: ignore[union-attr]
-            if len(kb) > 0xFFFF:
-                raise ValueError("keys must be at most 65535 bytes")
-            keys_parts.append(KEYS_ENTRY.pack(i, len(kb)))
-            keys_parts.append(kb)
-    return b"".join(parts), b"".join(idx), b"".join(keys_parts)
-
-
-def _general_records(messages: Sequence[Message], born_ts: int, max_props: int
-                     ) -> tuple[list[bytes | memoryview], bytes, bytes, int]:
-    """Records, index and keys section of messages with tags, keys or properties, each of its
-    own size, tags, keys and properties: per message only what differs (its tag from a cache,
-    its properties, three lengths); the record headers and the index are built as columns
-    (numpy). Returns (the records as parts to join, index, keys, records size)."""
-    n = len(messages)
-    tls = [0] * n
-    pls = [0] * n
-    bls = [0] * n
-    hashes = [0] * n
-    tbs: list[bytes] = [b""] * n
-    pbs: list[bytes] = [b""] * n
-    bodies: list[bytes] = [b""] * n
-    keys_parts: list[bytes] = []
-    entries = _tag_entries
-    for i, m in enumerate(messages):
-        tags = m.tags
-        if tags:
-            e = entries.get(tags) or _tag_entry(tags)
-            tbs[i] = tb = e[0]
-            tls[i] = len(tb)
-            hashes[i] = e[1]
-        props = m.properties
-        if props:
-            pbs[i] = pb = _props_bytes(props, i, max_props)
-            pls[i] = len(pb)
-        bodies[i] = body = m.body
-        bls[i] = len(body)
-        k = m.keys
-        if k:
-            kb = (k if type(k) is str else m.keys_string).encode()  # type: ignore[union-attr]
-            if len(kb) > 0xFFFF:
-                raise ValueError("keys must be at most 65535 bytes")
-            keys_parts.append(KEYS_ENTRY.pack(i, len(kb)))
-            keys_parts.append(kb)
-    hdr = np.zeros(n, dtype=_REC_DTYPE)
-    tl = np.array(tls, dtype=np.int64)
-    pl = np.array(pls, dtype=np.int64)
-    bl = np.array(bls, dtype=np.int64)
-    sizes = tl + pl + bl + (RECORD_HEADER_SIZE - 4)
-    hdr["size"] = sizes
-    hdr["born_ts"] = born_ts
-    hdr["tl"] = tl
-    hdr["pl"] = pl
-    hdr["bl"] = bl
-    idx = np.empty(n, dtype=_IDX_DTYPE)
-    idx["hash"] = np.array(hashes, dtype=np.uint64)
-    ends = np.cumsum(sizes + 4)
-    idx["rel"] = ends - (sizes + 4)
-    hv = memoryview(hdr.tobytes())
-    parts: list[bytes | memoryview] = [b""] * (4 * n)
-    parts[0::4] = [hv[i : i + RECORD_HEADER_SIZE]
-                   for i in range(0, n * RECORD_HEADER_SIZE, RECORD_HEADER_SIZE)]
-    parts[1::4] = tbs
-    parts[2::4] = pbs
-    parts[3::4] = bodies
-    return parts, idx.tobytes(), b"".join(keys_parts), int(ends[-1])
-
-
-def _encode_generic(
-    topic: str,
-    messages: Sequence[Message],
-    queue_id: int,
-    producer_id: int,
-    base_seq: int,
-    born_ts: int,
-    born_host: bytes,
-    born_port: int,
-    compression: int,
-    compress_min: int,
-    max_props: int,
-) -> bytearray:
-    """The reference encoder (compression, per-batch delay) for what the fast path skips."""
-    data = [
-        MessageData(m.body, m.tags, m.keys_string, m.properties, 0, born_ts) for m in messages
-    ]
-    return encode_batch(
-        topic, data, queue_id=queue_id, producer_id=producer_id, base_seq=base_seq,
-        born_host=unpack_host(born_host) if born_host != _ZERO16 else None,
-        born_port=born_port, deliver_at=messages[0].deliver_at,
-        delay_level=messages[0].delay_level, compression=compression,
-        compress_min=compress_min, max_properties_size=max_props,
-    )
-
-
-def set_queue_id(batch: bytearray, queue_id: int) -> None:
-    """Re-target an encoded batch at another queue (a retry on another broker) in place."""
-    batch[_QUEUE_ID_OFFSET : _QUEUE_ID_OFFSET + 4] = queue_id.to_bytes(4, "little")
-    topic_len = int.from_bytes(batch[52:54], "little")
-    seal_store_header(batch, 0, STORE_HEADER_SIZE + topic_len)
-
-
 # -- decoding ------------------------------------------------------------------------------------
-
-
-def parse_tag_expression(expression: str | None) -> frozenset[str] | None:
-    """``"*"`` / empty -> None (everything); ``"TagA || TagB"`` -> {"TagA", "TagB"}."""
-    if expression is None:
-        return None
-    expression = expression.strip()
-    if not expression or expression == "*":
-        return None
-    tags = frozenset(t.strip() for t in expression.split("||") if t.strip())
-    if not tags:
-        raise ValueError(f"subscription expression {expression!r} names no tag")
-    return tags
 
 
 def decode_batches(
@@ -562,7 +142,7 @@ def decode_pull_body(
     out: list[MessageExt] = []
     append = out.append
     end_offset = from_offset
-    heads = _heads(len(topic.encode()) if topic else 0)  # the batches of a pull share a topic
+    heads = heads_struct(len(topic.encode()) if topic else 0)  # the batches of a pull share a topic
     last_tb = b""
     btopic = topic if topic is not None else ""
     bad: list[tuple[int, str]] | None = [] if on_corrupt is not None else None
@@ -573,21 +153,23 @@ def decode_pull_body(
         h = None
         if avail >= heads.size:
             h = heads.unpack_from(buf, a)
-            if heads.size != _HEADS_FIXED + h[11]:  # another topic length than guessed
-                heads = _heads(h[11])
+            if heads.size != HEADS_FIXED + h[H_TOPIC_LEN]:  # another topic length than guessed
+                heads = heads_struct(h[H_TOPIC_LEN])
                 h = heads.unpack_from(buf, a) if avail >= heads.size else None
         if h is not None:
-            total = h[0]
-            p = STORE_HEADER_SIZE + h[11]
-            count = h[17]
+            total = h[H_TOTAL_SIZE]
+            p = STORE_HEADER_SIZE + h[H_TOPIC_LEN]
+            count = h[H_COUNT]
             # BatchView's framing checks, then verify()'s two CRCs.
-            if not (h[1] == BATCH_MAGIC and h[2] == FORMAT_VERSION and not h[3]
+            if not (h[H_MAGIC] == BATCH_MAGIC and h[H_VERSION] == FORMAT_VERSION
+                    and not h[H_RESERVED]
                     and total <= avail and count
-                    and p + PRODUCER_HEADER_SIZE + count * INDEX_ENTRY_SIZE + h[18] + h[19]
+                    and p + PRODUCER_HEADER_SIZE + count * INDEX_ENTRY_SIZE + h[H_KEYS_SIZE]
+                    + h[H_RECORDS_SIZE]
                     == total
                     and (not check_crc
-                         or (crc32c(mv[pos + p + 4 : pos + total]) == h[14]
-                             and crc32c(mv[pos + STORE_CRC_FROM : pos + p]) == h[4]))):
+                         or (crc32c(mv[pos + p + 4 : pos + total]) == h[H_BATCH_CRC]
+                             and crc32c(mv[pos + STORE_CRC_FROM : pos + p]) == h[H_STORE_CRC]))):
                 h = None
         if h is None:
             # Damaged (or too short for the combined read): BatchView checks and words it.
@@ -598,7 +180,7 @@ def decode_pull_body(
                 break
             pos = nxt
             continue
-        qo = h[6]
+        qo = h[H_QUEUE_OFFSET]
         if qo + count > end_offset:
             end_offset = qo + count
         start = from_offset - qo
@@ -620,12 +202,14 @@ def decode_pull_body(
                     continue
                 last_tb = tb
         rec = a + p + PRODUCER_HEADER_SIZE + INDEX_ENTRY_SIZE
-        if count == 1 and not h[18] and not h[15] & ATTR_COMPRESSION_MASK and not h[26]:
+        if (count == 1 and not h[H_KEYS_SIZE] and not h[H_ATTRIBUTES] & ATTR_COMPRESSION_MASK
+                and not h[H_IDX0_REL]):
             # One message (RocketMQ's send(msg)): its record header was read with the batch's.
-            tl, pl, bl = h[30], h[32], h[33]
+            tl, pl, bl = h[H_REC0_TAGS_LEN], h[H_REC0_PROPS_LEN], h[H_REC0_BODY_LEN]
             q = rec + RECORD_HEADER_SIZE
             n = tl + pl + bl
-            if h[27] + 4 == RECORD_HEADER_SIZE + n and n <= h[19] - RECORD_HEADER_SIZE:
+            if (h[H_REC0_SIZE] + 4 == RECORD_HEADER_SIZE + n
+                    and n <= h[H_RECORDS_SIZE] - RECORD_HEADER_SIZE):
                 try:
                     tag = buf[q : q + tl].decode() if tl else None
                     if pl:
@@ -670,28 +254,6 @@ def decode_pull_body(
     return out, end_offset
 
 
-# Bytes of a batch that _heads(topic_len) reads, less the topic: both headers, index entry 0
-# and record header 0 (with no keys section, message 0's record follows index entry 0).
-_HEADS_FIXED = STORE_HEADER_SIZE + PRODUCER_HEADER_SIZE + INDEX_ENTRY_SIZE + RECORD_HEADER_SIZE
-_heads_by_topic_len: dict[int, struct.Struct] = {}
-
-
-def _heads(topic_len: int) -> struct.Struct:
-    """One struct over a batch whose topic is ``topic_len`` bytes: STORE_HEADER's 14 fields
-    (0-13), the topic skipped, PRODUCER_HEADER's 11 (14-24) -- the layout of
-    ``_BatchMeta.h`` -- then index entry 0 (25-26) and record header 0 (27-33), which are
-    where they say only when the batch has no keys section."""
-    s = _heads_by_topic_len.get(topic_len)
-    if s is None:
-        s = struct.Struct(
-            STORE_HEADER.format + f"{topic_len}x" + PRODUCER_HEADER.format[1:]
-            + INDEX_ENTRY.format[1:] + RECORD_HEADER.format[1:]
-        )
-        assert s.size == _HEADS_FIXED + topic_len
-        _heads_by_topic_len[topic_len] = s
-    return s
-
-
 def _why_undecodable(raw: bytes, q: int, tl: int, pl: int, i: int) -> str:
     """Which string of the record at ``raw[q:]`` (tags ``tl`` bytes, then properties ``pl``)
     is not UTF-8, in BatchView's words. Only called once a decode has failed."""
@@ -727,7 +289,8 @@ def _keys_checked(src: bytes, q: int, size: int, count: int
 
 
 def _decode_general(
-    mv: memoryview, buf: bytes, a: int, pos: int, h: tuple, rec: int, start: int, topic: str,
+    mv: memoryview, buf: bytes, a: int, pos: int, h: tuple[Any, ...], rec: int, start: int,
+    topic: str,
     broker_name: str, tags: frozenset[str] | None, max_raw: int,
     bad: list[tuple[int, str]] | None,
 ) -> list[MessageExt]:
@@ -736,25 +299,26 @@ def _decode_general(
 
     A message that does not decode is appended to ``bad`` as (index, reason) and skipped, or
     raises CorruptBatchError when ``bad`` is None; a batch-wide problem always raises."""
-    if h[15] & ATTR_COMPRESSION_MASK:
+    if h[H_ATTRIBUTES] & ATTR_COMPRESSION_MASK:
         raw = bytes(BatchView(mv, pos).raw_records(max_raw))
         off, rlen = 0, len(raw)
     else:
         raw = buf
-        off = rec - INDEX_ENTRY_SIZE + h[17] * INDEX_ENTRY_SIZE + h[18]
-        rlen = off + h[19]
+        off = rec - INDEX_ENTRY_SIZE + h[H_COUNT] * INDEX_ENTRY_SIZE + h[H_KEYS_SIZE]
+        rlen = off + h[H_RECORDS_SIZE]
     meta = _BatchMeta(topic, broker_name, h, buf, a, raw, off)
     bad_keys: dict[int, str] = {}
-    if h[18]:  # keys: checked once per batch here, so MessageExt.keys never fails later
+    if h[H_KEYS_SIZE]:  # keys: checked once per batch here, so MessageExt.keys never fails later
         meta._keys, bad_keys = _keys_checked(buf, rec - INDEX_ENTRY_SIZE
-                                             + h[17] * INDEX_ENTRY_SIZE, h[18], h[17])
+                                             + h[H_COUNT] * INDEX_ENTRY_SIZE, h[H_KEYS_SIZE],
+                                             h[H_COUNT])
     if bad is None:
-        msgs = _decode_one(meta, raw, off, rlen, h[17], start, tags, None)
+        msgs = _decode_one(meta, raw, off, rlen, h[H_COUNT], start, tags, None)
         for m in msgs:
             if m._i in bad_keys:
                 raise CorruptBatchError(bad_keys[m._i])
         return msgs
-    msgs = _decode_one(meta, raw, off, rlen, h[17], start, tags, bad)
+    msgs = _decode_one(meta, raw, off, rlen, h[H_COUNT], start, tags, bad)
     if bad_keys:
         bad.extend((m._i, bad_keys[m._i]) for m in msgs if m._i in bad_keys)
         msgs = [m for m in msgs if m._i not in bad_keys]
@@ -859,12 +423,12 @@ def _decode_one(
     undecodable ones go to ``bad`` (see :func:`_decode_general`)."""
     if count - start <= _SMALL:
         return _decode_small(meta, raw, off, rlen, count, start, tags, bad)
-    idx = np.frombuffer(meta.src, dtype=_IDX_DTYPE, count=count, offset=meta.index_pos())[start:]
+    idx = np.frombuffer(meta.src, dtype=IDX_DTYPE, count=count, offset=meta.index_pos())[start:]
     rel = idx["rel"].astype(np.int64) + off
     if len(rel) and (int(rel.max()) + RECORD_HEADER_SIZE > rlen or int(rel.min()) < off):
         raise CorruptBatchError("a message of the batch starts outside its records section")
     rawnp = np.frombuffer(raw, dtype=np.uint8)
-    hdr = rawnp[rel[:, None] + _ARANGE_REC].view(_REC_DTYPE).reshape(-1)
+    hdr = rawnp[rel[:, None] + ARANGE_REC].view(REC_DTYPE).reshape(-1)
     tl = hdr["tl"].astype(np.int64)
     pl = hdr["pl"].astype(np.int64)
     bl = hdr["bl"].astype(np.int64)

@@ -1,4 +1,4 @@
-"""Concurrent consumption (RocketMQ's ConsumeMessageConcurrentlyService; SPEC CO5, seed 004 §6).
+"""Concurrent consumption (RocketMQ's ConsumeMessageConcurrentlyService; ref CO5).
 
 Every pull result is cut into pages of ``consume_message_batch_max_size`` messages (1 by
 default: one message per listener call) and the pages run on the consumer's thread pool
@@ -45,7 +45,8 @@ import inspect
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, cast
 
 from tidemq.client.listener import ConsumeContext, ConsumeStatus
 from tidemq.client.message import MessageExt, MessageQueue
@@ -98,7 +99,7 @@ class ConsumeConcurrentlyService:
             consumer.consume_thread_max, thread_name_prefix=f"tidemq-consume-{consumer.group}"
         )
         self._sem = asyncio.Semaphore(consumer.consume_thread_max)
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self.consumed = 0
         self.failed = 0
         #: Listener wall time per page, a running estimate written by the pool threads (a lost
@@ -127,7 +128,7 @@ class ConsumeConcurrentlyService:
         for j in range(0, n, step):
             self.pool.submit(self._run_job, pages[j : j + step], pq, mq)
 
-    def _spawn(self, coro) -> None:  # noqa: ANN001
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         t = self.loop.create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
@@ -193,7 +194,7 @@ class ConsumeConcurrentlyService:
                 log.exception("listener of group %s failed on %d messages of %s; they will "
                               "be retried", group, len(page), mq)
                 status = _RECONSUME_LATER
-            ctx.status = status
+            ctx.status = cast("str | None", status)  # a sync listener answers a status
             for h in hooks:
                 h.after(ctx)
             append((page, status is _SUCCESS or status == _SUCCESS, ctx.ack_index))

@@ -1,4 +1,4 @@
-"""Ordered consumption (RocketMQ's ConsumeMessageOrderlyService; SPEC CO6, seed 002).
+"""Ordered consumption (RocketMQ's ConsumeMessageOrderlyService; ref CO6).
 
 Messages of one queue are consumed strictly in queue order, by one listener call at a time:
 
@@ -27,7 +27,7 @@ import concurrent.futures
 import inspect
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from tidemq.client.consume_concurrently import send_back
 from tidemq.client.listener import ConsumeContext, ConsumeOrderlyStatus
@@ -55,7 +55,7 @@ class ConsumeOrderlyService:
         self.pool = concurrent.futures.ThreadPoolExecutor(
             consumer.consume_thread_max, thread_name_prefix=f"tidemq-orderly-{consumer.group}"
         )
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self.consumed = 0
         self.suspended = 0
         self.dead_lettered = 0
@@ -175,7 +175,7 @@ class ConsumeOrderlyService:
         ctx.status = status
         for h in c.hooks:
             h.after(ctx)
-        return status
+        return cast(str, status)
 
     async def clean_expired(self, pq: ProcessQueue, mq: MessageQueue) -> None:
         return None  # orderly queues never skip a message (RocketMQ does the same)

@@ -1,8 +1,8 @@
-"""The asyncio lite pull consumer (SPEC CO8; RocketMQ's DefaultLitePullConsumer).
+"""The asyncio lite pull consumer (ref CO8; RocketMQ's DefaultLitePullConsumer).
 
 The user calls :meth:`PullConsumer.poll`; underneath, one prefetch task per assigned queue keeps
 a long-polling PULL_MESSAGE in flight (suspend 20 s: the broker holds the request until a
-message arrives, seed 000) and buffers what it gets, so ``poll`` usually returns at once.
+message arrives: long polling) and buffers what it gets, so ``poll`` usually returns at once.
 
 Per queue three offsets matter:
 
@@ -12,9 +12,10 @@ Per queue three offsets matter:
 
 A new queue starts at the group's committed offset, else by ``consume_from`` (LAST: the max
 offset; FIRST: the min offset; TIMESTAMP: the first message stored at or after
-``consume_timestamp``). Pull statuses are handled as seed 004 §4.3.3 says: FOUND buffers the
-messages (skipping those before the requested offset and re-checking tags); NO_NEW_MSG and
-NO_MATCHED_MSG move on to next_begin_offset; OFFSET_ILLEGAL jumps to the broker's corrected
+``consume_timestamp``). Pull statuses are handled as RocketMQ's push consumer does
+(docs/protocol.md, "Pull"): FOUND buffers the messages (skipping those before the
+requested offset and re-checking tags); NO_NEW_MSG and NO_MATCHED_MSG move on to
+next_begin_offset; OFFSET_ILLEGAL jumps to the broker's corrected
 offset (logged). Errors back off 1 s and retry, except the broker's refusals that no retry
 can fix -- INVALID_ARGUMENT (a queue id the topic does not have, a bad group name),
 NO_PERMISSION (a write-only topic), SUBSCRIPTION_PARSE_FAILED, REQUEST_CODE_NOT_SUPPORTED:
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -560,14 +562,14 @@ class PullConsumer:
             if self.auto_commit:
                 loop.create_task(self._commit_quietly(q))
         for mq in sorted(want):
-            q = self._queues.get(mq)
-            if q is None:
+            have = self._queues.get(mq)
+            if have is None:
                 q = _Queue(mq)
                 self._queues[mq] = q
                 q.task = loop.create_task(self._pull_loop(q))
-            elif q.failed is not None:  # assigned again: try again
-                q.failed = None
-                q.task = loop.create_task(self._pull_loop(q))
+            elif have.failed is not None:  # assigned again: try again
+                have.failed = None
+                have.task = loop.create_task(self._pull_loop(have))
         self._order = [self._queues[mq] for mq in sorted(self._queues)]
         self._rr = 0
 
@@ -654,7 +656,7 @@ class PullConsumer:
                     msgs, end = decode_pull_body(
                         body, from_offset=offset, broker_name=mq.broker_name, tags=tags,
                         check_crc=self.check_crc, topic=mq.topic,
-                        on_corrupt=lambda qo, n, why, mq=mq: self._corrupt(mq, qo, n, why),
+                        on_corrupt=functools.partial(self._corrupt, mq),
                         max_uncompressed=self.max_uncompressed_bytes,
                     )
                     if sel.sql is not None:

@@ -1,4 +1,4 @@
-"""Latency-aware broker avoidance for sends (SPEC PR1; RocketMQ's MQFaultStrategy).
+"""Latency-aware broker avoidance for sends (ref PR1; RocketMQ's MQFaultStrategy).
 
 After every send the producer reports the broker's latency; a slow answer or a failure keeps
 the broker out of the round robin for a while, so one sick broker does not slow every other

@@ -1,5 +1,5 @@
 """What a push consumer's listener returns and receives (RocketMQ's ConsumeConcurrentlyStatus,
-ConsumeOrderlyStatus, MessageModel and consume contexts; SPEC CO1, CO5, CO6).
+ConsumeOrderlyStatus, MessageModel and consume contexts; ref CO1, CO5, CO6).
 
 A concurrent listener ``(msgs, ctx) -> ConsumeStatus`` returns SUCCESS or RECONSUME_LATER (an
 exception counts as RECONSUME_LATER). It may also set ``ctx.ack_index``: messages after that

@@ -1,4 +1,4 @@
-"""A lite pull consumer's membership of its group (SPEC CO8 with CO4): heartbeats, the member
+"""A lite pull consumer's membership of its group (ref CO8 with CO4): heartbeats, the member
 list, and the share of queues the group's rebalance gives it.
 
 A :class:`~tidemq.client.consumer.PullConsumer` that *subscribes* is a member of its group like

@@ -1,4 +1,4 @@
-"""The values a user handles: Message, MessageExt, MessageQueue, SendResult (SPEC PR9).
+"""The values a user handles: Message, MessageExt, MessageQueue, SendResult (ref PR9).
 
 ``Message`` is what a producer sends; ``MessageExt`` is what a consumer receives. Both are
 msgspec Structs (``gc=False``) because the consume path creates one per message and a Struct is
@@ -21,6 +21,24 @@ from typing import Any
 
 import msgspec
 
+from tidemq.protocol.batch.layout import (
+    H_ATTRIBUTES,
+    H_BASE_SEQ,
+    H_BORN_HOST,
+    H_BORN_PORT,
+    H_COUNT,
+    H_DELIVER_AT,
+    H_KEYS_SIZE,
+    H_PHYS_OFFSET,
+    H_PRODUCER_ID,
+    H_QUEUE_ID,
+    H_QUEUE_OFFSET,
+    H_RECONSUME,
+    H_STORE_HOST,
+    H_STORE_PORT,
+    H_STORE_TS,
+    H_TOPIC_LEN,
+)
 from tidemq.protocol.errors import CorruptBatchError
 from tidemq.protocol.record import (
     ATTR_DELAY_MASK,
@@ -56,7 +74,7 @@ class Message(msgspec.Struct, gc=False):
     consumers); ``keys`` a str or a list of str (indexed for lookup, no spaces inside a key);
     ``properties`` user properties (str -> str).
 
-    Delayed delivery (SPEC PR8): ``delay_level`` 1..18 waits the broker's level time (RocketMQ's
+    Delayed delivery (ref PR8): ``delay_level`` 1..18 waits the broker's level time (RocketMQ's
     "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"; a higher level waits the
     highest, as in RocketMQ; a negative one is a ValueError); ``deliver_at`` (ms since the
     epoch, or a ``datetime``) delivers at that time to the millisecond, up to the broker's
@@ -174,12 +192,8 @@ class ConsumeFrom(enum.StrEnum):
     TIMESTAMP = "timestamp"  # the first message stored at or after consume_timestamp
 
 
-# Fields of ``_BatchMeta.h``: STORE_HEADER's 14 fields, then PRODUCER_HEADER's 11 (record.py),
-# as one struct.unpack_from of both headers returns them (codec.py).
-_H_PHYS_OFFSET, _H_QUEUE_OFFSET, _H_STORE_TS, _H_QUEUE_ID, _H_RECONSUME = 5, 6, 7, 9, 10
-_H_TOPIC_LEN, _H_STORE_PORT, _H_STORE_HOST = 11, 12, 13
-_H_ATTRIBUTES, _H_BORN_PORT, _H_COUNT, _H_KEYS_SIZE = 15, 16, 17, 18
-_H_PRODUCER_ID, _H_BASE_SEQ, _H_DELIVER_AT, _H_BORN_HOST = 21, 22, 23, 24
+# Fields of ``_BatchMeta.h``: the tuple of ``batch.layout.heads_struct``, read by the
+# layout's H_* indexes.
 _INDEX_AT = STORE_HEADER_SIZE + PRODUCER_HEADER_SIZE  # + topic_len: the index in a batch
 
 
@@ -193,8 +207,8 @@ class _BatchMeta(msgspec.Struct, gc=False):
 
     topic: str
     broker_name: str
-    #: STORE_HEADER + PRODUCER_HEADER fields (may carry more after them; see _H_*)
-    h: tuple
+    #: STORE_HEADER + PRODUCER_HEADER fields (may carry more after them; see layout.H_*)
+    h: tuple[Any, ...]
     src: bytes  # holds the batch as received (index, keys) at ``pos``
     pos: int
     raw: bytes  # holds the records section, uncompressed, at raw_off
@@ -203,70 +217,85 @@ class _BatchMeta(msgspec.Struct, gc=False):
 
     @property
     def queue_id(self) -> int:
-        return self.h[_H_QUEUE_ID]
+        v: int = self.h[H_QUEUE_ID]
+        return v
 
     @property
     def queue_offset(self) -> int:
-        return self.h[_H_QUEUE_OFFSET]
+        v: int = self.h[H_QUEUE_OFFSET]
+        return v
 
     @property
     def phys_offset(self) -> int:
-        return self.h[_H_PHYS_OFFSET]
+        v: int = self.h[H_PHYS_OFFSET]
+        return v
 
     @property
     def store_ts(self) -> int:
-        return self.h[_H_STORE_TS]
+        v: int = self.h[H_STORE_TS]
+        return v
 
     @property
     def reconsume_times(self) -> int:
-        return self.h[_H_RECONSUME]
+        v: int = self.h[H_RECONSUME]
+        return v
 
     @property
     def producer_id(self) -> int:
-        return self.h[_H_PRODUCER_ID]
+        v: int = self.h[H_PRODUCER_ID]
+        return v
 
     @property
     def base_seq(self) -> int:
-        return self.h[_H_BASE_SEQ]
+        v: int = self.h[H_BASE_SEQ]
+        return v
 
     @property
     def born_host_raw(self) -> bytes:
-        return self.h[_H_BORN_HOST]
+        v: bytes = self.h[H_BORN_HOST]
+        return v
 
     @property
     def born_port(self) -> int:
-        return self.h[_H_BORN_PORT]
+        v: int = self.h[H_BORN_PORT]
+        return v
 
     @property
     def store_host_raw(self) -> bytes:
-        return self.h[_H_STORE_HOST]
+        v: bytes = self.h[H_STORE_HOST]
+        return v
 
     @property
     def store_port(self) -> int:
-        return self.h[_H_STORE_PORT]
+        v: int = self.h[H_STORE_PORT]
+        return v
 
     @property
     def delay_level(self) -> int:
-        return (self.h[_H_ATTRIBUTES] & ATTR_DELAY_MASK) >> ATTR_DELAY_SHIFT
+        v: int = (self.h[H_ATTRIBUTES] & ATTR_DELAY_MASK) >> ATTR_DELAY_SHIFT
+        return v
 
     @property
     def deliver_at(self) -> int:
-        return self.h[_H_DELIVER_AT]
+        v: int = self.h[H_DELIVER_AT]
+        return v
 
     @property
     def count(self) -> int:
-        return self.h[_H_COUNT]
+        v: int = self.h[H_COUNT]
+        return v
 
     def index_pos(self) -> int:
         """Where the message index starts in ``src``."""
-        return self.pos + _INDEX_AT + self.h[_H_TOPIC_LEN]
+        at: int = self.pos + _INDEX_AT + self.h[H_TOPIC_LEN]
+        return at
 
     def keys(self) -> dict[int, str]:
         if self._keys is None:
             out: dict[int, str] = {}
             h = self.h
-            q = self.index_pos() + h[_H_COUNT] * INDEX_ENTRY_SIZE
-            end = q + h[_H_KEYS_SIZE]
+            q = self.index_pos() + h[H_COUNT] * INDEX_ENTRY_SIZE
+            end = q + h[H_KEYS_SIZE]
             raw = self.src
             while q + 6 <= end:
                 i, n = KEYS_ENTRY.unpack_from(raw, q)

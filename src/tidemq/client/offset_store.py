@@ -1,4 +1,4 @@
-"""Where a push consumer keeps its consume offsets (RocketMQ's OffsetStore; SPEC CO7).
+"""Where a push consumer keeps its consume offsets (RocketMQ's OffsetStore; ref CO7).
 
 - :class:`RemoteOffsetStore` (CLUSTERING): offsets are the group's, on the broker of each
   queue. Updates stay in memory and are sent every 5 s (``persist_all``), when a queue is
@@ -17,13 +17,12 @@ Threads: the consumer's event loop only (file writes go to a worker thread).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
-import tempfile
 from typing import Protocol
 
+from tidemq.base.atomic_file import write_atomic
 from tidemq.client import offsets
 from tidemq.client.connection import ConnectionPool
 from tidemq.client.message import MessageQueue
@@ -148,26 +147,9 @@ class LocalFileOffsetStore(_MemoryTable):
     async def persist_all(self, mqs: set[MessageQueue]) -> None:
         data = {"offsets": {f"{mq.topic}|{mq.broker_name}|{mq.queue_id}": off
                             for mq, off in self.table.items()}}
-        await asyncio.to_thread(_write_atomic, self.path, json.dumps(data).encode())
+        await asyncio.to_thread(
+            write_atomic, self.path, json.dumps(data).encode(), unique_tmp=True
+        )
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    d = os.path.dirname(path)
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".offsets-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 

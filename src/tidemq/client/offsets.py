@@ -2,7 +2,7 @@
 
 Queue offsets (GET_MIN_OFFSET, GET_MAX_OFFSET, SEARCH_OFFSET_BY_TIMESTAMP) say what a queue
 holds: ``[min, max)``, max being the offset the next message will get. A consumer group's offset
-(QUERY_CONSUMER_OFFSET / UPDATE_CONSUMER_OFFSET, SPEC BR4) is the next offset the group will
+(QUERY_CONSUMER_OFFSET / UPDATE_CONSUMER_OFFSET, ref BR4) is the next offset the group will
 consume, as RocketMQ stores it.
 
 Threading: coroutines for one event loop.
@@ -35,7 +35,8 @@ def _offset(header: object) -> int:
     if isinstance(header, OffsetResponseHeader | QueryConsumerOffsetResponseHeader):
         return header.offset
     if isinstance(header, dict) and isinstance(header.get("offset"), int):
-        return header["offset"]
+        off: int = header["offset"]
+        return off
     raise TypeError(f"response carries no offset: {header!r}")
 
 

@@ -1,4 +1,4 @@
-"""ProcessQueue: what a push consumer holds of one queue (RocketMQ's ProcessQueue; SPEC CO3).
+"""ProcessQueue: what a push consumer holds of one queue (RocketMQ's ProcessQueue; ref CO3).
 
 Messages pulled but not yet consumed sit here, keyed by queue offset, until a listener has
 consumed them (or they were sent back). The offset committed for the queue is always the

@@ -1,4 +1,4 @@
-"""The asyncio producer (SPEC PR1-PR6, PR9): a short front over its parts.
+"""The asyncio producer (ref PR1-PR6, PR9): a short front over its parts.
 
 Sending one message or a batch is the same path: pick a queue, encode the messages into one
 batch, send it as SEND_MESSAGE / SEND_BATCH and turn the response into a SendResult. The parts,
@@ -49,7 +49,7 @@ SendCallback = Callable[[SendResult | None, BaseException | None], None]
 
 DEFAULT_GROUP = "DEFAULT_PRODUCER"
 _ROUTING_OPTIONS = frozenset({"timeout", "queue_id", "selector", "arg", "hash_key"})
-MAX_MESSAGE_SIZE = 4 * 1024 * 1024  # the broker's default batch limit (SPEC BR1)
+MAX_MESSAGE_SIZE = 4 * 1024 * 1024  # the broker's default batch limit (ref BR1)
 
 
 def _pins(options: dict[str, Any]) -> bool:

@@ -1,5 +1,5 @@
 """The pull loop of a push consumer (RocketMQ's PullMessageService and
-DefaultMQPushConsumerImpl#pullMessage; SPEC CO2, seed 004 §4.1, §4.3).
+DefaultMQPushConsumerImpl#pullMessage; ref CO2).
 
 One :class:`PullService` per client instance owns every queue's pull request. A pull request
 (queue, ProcessQueue, next offset) is executed at once or later; each execution sends one
@@ -16,7 +16,7 @@ Before a pull (flow control, each case retried after 50 ms and logged every 1000
 - orderly consumption: the queue is not locked by this client on the broker (retry in 3 s);
 - the consumer is paused (retry in 1 s, or at once when it is resumed).
 
-Pull statuses, as seed 004 §4.3.3:
+Pull statuses (docs/protocol.md, "Pull"), as RocketMQ's push consumer handles them:
 
 - FOUND: next offset = next_begin_offset; messages are filtered by tag string again (the broker
   filtered by tag hash), put in the ProcessQueue and handed to the consume service; the next
@@ -31,7 +31,7 @@ Pull statuses, as seed 004 §4.3.3:
 Messages of the retry topic ``%RETRY%<group>`` get their original topic back (property
 ``RETRY_TOPIC``) before the listener sees them.
 
-Which broker of the queue's group (seed 004, RocketMQ's pullFromWhichNodeTable): the broker id
+Which broker of the queue's group (RocketMQ's pullFromWhichNodeTable): the broker id
 the last pull response suggested (``suggest_which_broker_id``: a slave while this consumer is
 far behind and the group reads from slaves, the master again once it caught up), else the
 master, else a slave when the master is down. A pull to a slave carries no commit offset (a
@@ -44,6 +44,7 @@ Threads: the consumer's event loop only.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -212,7 +213,7 @@ class PullService:
                 msgs, _end = decode_pull_body(
                     frame.body, from_offset=req.next_offset, broker_name=mq.broker_name,
                     tags=tags, check_crc=c.check_crc, topic=None,
-                    on_corrupt=lambda qo, n, why, mq=mq: _skipped(c.corrupt, mq, qo, n, why),
+                    on_corrupt=functools.partial(_skipped, c.corrupt, mq),
                     max_uncompressed=c.max_uncompressed_bytes,
                 )
                 if sub.sql is not None:

@@ -1,4 +1,4 @@
-"""The asyncio push consumer (RocketMQ's DefaultMQPushConsumer; SPEC CO1-CO7, seed 004).
+"""The asyncio push consumer (RocketMQ's DefaultMQPushConsumer; ref CO1-CO7).
 
 ::
 
@@ -20,7 +20,7 @@ How it fits together (one instance = RocketMQ's MQClientInstance + the consumer)
 
 In clustering the consumer also subscribes to its group's retry topic ``%RETRY%<group>``,
 where failed messages come back (with their original topic restored) after the delay of their
-retry level. Settings are RocketMQ's defaults (SPEC CO1); see the constructor.
+retry level. Settings are RocketMQ's defaults (ref CO1); see the constructor.
 
 ``close()`` stops pulling, waits for nothing more than the listener calls in flight, persists
 offsets, releases queue locks and unregisters from the brokers, which tell the remaining members
@@ -40,19 +40,20 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from tidemq.client.connection import DEFAULT_TIMEOUT, Connection, ConnectionPool
+from tidemq.client.connection import Connection, ConnectionPool
 from tidemq.client.consume_concurrently import ConsumeConcurrentlyService
 from tidemq.client.consume_orderly import ConsumeOrderlyService
+from tidemq.client.consumer_options import PushConsumerOptions
 from tidemq.client.errors import ClientClosedError, NoRouteError
-from tidemq.client.listener import ConsumeHook, Listener, MessageModel
-from tidemq.client.message import ConsumeFrom, MessageQueue
+from tidemq.client.listener import Listener, MessageModel
+from tidemq.client.message import MessageQueue
 from tidemq.client.offset_store import (
     LocalFileOffsetStore,
     RemoteOffsetStore,
     default_offset_dir,
 )
 from tidemq.client.pull_service import PullService
-from tidemq.client.rebalance import RETRY_PREFIX, AllocateStrategy, Rebalance
+from tidemq.client.rebalance import RETRY_PREFIX, Rebalance
 from tidemq.client.route import RouteCache
 from tidemq.client.selection import EVERYTHING, Selection
 from tidemq.protocol.codes import RequestCode
@@ -66,7 +67,6 @@ from tidemq.protocol.headers import (
     UnregisterClientRequestHeader,
 )
 from tidemq.protocol.names import group_name_problem
-from tidemq.protocol.record import DEFAULT_MAX_RAW_SIZE
 
 __all__ = ["PushConsumer"]
 
@@ -85,24 +85,9 @@ def _local_ip() -> str:
 class PushConsumer:
     """A push consumer: subscribe, and the listener is called with the messages.
 
-    Options (RocketMQ's defaults): ``orderly`` (False), ``message_model`` ("clustering" or
-    "broadcasting"), ``consume_from`` ("last", "first", "timestamp" with ``consume_timestamp``
-    in ms), ``allocate_strategy`` (AllocateStrategy.AVG; ``allocate_config`` /
-    ``consumer_rooms`` for CONFIG / MACHINE_ROOM), ``consume_thread_max`` (20),
-    ``consume_message_batch_max_size`` (1 message per listener call), ``pull_batch_size`` (32),
-    ``pull_threshold_for_queue`` (1000 messages), ``pull_threshold_size_for_queue`` (100 MiB),
-    ``consume_concurrently_max_span`` (2000), ``pull_interval`` (0 s), ``max_reconsume_times``
-    (None: the group's ``retry_max_times`` on the broker, 16 unless changed with ``tidemq group
-    update``; orderly consumers count 16 locally), ``suspend_current_queue_time`` (1 s),
-    ``consume_timeout`` (15 min), ``heartbeat_interval`` (30 s), ``rebalance_interval`` (20 s),
-    ``persist_interval`` (5 s), ``lock_interval`` (20 s), ``suspend_timeout`` (15 s: how long a
-    broker holds a pull), ``instance_name`` (part of the client id; in broadcasting it names the
-    local offset file, so keep it stable across restarts), ``offset_dir`` (~/.tidemq_offsets),
-    ``hooks`` (ConsumeHook objects), ``check_crc`` (True), ``max_uncompressed_bytes`` (4 MiB
-    + 64 KiB: the largest records section of one received batch, uncompressed; raise it with
-    the broker's ``max_message_size``), ``chunk_expire`` (60 s: a chunked message still
-    incomplete that long after its first chunk arrived is dropped; ``stats()`` counts
-    ``chunks_assembled`` and ``chunks_expired`` of the queues held).
+    Options: a :class:`~tidemq.client.consumer_options.PushConsumerOptions` (every field
+    documented there, RocketMQ's defaults), or its fields as keywords; keywords given with
+    ``options`` override its fields.
 
     What cannot be decoded (a CRC mismatch, records that do not decompress or would
     decompress past ``max_uncompressed_bytes``, a tag, key or property that is not UTF-8) is
@@ -115,94 +100,58 @@ class PushConsumer:
         namesrv: str | Sequence[str],
         group: str,
         listener: Listener,
-        *,
-        orderly: bool = False,
-        message_model: str | MessageModel = MessageModel.CLUSTERING,
-        consume_from: str | ConsumeFrom = ConsumeFrom.LAST,
-        consume_timestamp: int | None = None,
-        allocate_strategy: str | AllocateStrategy = AllocateStrategy.AVG,
-        allocate_config: Sequence[MessageQueue] = (),
-        consumer_rooms: Sequence[str] = (),
-        consume_thread_max: int = 20,
-        consume_message_batch_max_size: int = 1,
-        pull_batch_size: int = 32,
-        pull_threshold_for_queue: int = 1000,
-        pull_threshold_size_for_queue: int = 100 * MiB,
-        consume_concurrently_max_span: int = 2000,
-        pull_interval: float = 0.0,
-        max_reconsume_times: int | None = None,
-        suspend_current_queue_time: float = 1.0,
-        consume_timeout: float = 15 * 60.0,
-        heartbeat_interval: float = 30.0,
-        rebalance_interval: float = 20.0,
-        persist_interval: float = 5.0,
-        lock_interval: float = 20.0,
-        suspend_timeout: float = 15.0,
-        instance_name: str | None = None,
-        offset_dir: str | None = None,
-        hooks: Sequence[ConsumeHook] = (),
-        check_crc: bool = True,
-        request_timeout: float = DEFAULT_TIMEOUT,
-        route_refresh: float = 30.0,
-        max_uncompressed_bytes: int = DEFAULT_MAX_RAW_SIZE,
-        chunk_expire: float = 60.0,
+        options: PushConsumerOptions | None = None,
+        **keywords: Any,
     ) -> None:
         problem = group_name_problem(group)
         if problem:
             raise ValueError(problem)
-        if max_uncompressed_bytes < 1:
-            raise ValueError("max_uncompressed_bytes must be >= 1")
         if not callable(listener):
             raise ValueError("listener must be a function (msgs, ctx) -> status")
-        if consume_message_batch_max_size < 1 or pull_batch_size < 1:
-            raise ValueError("batch sizes must be >= 1")
+        o = self.options = PushConsumerOptions.of(options, keywords)
         self.group = group
         self.listener = listener
-        self.orderly = orderly
-        self.message_model = MessageModel(str(message_model).lower())
+        self.orderly = o.orderly
+        self.message_model = o.message_model
         self.broadcasting = self.message_model is MessageModel.BROADCASTING
-        self.consume_from = ConsumeFrom(consume_from)
-        if self.consume_from is ConsumeFrom.TIMESTAMP and consume_timestamp is None:
-            raise ValueError("consume_from='timestamp' needs consume_timestamp (ms since epoch)")
-        self.consume_timestamp = consume_timestamp or 0
-        self.allocate_strategy = AllocateStrategy(allocate_strategy)
-        self.allocate_config = list(allocate_config)
-        self.consumer_rooms = list(consumer_rooms)
-        self.consume_thread_max = consume_thread_max
-        self.consume_message_batch_max_size = consume_message_batch_max_size
-        self.pull_batch_size = pull_batch_size
-        self.pull_threshold_for_queue = pull_threshold_for_queue
-        self.pull_threshold_size_for_queue = pull_threshold_size_for_queue
-        self.consume_concurrently_max_span = consume_concurrently_max_span
-        self.pull_interval = pull_interval
-        if max_reconsume_times is not None and max_reconsume_times < 0:
-            raise ValueError("max_reconsume_times must be >= 0 (None: the group's setting)")
-        self.max_reconsume_times = max_reconsume_times
-        self.suspend_current_queue_time = suspend_current_queue_time
-        self.consume_timeout = consume_timeout
-        self.heartbeat_interval = heartbeat_interval
-        self.rebalance_interval = rebalance_interval
-        self.persist_interval = persist_interval
-        self.lock_interval = lock_interval
-        self.suspend_ms = int(suspend_timeout * 1000)
-        self.instance_name = instance_name or uuid.uuid4().hex[:12]
+        self.consume_from = o.consume_from
+        self.consume_timestamp = o.consume_timestamp or 0
+        self.allocate_strategy = o.allocate_strategy
+        self.allocate_config = list(o.allocate_config)
+        self.consumer_rooms = list(o.consumer_rooms)
+        self.consume_thread_max = o.consume_thread_max
+        self.consume_message_batch_max_size = o.consume_message_batch_max_size
+        self.pull_batch_size = o.pull_batch_size
+        self.pull_threshold_for_queue = o.pull_threshold_for_queue
+        self.pull_threshold_size_for_queue = o.pull_threshold_size_for_queue
+        self.consume_concurrently_max_span = o.consume_concurrently_max_span
+        self.pull_interval = o.pull_interval
+        self.max_reconsume_times = o.max_reconsume_times
+        self.suspend_current_queue_time = o.suspend_current_queue_time
+        self.consume_timeout = o.consume_timeout
+        self.heartbeat_interval = o.heartbeat_interval
+        self.rebalance_interval = o.rebalance_interval
+        self.persist_interval = o.persist_interval
+        self.lock_interval = o.lock_interval
+        self.suspend_ms = int(o.suspend_timeout * 1000)
+        self.instance_name = o.instance_name or uuid.uuid4().hex[:12]
         self.client_id = f"{_local_ip()}@{os.getpid()}@{self.instance_name}"
-        self.offset_dir = offset_dir or default_offset_dir()
-        self.hooks = list(hooks)
-        self.check_crc = check_crc
-        self.max_uncompressed_bytes = max_uncompressed_bytes
-        self.chunk_expire = chunk_expire
+        self.offset_dir = o.offset_dir or default_offset_dir()
+        self.hooks = list(o.hooks)
+        self.check_crc = o.check_crc
+        self.max_uncompressed_bytes = o.max_uncompressed_bytes
+        self.chunk_expire = o.chunk_expire
         #: records skipped because they do not decode ("tolerate on the way out")
         self.corrupt = CorruptRecords(log)
-        self.request_timeout = request_timeout
+        self.request_timeout = o.request_timeout
         self.paused = False
         self._namesrv = namesrv
-        self._route_refresh = route_refresh
+        self._route_refresh = o.route_refresh
         #: topic -> what is subscribed there (tags or SQL92)
         self.subscriptions: dict[str, Selection] = {}
         self._started = False
         self._closed = False
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._wake: asyncio.Event | None = None
         self.pool: ConnectionPool = None  # type: ignore[assignment]  # set by start()
         self.routes: RouteCache = None  # type: ignore[assignment]

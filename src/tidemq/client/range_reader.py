@@ -18,6 +18,7 @@ the process's shared ``tidemq-io`` loop (``tidemq.client.blocking``).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -28,11 +29,12 @@ import numpy as np
 
 from tidemq.client import offsets
 from tidemq.client.blocking import _run, _submit
-from tidemq.client.codec import _ARANGE_REC, _IDX_DTYPE, _REC_DTYPE, parse_tag_expression
 from tidemq.client.connection import ConnectionPool, raise_for_error
 from tidemq.client.errors import ClientError
 from tidemq.client.message import MessageQueue
 from tidemq.client.route import RouteCache
+from tidemq.protocol.batch.layout import ARANGE_REC, IDX_DTYPE, REC_DTYPE
+from tidemq.protocol.batch.tags import parse_tag_expression
 from tidemq.protocol.codes import PullStatus, RequestCode, pull_status
 from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import CorruptBatchError
@@ -152,12 +154,12 @@ def _decode_batch(view: BatchView, start: int, stop: int, tags: frozenset[str] |
         rawb, off = bytes(view.raw_records(max_raw)), 0
     rlen = off + view.records_size if off else len(rawb)
     count = view.count
-    idx = np.frombuffer(view.index_view(), dtype=_IDX_DTYPE, count=count)[start:stop]
+    idx = np.frombuffer(view.index_view(), dtype=IDX_DTYPE, count=count)[start:stop]
     rel = idx["rel"].astype(np.int64) + off
     if len(rel) and (int(rel.max()) + RECORD_HEADER_SIZE > rlen or int(rel.min()) < off):
         raise CorruptBatchError("a message of a pulled batch starts outside its records section")
-    hdr = np.frombuffer(rawb, dtype=np.uint8)[rel[:, None] + _ARANGE_REC].view(
-        _REC_DTYPE).reshape(-1)
+    hdr = np.frombuffer(rawb, dtype=np.uint8)[rel[:, None] + ARANGE_REC].view(
+        REC_DTYPE).reshape(-1)
     tl = hdr["tl"].astype(np.int64)
     pl = hdr["pl"].astype(np.int64)
     bl = hdr["bl"].astype(np.int64)
@@ -204,7 +206,7 @@ def _decode_batch(view: BatchView, start: int, stop: int, tags: frozenset[str] |
             except CorruptBatchError as exc:
                 props.append({})
                 drop(j, f"message {start + j} {exc.message}")
-    keys = None
+    keys: list[list[str]] | None = None
     if view.keys_size:
         kmap = view.raw_keys()
         keys = []
@@ -424,6 +426,7 @@ class RangeReader:
         status = pull_status(frame.code)  # not-found statuses are answers, not errors
         if status is None:
             raise_for_error(frame)
+            raise AssertionError("unreachable: raise_for_error raised")
         h = frame.header
         assert isinstance(h, PullMessageResponseHeader)
         body = frame.body if status is PullStatus.FOUND else b""
@@ -448,7 +451,7 @@ class RangeReader:
                     chunk, after = decode_columns(
                         pulled.body, mq.topic, mq.queue_id, offset, end, tag_set, self.check_crc,
                         self.max_uncompressed_bytes,
-                        lambda qo, n, why, mq=mq: self._corrupt(mq, qo, n, why))
+                        functools.partial(self._corrupt, mq))
                     nxt = max(after, pulled.next_begin)
                     # Skipped-as-corrupt is not lost: only a gap before the first batch the
                     # body holds is.

@@ -1,5 +1,5 @@
 """Rebalance: which member of a group consumes which queue (RocketMQ's RebalanceImpl and
-AllocateMessageQueueStrategy; SPEC CO4).
+AllocateMessageQueueStrategy; ref CO4).
 
 Every member runs the same pure function over the same *sorted* views -- all queues of the
 topic, all member ids of the group (GET_CONSUMER_LIST_BY_GROUP) -- so the members agree on an
@@ -244,7 +244,7 @@ class Rebalance:
     async def compute_pull_from(self, mq: MessageQueue) -> int:
         c = self.c
         store = c.offset_store
-        off = await store.read_from_store(mq)
+        off: int = await store.read_from_store(mq)
         if off >= 0:
             return off
         addr = await c.routes.addr_for_admin(mq)

@@ -1,4 +1,4 @@
-"""The producer's retry policy (SPEC PR1): what a failed or not-quite-stored send does next.
+"""The producer's retry policy (ref PR1): what a failed or not-quite-stored send does next.
 
 A synchronous send is tried up to ``1 + retries`` times within its overall timeout, each retry on
 a queue of another broker when there is one. Retries re-send the same bytes with the same

@@ -1,4 +1,4 @@
-"""Topic routes from the name servers (SPEC NS1): which brokers hold a topic's queues.
+"""Topic routes from the name servers (ref NS1): which brokers hold a topic's queues.
 
 A producer or consumer asks a name server GET_ROUTEINFO_BY_TOPIC the first time it uses a
 topic, keeps the answer, and refreshes every topic it has used every 30 s (RocketMQ's

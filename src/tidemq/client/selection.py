@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tidemq.client.codec import parse_tag_expression
+from tidemq.protocol.batch.tags import parse_tag_expression
 from tidemq.protocol.members import member_offsets
 from tidemq.protocol.sql_filter import SqlFilter, SqlFilterError, compile_sql
 

@@ -1,4 +1,4 @@
-"""The producer's router: which queue (and so which broker) a batch goes to (SPEC PR2).
+"""The producer's router: which queue (and so which broker) a batch goes to (ref PR2).
 
 Round robin over the topic's writable queues; ``queue_id=`` (an index into the sorted writable
 queues, equal to the queue id on a single broker, or a MessageQueue), ``selector=``

@@ -1,4 +1,4 @@
-"""The producer's ids and sequences (SPEC PR6, PR9, BR12 deduplication).
+"""The producer's ids and sequences (ref PR6, PR9, BR12 deduplication).
 
 Each producer has a random 63-bit ``producer_id``; every batch gets the next ``base_seq``
 (message i: ``base_seq + i``); the unique message id is ``record.unique_id(producer_id, seq)``.

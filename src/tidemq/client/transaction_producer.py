@@ -1,4 +1,4 @@
-"""The transactional producer (SPEC PR7; RocketMQ's TransactionMQProducer, seed 003).
+"""The transactional producer (ref PR7; RocketMQ's TransactionMQProducer).
 
 ``send_in_transaction(msg, execute)``:
 
@@ -41,6 +41,7 @@ from tidemq.client.connection import Connection
 from tidemq.client.errors import ClientError
 from tidemq.client.message import Message, MessageExt, SendResult
 from tidemq.client.producer import Producer
+from tidemq.protocol.batch.fields import mark_prepared
 from tidemq.protocol.codes import RequestCode
 from tidemq.protocol.errors import BrokerError, CorruptBatchError
 from tidemq.protocol.frame import Frame
@@ -51,11 +52,7 @@ from tidemq.protocol.headers import (
     HeartbeatRequestHeader,
 )
 from tidemq.protocol.record import (
-    ATTR_TXN_MASK,
-    ATTR_TXN_SHIFT,
-    STORE_HEADER_SIZE,
     TxnType,
-    crc32c,
 )
 
 __all__ = [
@@ -92,16 +89,6 @@ TransactionChecker = Callable[
 
 # Set while send_in_transaction encodes its half message (each task has its own context).
 _HALF: contextvars.ContextVar[bool] = contextvars.ContextVar("tidemq_half", default=False)
-
-
-def mark_prepared(batch: bytearray) -> None:
-    """Set the batch's transaction type to PREPARED and re-seal its producer CRC."""
-    topic_len = int.from_bytes(batch[52:54], "little")
-    p = STORE_HEADER_SIZE + topic_len
-    attrs = int.from_bytes(batch[p + 4 : p + 6], "little")
-    attrs = (attrs & ~ATTR_TXN_MASK) | (TxnType.PREPARED << ATTR_TXN_SHIFT)
-    batch[p + 4 : p + 6] = attrs.to_bytes(2, "little")
-    batch[p : p + 4] = crc32c(memoryview(batch)[p + 4 :]).to_bytes(4, "little")
 
 
 class TransactionSendResult(SendResult, gc=False):
@@ -144,8 +131,8 @@ class TransactionProducer(Producer):
         self.client_id = f"{socket.gethostname()}@{os.getpid()}@{self.producer_id:016X}"
         self.checks_answered = 0
         self.pool.on_request = self._on_request
-        self._hb_task: asyncio.Task | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._hb_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> TransactionProducer:

@@ -1,4 +1,4 @@
-"""The name server's tables (RocketMQ's RouteInfoManager; SPEC NS1).
+"""The name server's tables (RocketMQ's RouteInfoManager; ref NS1).
 
 ::
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tidemq.protocol.headers import (
@@ -70,7 +71,10 @@ class RegistrationRefused(Exception):
 class RouteInfoManager:
     """The name server's four tables (its event loop only; no locks, unlike RocketMQ's)."""
 
-    def __init__(self, *, expire_override_s: float | None = None, clock=time.monotonic) -> None:
+    def __init__(
+        self, *, expire_override_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.topic_queue_table: dict[str, dict[str, QueueData]] = {}
         self.broker_addr_table: dict[str, BrokerData] = {}
         self.cluster_addr_table: dict[str, set[str]] = {}

@@ -1,4 +1,4 @@
-"""The name server process: route queries and broker registrations over frames (SPEC NS1).
+"""The name server process: route queries and broker registrations over frames (ref NS1).
 
 +-------------------------------------+-----------------------------+----------------------+
 | request                             | request header              | success header       |

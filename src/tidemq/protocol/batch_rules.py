@@ -1,4 +1,4 @@
-"""What may be stored: the rules a batch must meet before a broker takes it (SPEC ST9).
+"""What may be stored: the rules a batch must meet before a broker takes it (ref ST9).
 
 "Validate at the door, tolerate on the way out": the broker refuses every batch a reader could
 not decode, so that no consumer, timer, recovery or Spark reader ever meets one. This module
@@ -7,7 +7,7 @@ send, and the client's encoders apply the per-message parts (``record.properties
 ``record.delay_level_for``, ``record.deliver_at_for``) while they build a batch, so a batch a
 tidemq client builds passes.
 
-A batch (``record.py`` layout) that passed ``BatchView`` framing is further refused
+A batch (``batch/layout.py``) that passed ``BatchView`` framing is further refused
 (CorruptBatchError -> MESSAGE_ILLEGAL, or MessageTooLargeError -> MESSAGE_TOO_LARGE) when
 (its CRC is the store's check, at the put):
 
@@ -16,7 +16,7 @@ A batch (``record.py`` layout) that passed ``BatchView`` framing is further refu
   ``records_size``; compressed, the batch with its records uncompressed would exceed
   ``max_batch_bytes`` (the same limit an uncompressed batch has);
 - a compressed records section does not decompress to exactly ``raw_size`` bytes (the
-  decompression is capped at ``raw_size``: ``record._decompress``);
+  decompression is capped at ``raw_size``: ``batch.codec._decompress``);
 - the records do not tile the records section: record 0 starts at 0, each next one right after
   the one before, the last one ends at its end, and every record's sizes add up
   (``record_size + 4 == 28 + tags_len + props_len + body_len``), so the message index and the
@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tidemq.protocol.batch.layout import IDX_DTYPE
 from tidemq.protocol.errors import CorruptBatchError, MessageTooLargeError
 from tidemq.protocol.record import (
     DEFAULT_MAX_PROPERTIES_SIZE,
@@ -75,8 +76,6 @@ RESERVED_ATTRIBUTES = 0xFC00
 _CODECS = (Compression.NONE, Compression.LZ4, Compression.ZSTD, Compression.ZLIB)
 _SMALL = 16  # batches up to this many messages are checked without numpy
 
-_IDX_DTYPE = np.dtype([("hash", "<u8"), ("rel", "<u4")])
-assert _IDX_DTYPE.itemsize == INDEX_ENTRY_SIZE
 _REC_VOID = np.dtype(f"V{RECORD_HEADER_SIZE}")
 _SIZE_WORDS = [0, 4, 5, 6]  # record_size, tags_len | reserved, props_len, body_len
 _WINDOW = 256  # texts up to this long are checked through a fixed window (_ascii)
@@ -175,7 +174,7 @@ def _check_records_small(v: BatchView, raw: memoryview, max_props: int) -> None:
 def _check_records(v: BatchView, raw: memoryview, max_props: int) -> None:
     n = v.count
     rlen = len(raw)
-    idx = np.frombuffer(v.buf, dtype=_IDX_DTYPE, count=n, offset=v.pos + v.index_start)
+    idx = np.frombuffer(v.buf, dtype=IDX_DTYPE, count=n, offset=v.pos + v.index_start)
     rel = idx["rel"].astype(np.int64)
     arr = np.frombuffer(raw, dtype=np.uint8)
     # Record headers gathered through an overlapping view of the records, one 28-byte item
@@ -274,7 +273,8 @@ def _gather(arr: np.ndarray, starts: np.ndarray, lens: np.ndarray, clip: bool = 
     index += np.arange(len(index), dtype=np.int64)
     if clip:
         np.minimum(index, len(arr) - 1, out=index)
-    return arr[index]
+    out: np.ndarray = arr[index]
+    return out
 
 
 def _utf8(data: memoryview, i: int, what: str) -> None:

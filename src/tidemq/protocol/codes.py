@@ -80,6 +80,11 @@ class RequestCode(IntEnum):
     GET_BROKER_METADATA = 350  # tidemq: topics, groups, offsets, delay/txn progress (slave sync)
     MERGE_CONSUMER_OFFSETS = 351  # tidemq: offsets committed on a slave flow back (max wins)
     PROMOTE_TO_MASTER = 352  # tidemq: make this slave the master of its group (new epoch)
+    # -- server-side dispatch (POP; docs/pop-dispatch.md). RocketMQ 5 numbers them 200050..,
+    # which do not fit the u16 code field: tidemq's own range.
+    POP_MESSAGE = 360
+    ACK_MESSAGE = 361  # many receipt handles per frame
+    CHANGE_INVISIBLE_TIME = 362
 
 
 class ResponseCode(IntEnum):
@@ -107,12 +112,14 @@ class ResponseCode(IntEnum):
     SUBSCRIPTION_GROUP_NOT_EXIST = 26
     FLUSH_DISK_FAILED = 29
     CONSUMER_NOT_ONLINE = 206
+    NO_MESSAGE = 208  # RocketMQ 5: an ack / invisible-time change of a stale receipt handle
     # -- tidemq additions ------------------------------------------------------------------
     DISK_FULL = 1000
     DUPLICATE = 1001  # the batch's producer sequence was already stored (deduplication)
     RETRY_LATER = 1002
     MESSAGE_TOO_LARGE = 1003
     INVALID_ARGUMENT = 1004  # a request field is missing, malformed or out of range
+    CONSUME_MODE_CONFLICT = 1010  # a POP group pulled, or a pull group popped
 
 
 class PullStatus(IntEnum):
@@ -215,6 +222,14 @@ _DESCRIPTIONS: dict[int, str] = {
     _R.CONSUMER_NOT_ONLINE: (
         "the consumer is not connected to this broker; check the client id and that the "
         "consumer is running"
+    ),
+    _R.NO_MESSAGE: (
+        "the receipt handle is stale: the message was acked already, or its invisible time "
+        "passed and it was delivered again (to this or another consumer). Nothing changed"
+    ),
+    _R.CONSUME_MODE_CONFLICT: (
+        "this consumer group is consumed in another mode on this broker (POP consumers and "
+        "pull/push consumers cannot share one group name); use another group name"
     ),
     _R.DISK_FULL: (
         "the broker's disk is past its refuse-writes watermark; nothing was stored. Free disk "

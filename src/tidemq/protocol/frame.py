@@ -1,7 +1,7 @@
 """The tidemq wire frame: one request, response or one-way message on a connection (sans-IO).
 
 A connection carries a stream of frames, each prefixed by its length. All integers are
-little-endian, like the batch format in ``record.py``. The layout, field by field::
+little-endian, like the batch format in ``batch/layout.py``. The layout, field by field::
 
     +------+------+------------------+------------------------------------------------------+
     |  off | size | field            | meaning                                              |
@@ -20,7 +20,7 @@ little-endian, like the batch format in ``record.py``. The layout, field by fiel
     |   18 |    H | header           | one MessagePack map (a ``headers.py`` Struct or a    |
     |      |      |                  | dict with str keys); H = 0 means "no header"         |
     | 18+H |    B | body             | opaque bytes: B = total_len - 14 - H; for sends and  |
-    |      |      |                  | pulls, one or more batches (``record.py``), as is    |
+    |      |      |                  | pulls, one or more batches (``batch/``), as is       |
     +------+------+------------------+------------------------------------------------------+
 
 The body is never re-encoded: :func:`encode_frame_parts` hands it to the transport untouched
@@ -139,11 +139,11 @@ class Frame(msgspec.Struct):
 # -- header codec -----------------------------------------------------------------------------
 
 _encoder = msgspec.msgpack.Encoder()
-_generic_decoder = msgspec.msgpack.Decoder(dict[str, Any])
-_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+_generic_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(dict[str, Any])
+_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
 
 
-def _decoder_for(header_type: type | None) -> msgspec.msgpack.Decoder:
+def _decoder_for(header_type: type | None) -> msgspec.msgpack.Decoder[Any]:
     if header_type is None:
         return _generic_decoder
     dec = _decoders.get(header_type)
@@ -344,7 +344,9 @@ class FrameDecoder:
             raise ValueError(f"max_frame_size must be at least {PREFIX_SIZE}, got {max_frame_size}")
         self.max_frame_size = max_frame_size
         self._resolve = header_types
-        self._decoders: dict[type | None, msgspec.msgpack.Decoder] = {None: _generic_decoder}
+        self._decoders: dict[type | None, msgspec.msgpack.Decoder[Any]] = {
+            None: _generic_decoder
+        }
         self._chunks: list[Buffer] = []  # bytes of an incomplete frame, in arrival order
         self._buffered = 0  # sum of their lengths
         self._need = PREFIX_SIZE  # bytes that complete the frame (PREFIX_SIZE: length unknown)
@@ -473,9 +475,10 @@ class FrameDecoder:
                 dec = _generic_decoder
             else:
                 htype = resolve(flags, code, opaque)
-                dec = decoders.get(htype)
-                if dec is None:
-                    dec = decoders[htype] = _decoder_for(htype)
+                got = decoders.get(htype)
+                if got is None:
+                    got = decoders[htype] = _decoder_for(htype)
+                dec = got
             try:
                 if hlen:
                     header = dec.decode(mv[hs : hs + hlen])

@@ -1,4 +1,4 @@
-"""The replication link between a master and its slaves (SPEC BR15; RocketMQ's HAService).
+"""The replication link between a master and its slaves (ref BR15; RocketMQ's HAService).
 
 A slave opens one TCP connection to its master's HA port. The slave speaks first; after the
 hello the master streams its CommitLog and the slave acknowledges what it has stored. All

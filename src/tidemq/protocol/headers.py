@@ -3,7 +3,7 @@
 Every header is a msgspec Struct encoded as a map keyed by field name; fields equal to their
 default are left out, and unknown keys are ignored on decode, so a peer may add a field with a
 default without breaking older peers (renaming or removing one is a protocol change). Bodies
-are not described here: a send request and a pull response carry batches (``record.py``).
+are not described here: a send request and a pull response carry batches (``batch/``).
 
 Which header goes with which frame (request code -> request header / response header)::
 
@@ -39,6 +39,7 @@ from typing import Annotated
 
 import msgspec
 
+from tidemq.protocol import pop as _pop
 from tidemq.protocol.codes import RequestCode, ResponseCode, describe
 from tidemq.protocol.errors import LocalProtocolError
 from tidemq.protocol.frame import Frame, decode_header, encode_header
@@ -565,7 +566,7 @@ class BrokerRuntimeInfo(Header):
     table: dict[str, str | int | float | bool] = {}
 
 
-# -- consumer groups (SPEC BR5-BR7, CO4; docs/consumer-groups.md) --------------------------------
+# -- consumer groups (ref BR5-BR7, CO4; docs/consumer-groups.md) --------------------------------
 
 
 class SubscriptionData(Header):
@@ -703,7 +704,7 @@ def is_dedup_producer(producer_id: int) -> bool:
     return producer_id >= DEDUP_PRODUCER_BIT
 
 
-# -- replication (SPEC BR15; docs/cluster.md) --------------------------------------------------
+# -- replication (ref BR15; docs/cluster.md) --------------------------------------------------
 
 
 class BrokerMetadata(Header):
@@ -748,7 +749,7 @@ class PromoteResponseHeader(Header):
 
 # -- which header for which frame ---------------------------------------------------------------
 
-# -- delayed and transactional messages (SPEC BR8, BR9; docs/delayed-and-transactional.md) ------
+# -- delayed and transactional messages (ref BR8, BR9; docs/delayed-and-transactional.md) ------
 
 
 class EndTransactionRequestHeader(Header):
@@ -786,7 +787,7 @@ class CancelTimerMessageRequestHeader(Header):
     msg_id: str
 
 
-REQUEST_HEADER_TYPES: dict[int, type[Header]] = {
+REQUEST_HEADER_TYPES: dict[int, type[msgspec.Struct]] = {
     RequestCode.END_TRANSACTION: EndTransactionRequestHeader,
     RequestCode.CHECK_TRANSACTION_STATE: CheckTransactionStateRequestHeader,
     RequestCode.CANCEL_TIMER_MESSAGE: CancelTimerMessageRequestHeader,
@@ -828,7 +829,7 @@ REQUEST_HEADER_TYPES: dict[int, type[Header]] = {
     RequestCode.PROMOTE_TO_MASTER: PromoteRequestHeader,
 }
 
-RESPONSE_HEADER_TYPES: dict[int, type[Header]] = {
+RESPONSE_HEADER_TYPES: dict[int, type[msgspec.Struct]] = {
     RequestCode.END_TRANSACTION: EmptyHeader,
     RequestCode.CANCEL_TIMER_MESSAGE: EmptyHeader,
     RequestCode.SEND_MESSAGE: SendMessageResponseHeader,
@@ -892,12 +893,12 @@ _OUTCOMES: dict[int, frozenset[int]] = {
 _SUCCESS_ONLY = frozenset({ResponseCode.SUCCESS})
 
 
-def request_header_type(code: int) -> type[Header] | None:
+def request_header_type(code: int) -> type[msgspec.Struct] | None:
     """Header type of a request; None (decode as a dict) for codes without one here."""
     return REQUEST_HEADER_TYPES.get(code)
 
 
-def response_header_type(request_code: int, response_code: int) -> type[Header] | None:
+def response_header_type(request_code: int, response_code: int) -> type[msgspec.Struct] | None:
     """Header type of the response to a ``request_code`` request that came back with
     ``response_code``: the request's response header for its non-error outcomes, else
     ErrorResponseHeader. None (decode as a dict) for success of requests without one here."""
@@ -912,3 +913,13 @@ def error_response(request: Frame, code: int, message: str | None = None) -> Fra
         raise LocalProtocolError("an error response needs a non-zero response code")
     return request.response(code, ErrorResponseHeader(message or describe(code)))
 
+
+
+# -- server-side dispatch (POP): the headers live in protocol/pop.py, registered here ------------
+REQUEST_HEADER_TYPES[RequestCode.POP_MESSAGE] = _pop.PopMessageRequestHeader
+REQUEST_HEADER_TYPES[RequestCode.ACK_MESSAGE] = _pop.AckMessageRequestHeader
+REQUEST_HEADER_TYPES[RequestCode.CHANGE_INVISIBLE_TIME] = _pop.ChangeInvisibleRequestHeader
+RESPONSE_HEADER_TYPES[RequestCode.POP_MESSAGE] = _pop.PopMessageResponseHeader
+RESPONSE_HEADER_TYPES[RequestCode.ACK_MESSAGE] = _pop.AckMessageResponseHeader
+RESPONSE_HEADER_TYPES[RequestCode.CHANGE_INVISIBLE_TIME] = _pop.ChangeInvisibleResponseHeader
+_OUTCOMES[RequestCode.POP_MESSAGE] = frozenset({ResponseCode.SUCCESS, ResponseCode.PULL_NOT_FOUND})

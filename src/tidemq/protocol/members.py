@@ -1,6 +1,6 @@
 """Which messages of a served batch are the consumer's: member bitmaps of a pull answer.
 
-The broker serves whole stored batches, never re-encoded (SPEC ST2). When it selects messages
+The broker serves whole stored batches, never re-encoded (ref ST2). When it selects messages
 inside a batch -- an SQL92 filter today; shared/POP dispatch later -- the pull answer's header
 carries one bitmap per body batch (``PullMessageResponseHeader.members``, in body order) and
 the client hands out only the members. No ``members`` field means every message of every batch
@@ -13,31 +13,20 @@ not from the first message wanted), least significant bit first within each byte
 
 A bitmap may be shorter than ``ceil(count / 8)`` bytes: missing bytes are zeros.
 
-Also here: :func:`filter_fields`, the per-message part of a batch a property filter reads
-(tag and properties), without building whole messages.
+Also here, by import: :func:`filter_fields` (``batch/codec.py``), the per-message part of a
+batch a property filter reads (tag and properties), without building whole messages.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
-from tidemq.protocol.errors import CorruptBatchError
-from tidemq.protocol.record import (
-    INDEX_ENTRY,
-    INDEX_ENTRY_SIZE,
-    RECORD_HEADER,
-    RECORD_HEADER_SIZE,
-    STORE_HEADER,
-    BatchView,
-    decode_properties,
-    decode_utf8,
-    read_total_size_magic,
-)
+# filter_fields lives with the batch format's owner; it is re-exported here for its callers
+from tidemq.protocol.batch.codec import filter_fields, read_total_size_magic
+from tidemq.protocol.batch.fields import queue_offset_at
 
 __all__ = ["bitmap", "is_member", "members", "member_offsets", "filter_fields"]
 
-_QUEUE_OFFSET_AT = 20  # byte of queue_offset in the store header (record.STORE_HEADER)
-assert STORE_HEADER.size == 72
 
 
 def bitmap(indices: Iterable[int]) -> bytes:
@@ -74,39 +63,7 @@ def member_offsets(body: bytes | bytearray | memoryview, bitmaps: list[bytes]) -
         total, _magic = read_total_size_magic(mv, pos)
         if total < 28 or pos + total > end:
             break
-        base = int.from_bytes(mv[pos + _QUEUE_OFFSET_AT : pos + _QUEUE_OFFSET_AT + 8], "little")
+        base = queue_offset_at(mv, pos)
         out.update(base + i for i in members(bits))
         pos += total
     return out
-
-
-def filter_fields(
-    view: BatchView, start: int, raw: memoryview | None = None
-) -> Iterator[tuple[int, str | None, dict[str, str] | None]]:
-    """``(index, tag, properties)`` of messages ``start..count-1`` of a batch; properties and
-    tag are None for a message whose record does not decode (sizes, UTF-8) -- a filter selects
-    nothing then, and the reader that later decodes the whole message reports it. ``raw``: the
-    batch's records section when the caller already has it (decompressed)."""
-    if raw is None:
-        raw = view.raw_records()
-    idx = view.index_view()
-    rlen = len(raw)
-    unpack_index = INDEX_ENTRY.unpack_from
-    unpack_record = RECORD_HEADER.unpack_from
-    for i in range(start, view.count):
-        rel = unpack_index(idx, i * INDEX_ENTRY_SIZE)[1]
-        if rel + RECORD_HEADER_SIZE > rlen:
-            yield i, None, None
-            continue
-        size, _born, _flag, tl, _r, pl, bl = unpack_record(raw, rel)
-        q = rel + RECORD_HEADER_SIZE
-        if size + 4 != RECORD_HEADER_SIZE + tl + pl + bl or q + tl + pl + bl > rlen:
-            yield i, None, None
-            continue
-        try:
-            tag = decode_utf8(raw[q : q + tl], "tags") if tl else None
-            props = decode_properties(raw[q + tl : q + tl + pl]) if pl else {}
-        except CorruptBatchError:
-            yield i, None, None
-            continue
-        yield i, tag, props

@@ -1,4 +1,4 @@
-"""SQL92 property filters, as RocketMQ 4.9's ``MessageSelector.bySql`` reads them (SPEC BR10).
+"""SQL92 property filters, as RocketMQ 4.9's ``MessageSelector.bySql`` reads them (ref BR10).
 
 Sans-IO: :func:`compile_sql` turns an expression into a :class:`SqlFilter`, whose
 ``matches(properties, tags)`` says whether one message is selected. The broker evaluates it per

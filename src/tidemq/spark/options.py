@@ -19,6 +19,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import overload
 
 from tidemq.client.errors import ClientError
 
@@ -56,7 +57,12 @@ class _Options(dict[str, str]):
     def __init__(self, opts: Mapping[str, str]) -> None:
         super().__init__({str(k).lower(): v for k, v in opts.items()})
 
-    def get(self, name: str, default: object = None) -> object:  # type: ignore[override]
+    @overload  # type: ignore[override]
+    def get(self, name: str) -> str | None: ...
+    @overload
+    def get(self, name: str, default: str) -> str: ...
+
+    def get(self, name: str, default: str | None = None) -> str | None:
         return super().get(name.lower(), default)
 
     def __getitem__(self, name: str) -> str:

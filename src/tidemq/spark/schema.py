@@ -65,7 +65,8 @@ def _bodies(chunk: ColumnChunk) -> pa.Array:
         sel = np.flatnonzero(chunk.body_buffer == b) if len(chunk.body_buffers) > 1 else None
         s = starts if sel is None else starts[sel]
         npbuf = np.frombuffer(buf, dtype=np.uint8)
-        head = npbuf[np.minimum(s[:, None] + _AR12, len(npbuf) - 1)] if len(npbuf) else 0
+        head = (npbuf[np.minimum(s[:, None] + _AR12, len(npbuf) - 1)] if len(npbuf)
+                else np.zeros((len(s), 12), dtype=np.uint8))
         ln = lens if sel is None else lens[sel]
         short = ln <= _INLINE
         if bool(short.any()):

@@ -1,11 +1,11 @@
-"""The ``tidemq`` sink: batch and streaming writes, exactly once (SPEC SP3).
+"""The ``tidemq`` sink: batch and streaming writes, exactly once (ref SP3).
 
 Columns: ``body`` (binary or string, required); optional ``topic`` (else the ``topic``
 option), ``keys`` (string or array<string>), ``tags``, ``properties`` (map<string,string>),
 ``queue_id`` (pin a queue: an index into the topic's sorted writable queues) or ``hash_key``
 (CRC32C of the key modulo the writable queue count, as the producer's ``hash_key=``).
 
-How exactly-once works: producer deduplication (SPEC BR12, docs/producer-path.md). The rows
+How exactly-once works: producer deduplication (ref BR12, docs/producer-path.md). The rows
 of one task are split by target (topic, queue) into *substreams*; each substream is written
 under its own deterministic producer id and deterministic sequence ids:
 
@@ -170,7 +170,8 @@ class _PartitionWriter:
             return self.opts.topic
         col = rb.column(i)
         if col.null_count == 0 and pc.all(pc.equal(col, col[0])).as_py():
-            return col[0].as_py()
+            first: str = col[0].as_py()
+            return first
         out = []
         for k, t in enumerate(col.to_pylist()):
             t = t or self.opts.topic
@@ -239,8 +240,8 @@ class _PartitionWriter:
                 part = body.take(idx)
                 ex = {k: v.take(idx) for k, v in extras.items()}
             sub.bodies.append(part)
-            for k, v in ex.items():
-                sub.extras.setdefault(k, []).append(v)
+            for name, v in ex.items():
+                sub.extras.setdefault(name, []).append(v)
             sub.rows += len(part)
             sub.nbytes += int(pc.sum(pc.binary_length(part)).as_py() or 0)
             while sub.rows >= self.opts.batch_rows or sub.nbytes >= self.opts.batch_bytes:

@@ -6,7 +6,7 @@
     df = (spark.readStream.format("tidemq").option("namesrv", "127.0.0.1:9876")
           .option("topics", "orders").option("startingOffsets", "earliest").load())
 
-Reading (SPEC SP1, SP2, SP4): the driver plans ``[start, end)`` offset ranges per queue
+Reading (ref SP1, SP2, SP4): the driver plans ``[start, end)`` offset ranges per queue
 (planner.py); each task reads exactly its range with a :class:`RangeReader` built from its
 :class:`QueueRange` and yields Arrow RecordBatches (schema.py). In streaming, the checkpoint
 holds per-queue offsets; new queues and, with ``topicPattern``, new topics are picked up at
@@ -15,7 +15,7 @@ consumer group's, at the next trigger (``latestOffset(start)``: ``start`` is whe
 batches end) or at ``commit(end)`` (which Spark calls at the start of the next batch), whichever
 comes first; ``tidemq group lag`` then shows how far behind the query is.
 
-Writing (SPEC SP3): sink.py.
+Writing (ref SP3): sink.py.
 
 Threading: Spark calls the readers from one thread of the driver's Python process; ``read``
 runs in executor Python workers on an unpickled copy of a partition.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pyarrow as pa
 from pyspark.sql.datasource import (
@@ -157,10 +158,10 @@ class TideMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._initial: Offsets | None = None
         self._latest: Offsets | None = None
         self._available_now: Offsets | None = None
-        self._group_committed: dict | None = None
+        self._group_committed: dict[str, Any] | None = None
 
     # -- offsets -----------------------------------------------------------------------------
-    def initialOffset(self) -> dict:
+    def initialOffset(self) -> dict[str, Any]:
         # Spark calls this twice on a fresh start: answer the same both times ("latest" must
         # not move between the calls).
         if self._initial is None:
@@ -170,7 +171,7 @@ class TideMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                                                  default=-2 if o.starting != "latest" else -1)
         return self._initial
 
-    def _current(self) -> tuple[Offsets, dict]:
+    def _current(self) -> tuple[Offsets, dict[str, Any]]:
         queues = self.planner.queues()
         latest = {t: {k: q.max_offset for k, q in qs.items()} for t, qs in queues.items()}
         if self._available_now is not None:
@@ -181,7 +182,7 @@ class TideMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._latest = latest
         return latest, queues
 
-    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         # Spark asks for the next batch's end only once every batch up to ``start`` is done,
         # and asks at every trigger, data or not: the right moment to show the group's lag.
         self._commit_group(start)
@@ -214,7 +215,7 @@ class TideMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return ReadMaxBytes(self.opts.max_bytes_per_trigger)
         return ReadAllAvailable()
 
-    def reportLatestOffset(self) -> dict | None:
+    def reportLatestOffset(self) -> dict[str, Any] | None:
         return self._latest
 
     def prepareForTriggerAvailableNow(self) -> None:
@@ -222,16 +223,16 @@ class TideMQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._available_now, _ = self._current()
 
     # -- planning and reading ----------------------------------------------------------------
-    def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         return self.planner.ranges(start, end, None)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return read_range(partition)
 
-    def commit(self, end: dict) -> None:
+    def commit(self, end: dict[str, Any]) -> None:
         self._commit_group(end)
 
-    def _commit_group(self, offsets: dict) -> None:
+    def _commit_group(self, offsets: dict[str, Any]) -> None:
         if not self.opts.group or offsets == self._group_committed:
             return
         try:

@@ -1,4 +1,4 @@
-"""The store checkpoint: what is durable, written atomically (SPEC ST6).
+"""The store checkpoint: what is durable, written atomically (ref ST6).
 
 File ``<data>/checkpoint`` is JSON (msgspec), replaced by write-tmp, fsync, rename, fsync-dir:
 
@@ -25,11 +25,11 @@ last run did not close cleanly.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import msgspec
 
+from tidemq.base import atomic_file
 from tidemq.protocol.errors import StoreWriteError
 
 
@@ -54,22 +54,8 @@ def split_queue_key(key: str) -> tuple[str, int]:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Durably replace ``path`` with ``data`` (tmp + fsync + rename + fsync of the directory)."""
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        atomic_file.write_atomic(path, data)
     except OSError as exc:
         raise StoreWriteError(f"cannot write {path}: {exc.strerror}") from exc
 

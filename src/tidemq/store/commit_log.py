@@ -1,4 +1,4 @@
-"""The CommitLog (SPEC ST1): one append-only log of batches for every topic, in segments.
+"""The CommitLog (ref ST1): one append-only log of batches for every topic, in segments.
 
 Invariants:
 - Segments are contiguous: segment k starts where segment k-1 ends; names are start offsets.
@@ -49,7 +49,7 @@ _NEVER = 1 << 63
 class CommitLog:
     def __init__(
         self,
-        directory: str | os.PathLike,
+        directory: str | os.PathLike[str],
         segment_size: int,
         *,
         preallocate: bool = True,

@@ -1,4 +1,4 @@
-"""Store settings, with RocketMQ's defaults (SPEC ST1, ST5, ST7; docs/configuration.md)."""
+"""Store settings, with RocketMQ's defaults (ref ST1, ST5, ST7; docs/configuration.md)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class StoreConfig:
     index_max_free_ratio: float = 0.05
     #: Index message keys and unique ids (ST4).
     index_enabled: bool = True
-    #: Largest batch accepted (SPEC BR1: batch 4 MiB), headers included.
+    #: Largest batch accepted (ref BR1: batch 4 MiB), headers included.
     max_batch_bytes: int = 4 * MiB + 64 * 1024
     #: Consume queues, index and checkpoint are flushed this often.
     checkpoint_interval_ms: int = 1000

@@ -1,4 +1,4 @@
-"""ConsumeQueue: the per (topic, queue id) index of fixed-size units into the CommitLog (SPEC ST3).
+"""ConsumeQueue: the per (topic, queue id) index of fixed-size units into the CommitLog (ref ST3).
 
 A queue is a directory ``<root>/<topic>/<queue_id>/`` of files, each ``units_per_file`` units
 long, named by the 20-digit zero-padded *byte* offset of its first unit within the queue (unit
@@ -15,7 +15,7 @@ prefix of its last file. All integers are little-endian. One unit::
     +-----+------+------------------+---------------------------------------------------+
 
 The logical queue offset of a message is its unit number. Batches are stored whole in the
-CommitLog yet every message has its own queue offset (SPEC ST9): a batch of N messages at
+CommitLog yet every message has its own queue offset (ref ST9): a batch of N messages at
 CommitLog offset P of total size S is N consecutive units that all carry (P, S), each with its
 own tag hash, taken in order from the batch's message index. So ``phys_offset`` never decreases
 along a queue, runs of equal ``phys_offset`` have equal ``size``, and two different batches do
@@ -29,6 +29,7 @@ empty unit of the last file.
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import struct
@@ -37,6 +38,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tidemq.protocol.batch.layout import index_hashes
 from tidemq.protocol.errors import StoreClosedError, StoreError
 from tidemq.protocol.record import INDEX_ENTRY, INDEX_ENTRY_SIZE, MAX_BATCH_SIZE
 from tidemq.store.mapped_file import ALLOCATE_CHUNK, MappedFile, fsync_dir
@@ -55,8 +57,6 @@ UNIT_DTYPE = np.dtype([("phys", "<u8"), ("size", "<u4"), ("tag", "<u8")])
 assert UNIT_DTYPE.itemsize == UNIT_SIZE
 
 # A batch's message index entry (protocol.record INDEX_ENTRY) as a numpy record.
-_INDEX_DTYPE = np.dtype([("tag", "<u8"), ("rel", "<u4")])
-assert _INDEX_DTYPE.itemsize == INDEX_ENTRY_SIZE
 
 _NAME_DIGITS = 20
 _PHYS_LIMIT = 1 << 63  # CommitLog offsets are i64 in the batch header; anything above is garbage
@@ -238,6 +238,8 @@ class ConsumeQueue:
         loc = self._locate(offset - 1, files) if files and offset > files[0].base else None
         if loc is None:
             return -1
+        phys: int
+        size: int
         phys, size, _tag = UNIT.unpack_from(loc[0].mm, loc[1])
         return phys + size
 
@@ -285,7 +287,7 @@ class ConsumeQueue:
             units = np.empty(n, UNIT_DTYPE)
             units["phys"] = phys_offset
             units["size"] = size
-            units["tag"] = np.frombuffer(view, _INDEX_DTYPE)["tag"]
+            units["tag"] = index_hashes(view)
             self._write_units(queue_offset, units)
         if end >= mx:
             self._max_phys = phys_offset + size
@@ -396,7 +398,8 @@ class ConsumeQueue:
             first = o - mf.base
             k = min(n - i, upf - first)
             mf.ensure_allocated((first + k) * UNIT_SIZE)
-            mf.mm[first * UNIT_SIZE : (first + k) * UNIT_SIZE] = units[i : i + k]
+            # an ndarray is a buffer (numpy declares it so only for Python 3.12+)
+            mf.mm[first * UNIT_SIZE : (first + k) * UNIT_SIZE] = units[i : i + k]  # type: ignore[call-overload]
             mf.dirty = True
             i += k
 
@@ -581,7 +584,7 @@ class ConsumeQueue:
         )
 
 
-def _count_prefix(mm: memoryview | bytes, units_per_file: int) -> int:
+def _count_prefix(mm: mmap.mmap | memoryview | bytes, units_per_file: int) -> int:
     """Number of units before the first empty one (binary search: units are a prefix)."""
     lo, hi = 0, units_per_file
     while lo < hi:

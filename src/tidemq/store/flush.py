@@ -1,4 +1,4 @@
-"""Flushing the CommitLog to disk (SPEC ST5): group commit for SYNC_FLUSH, an interval for ASYNC.
+"""Flushing the CommitLog to disk (ref ST5): group commit for SYNC_FLUSH, an interval for ASYNC.
 
 SYNC_FLUSH (RocketMQ's GroupCommitService): a put registers "tell me when offset X is durable";
 the flush thread takes every request waiting, runs one fdatasync for all of them (it covers every

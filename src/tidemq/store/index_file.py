@@ -1,4 +1,4 @@
-"""IndexFile: RocketMQ's persistent hash index from a key to CommitLog offsets (SPEC ST4).
+"""IndexFile: RocketMQ's persistent hash index from a key to CommitLog offsets (ref ST4).
 
 Files live in ``<root>/`` and are named by their creation time ``yyyyMMddHHmmssSSS`` (UTC, so
 names sort in time order; it is the first entry's store time, bumped by 1 ms when needed so
@@ -155,6 +155,12 @@ class IndexFile:
         "mf", "name", "name_ms", "slots", "max_entries", "entries_start", "begin_ts", "end_ts",
         "begin_phys", "end_phys", "hash_slot_count", "index_count",
     )
+    begin_ts: int
+    end_ts: int
+    begin_phys: int
+    end_phys: int
+    hash_slot_count: int
+    index_count: int
 
     def __init__(self, mf: MappedFile, slots: int, max_entries: int) -> None:
         self.mf = mf

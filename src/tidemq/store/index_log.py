@@ -56,6 +56,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from tidemq.protocol.batch.layout import index_hashes
 from tidemq.protocol.errors import StoreClosedError, StoreError, StoreWriteError
 from tidemq.protocol.record import INDEX_ENTRY, INDEX_ENTRY_SIZE, MAX_BATCH_SIZE, crc32c
 from tidemq.store.mapped_file import fsync_dir
@@ -69,8 +70,6 @@ UNIT = struct.Struct("<QIQ")  # phys_offset, size, tag_hash
 UNIT_SIZE = 20
 UNIT_DTYPE = np.dtype([("phys", "<u8"), ("size", "<u4"), ("tag", "<u8")])
 assert UNIT_DTYPE.itemsize == UNIT_SIZE == UNIT.size
-_INDEX_DTYPE = np.dtype([("tag", "<u8"), ("rel", "<u4")])
-assert _INDEX_DTYPE.itemsize == INDEX_ENTRY_SIZE
 
 BLOCK_MAGIC = 0x58495154  # b"TQIX"
 BLOCK_HEADER = struct.Struct("<IIIIq")
@@ -216,7 +215,7 @@ class LogQueue:
             arr = np.empty(n, UNIT_DTYPE)
             arr["phys"] = phys_offset
             arr["size"] = size
-            arr["tag"] = np.frombuffer(view, _INDEX_DTYPE)["tag"]
+            arr["tag"] = index_hashes(view)
             units = arr.tobytes()
         with self._log._lock:
             self._append_locked(queue_offset, phys_offset, size, units, n)

@@ -1,4 +1,4 @@
-"""MessageStore: the facade of the storage engine (SPEC ST1-ST9).
+"""MessageStore: the facade of the storage engine (ref ST1-ST9).
 
 It owns one data directory::
 
@@ -31,18 +31,19 @@ import contextlib
 import enum
 import fcntl
 import logging
+import mmap
 import os
 import resource
 import shutil
-import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from tidemq.protocol.batch.layout import index_hashes
 from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import (
     CorruptBatchError,
@@ -82,14 +83,20 @@ from tidemq.store.consume_queue import ConsumeQueueTable
 from tidemq.store.flush import FlushCallback, FlushMode, FlushService
 from tidemq.store.index_file import IndexService, key_hash
 from tidemq.store.index_log import IndexLog, LogQueue
+from tidemq.store.pull_outcome import (
+    GetResult,
+    ReadBatch,
+    position_outcome,
+    read_outcome,
+)
+
+# GetStatus is re-exported: readers of the store import it from here.
+from tidemq.store.pull_outcome import GetStatus as GetStatus
 from tidemq.store.recovery import RecoveryReport, scan
 from tidemq.store.retention import RetentionService
 
 log = logging.getLogger(__name__)
 
-_TAG_HASH = struct.Struct("<Q")  # the first field of a message index entry
-_TAG_DTYPE = np.dtype([("tag", "<u8"), ("rel", "<u4")])
-assert _TAG_DTYPE.itemsize == INDEX_ENTRY_SIZE
 
 #: Messages per id-index block: a batch is indexed once per block of sequence ids it covers.
 ID_BLOCK_BITS = 10
@@ -142,52 +149,6 @@ class PutResult:
     @property
     def end_offset(self) -> int:
         return self.phys_offset + self.size
-
-
-class GetStatus(enum.StrEnum):
-    """RocketMQ's GetMessageStatus."""
-
-    FOUND = "FOUND"
-    NO_MATCHED_MESSAGE = "NO_MATCHED_MESSAGE"
-    MESSAGE_WAS_REMOVING = "MESSAGE_WAS_REMOVING"
-    OFFSET_FOUND_NULL = "OFFSET_FOUND_NULL"
-    OFFSET_OVERFLOW_BADLY = "OFFSET_OVERFLOW_BADLY"
-    OFFSET_OVERFLOW_ONE = "OFFSET_OVERFLOW_ONE"
-    OFFSET_TOO_SMALL = "OFFSET_TOO_SMALL"
-    NO_MATCHED_LOGIC_QUEUE = "NO_MATCHED_LOGIC_QUEUE"
-    NO_MESSAGE_IN_QUEUE = "NO_MESSAGE_IN_QUEUE"
-
-
-@dataclass(slots=True)
-class ReadBatch:
-    """A whole stored batch (zero-copy view of the mapping) and the first message wanted."""
-
-    data: memoryview
-    first_index: int
-    queue_offset: int  # queue offset of message ``first_index``
-    count: int  # messages from first_index to the batch's end
-
-    def messages(self) -> list[StoredMessage]:
-        return list(BatchView(self.data).messages(self.first_index))
-
-
-@dataclass(slots=True)
-class GetResult:
-    status: GetStatus
-    next_begin_offset: int
-    min_offset: int
-    max_offset: int
-    batches: list[ReadBatch] = field(default_factory=list)
-
-    @property
-    def message_count(self) -> int:
-        return sum(b.count for b in self.batches)
-
-    def messages(self) -> list[StoredMessage]:
-        out: list[StoredMessage] = []
-        for b in self.batches:
-            out.extend(b.messages())
-        return out
 
 
 DispatchListener = Callable[[str, int, int, BatchView], None]
@@ -479,6 +440,7 @@ class MessageStore:
             mm = seg.mm
             phys = seg.start + rel
             p_start = v.producer_start
+            buf: mmap.mmap | bytearray
             if size < self._pwrite_min:  # copy through the mapping, then stamp it in place
                 buf, at = mm, rel
                 mm[rel : rel + size] = data
@@ -492,7 +454,7 @@ class MessageStore:
                 buf, at + STORE_CRC_OFFSET,
                 crc32c(memoryview(buf)[at + STORE_CRC_FROM : at + p_start]),
             )
-            if buf is not mm:
+            if not isinstance(buf, mmap.mmap):
                 cl.pwrite(seg, rel, (buf, memoryview(data)[p_start:]), size)
             cl.advance(size)
             self._write_dispatch(v, cq, hashes, phys, qoff, size, now)
@@ -742,7 +704,7 @@ class MessageStore:
     ) -> None:
         """The batch's consume queue units (per batch, not per message) and index entries."""
         if v.count == 1:
-            cq.append_one(qoff, phys, size, _TAG_HASH.unpack_from(v.buf, v.pos + v.index_start)[0])
+            cq.append_one(qoff, phys, size, v.tag_hash_at(0))
         else:
             cq.append_batch(qoff, phys, size, v.index_view())
         if hashes:
@@ -839,17 +801,10 @@ class MessageStore:
         follow RocketMQ's DefaultMessageStore.getMessage.
         """
         cq = self.cqs.find(topic, queue_id)
-        if cq is None:
-            return GetResult(GetStatus.NO_MATCHED_LOGIC_QUEUE, 0, 0, 0)
-        mn, mx = cq.min_offset, cq.max_offset
-        if mx == 0:
-            return GetResult(GetStatus.NO_MESSAGE_IN_QUEUE, 0, mn, mx)
-        if offset < mn:
-            return GetResult(GetStatus.OFFSET_TOO_SMALL, mn, mn, mx)
-        if offset == mx:
-            return GetResult(GetStatus.OFFSET_OVERFLOW_ONE, offset, mn, mx)
-        if offset > mx:
-            return GetResult(GetStatus.OFFSET_OVERFLOW_BADLY, mn if mn == 0 else mx, mn, mx)
+        mn, mx = (cq.min_offset, cq.max_offset) if cq is not None else (0, 0)
+        early = position_outcome(cq is not None, offset, mn, mx)
+        if early is not None or cq is None:
+            return early  # type: ignore[return-value]
         cl = self.commitlog
         cl_min = cl.min_offset
         write_pos = cl.write_pos  # read after mx: every unit below mx points below it
@@ -915,7 +870,7 @@ class MessageStore:
                     continue
                 if wanted is not None:
                     v = BatchView(seg_mv, rel)
-                    tags = np.frombuffer(v.index_view(), dtype=_TAG_DTYPE)["tag"][first:]
+                    tags = index_hashes(v.index_view())[first:]
                     mask = np.isin(tags, wanted)
                     if not mask.any():
                         q = bq + bc
@@ -930,15 +885,9 @@ class MessageStore:
             if k < 0:
                 break
         self._get_messages += n
-        if batches:
-            status = GetStatus.FOUND
-        elif removed:
-            status = GetStatus.MESSAGE_WAS_REMOVING
-        else:
-            status = GetStatus.NO_MATCHED_MESSAGE
-        return GetResult(status, q, mn, mx, batches)
+        return read_outcome(q, mn, mx, batches, removed)
 
-    def _skip_batch(self, cq, q: int, phys: int, mx: int) -> int:
+    def _skip_batch(self, cq: LogQueue, q: int, phys: int, mx: int) -> int:
         """First queue offset after ``q`` whose unit points to another batch."""
         q += 1
         while q < mx:

@@ -1,4 +1,4 @@
-"""Recovery (SPEC ST6): walk the CommitLog from a trusted point, check every batch, find the end.
+"""Recovery (ref ST6): walk the CommitLog from a trusted point, check every batch, find the end.
 
 The CommitLog is the only source of truth. ``scan`` walks batches from ``start`` (a batch
 boundary: the checkpoint's ``dispatched`` offset, or the CommitLog's first offset when indexes are
@@ -175,6 +175,8 @@ def _has_data(cl: CommitLog, pos: int) -> bool:
 def _is_filler(seg: Segment, rel: int) -> bool:
     if rel + 6 > seg.size:
         return False
+    total: int
+    magic: int
     total, magic = TOTAL_SIZE_MAGIC.unpack_from(seg.mm, rel)
     return magic == FILLER_MAGIC and total == seg.size - rel
 

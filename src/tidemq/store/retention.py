@@ -1,4 +1,4 @@
-"""Retention (SPEC ST7): delete old CommitLog segments and the index entries below them.
+"""Retention (ref ST7): delete old CommitLog segments and the index entries below them.
 
 RocketMQ's CleanCommitLogService, with its defaults: a segment whose last write is older than
 ``file_reserved_hours`` (72 h) is deleted at ``delete_when_hour`` (04:00) or at any time once disk
@@ -78,7 +78,7 @@ class RetentionResult:
     dropped: list[DroppedRange] = field(default_factory=list)
 
 
-def disk_used_ratio(path: str | os.PathLike) -> float:
+def disk_used_ratio(path: str | os.PathLike[str]) -> float:
     u = shutil.disk_usage(path)
     return (u.total - u.free) / u.total if u.total else 0.0
 

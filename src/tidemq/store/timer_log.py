@@ -1,4 +1,4 @@
-"""TimerLog: the durable time index of messages held for delivery at a given time (SPEC BR8).
+"""TimerLog: the durable time index of messages held for delivery at a given time (ref BR8).
 
 The messages themselves stay in the CommitLog (the broker wraps each held batch in an envelope
 on the timer topic); the TimerLog only says *when* each envelope is due. It is a directory of
@@ -62,6 +62,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tidemq.base.atomic_file import write_atomic
 from tidemq.protocol.record import crc32c
 
 __all__ = ["TimerLog", "ENTRY", "ENTRY_SIZE", "ADD", "CANCEL", "DONE"]
@@ -252,21 +253,8 @@ class TimerLog:
         rename, fsync dir). Blocking; the owner may run it in a worker thread."""
         indexed = self.indexed
         self.sync()
-        path = self.dir / "checkpoint.json"
-        tmp = self.dir / "checkpoint.json.tmp"
         data = json.dumps({"indexed": indexed, "heartbeat_ms": now_ms}).encode()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        dfd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        write_atomic(self.dir / "checkpoint.json", data)
 
     def _read_bucket(self, start: int) -> np.ndarray:
         """Every entry of the bucket: its file, plus what is buffered or being written (taken

@@ -1,4 +1,4 @@
-"""Replication of a broker group: master and slaves (SPEC BR15; docs/cluster.md).
+"""Replication of a broker group: master and slaves (ref BR15; docs/cluster.md).
 
 - ``service``: the broker's role (master or slave), promotion, metadata sync, status;
 - ``master``: a master's replication port (the CommitLog streams to its slaves);

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 
-from tidemq.broker.durable_file import read_file, write_atomic
+from tidemq.base.atomic_file import read_file, write_atomic
 
 __all__ = ["EpochFile", "consistent_offset"]
 

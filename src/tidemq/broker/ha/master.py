@@ -1,5 +1,5 @@
 """A master's replication port: slaves connect, the CommitLog streams to them (RocketMQ's
-HAService / HAConnection; SPEC BR15; the wire format is ``protocol/ha.py``).
+HAService / HAConnection; ref BR15; the wire format is ``protocol/ha.py``).
 
 ::
 

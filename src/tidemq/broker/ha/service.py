@@ -1,4 +1,4 @@
-"""The broker's replication role (SPEC BR15; docs/cluster.md): master or slave of its group.
+"""The broker's replication role (ref BR15; docs/cluster.md): master or slave of its group.
 
 ::
 
@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from tidemq.broker.durable_file import read_file, write_atomic
+from tidemq.base.atomic_file import read_file, write_atomic
 from tidemq.broker.errors import RequestRejected
 from tidemq.broker.ha.election import Election, EtcdUnavailable, GroupView, new_member_id
 from tidemq.broker.ha.epoch import EpochFile
@@ -69,6 +69,8 @@ from tidemq.protocol.headers import (
 if TYPE_CHECKING:
     from tidemq.broker.broker import Broker
     from tidemq.broker.connection import BrokerConnection
+    from tidemq.protocol.errors import StoreError
+    from tidemq.store.flush import FlushCallback
 
 __all__ = ["HAService", "ROLES", "SYNC_MASTER", "ASYNC_MASTER", "SLAVE"]
 
@@ -118,7 +120,7 @@ class HAService:
         self.offsets_flowed_back = 0
         self._guarded: dict[int, Callable[..., None]] = {}
         self._handlers: dict[int, Callable[..., None]] | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._kick: asyncio.Event | None = None
         self._last_register_kick = 0.0
         self._pool: Any = None
@@ -895,10 +897,10 @@ class HAService:
         await self.promote(role, epoch)
         await el.put_member(self._member_info(), force=True)
 
-    def _gate(self, callback: Callable[[object], None], end: int) -> Callable[[object], None]:
+    def _gate(self, callback: FlushCallback, end: int) -> FlushCallback:
         """MessageStore.replication_gate: a broker-made write's callback waits for the
         slaves (SYNC_MASTER) once it is durable."""
-        def after_durable(err: object) -> None:
+        def after_durable(err: StoreError | None) -> None:
             w = self.waiters
             if err is not None or w is None or self.fenced:
                 callback(err)

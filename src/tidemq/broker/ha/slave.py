@@ -1,4 +1,4 @@
-"""A slave's link to its master (RocketMQ's HAClient; SPEC BR15; wire format ``protocol/ha.py``).
+"""A slave's link to its master (RocketMQ's HAClient; ref BR15; wire format ``protocol/ha.py``).
 
 One thread: connect to the master's replication address, say hello (what this broker holds and
 its epoch history), do what the welcome says (continue, cut a divergent tail, or start over at
@@ -66,9 +66,9 @@ class MasterLink:
         broker_id: Callable[[], int],
         broker_addr: str,
         master_addr: Callable[[], str],
-        on_reset: Callable[[str], None],
-        on_meta_version: Callable[[int], None],
-        on_connected: Callable[[bool], None],
+        on_reset: Callable[[str], object],
+        on_meta_version: Callable[[int], object],
+        on_connected: Callable[[bool], object],
         min_epoch: Callable[[], int] | None = None,
     ) -> None:
         self.store = store

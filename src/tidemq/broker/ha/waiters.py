@@ -26,7 +26,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from tidemq.protocol.codes import ResponseCode
 
@@ -96,7 +96,7 @@ class ReplicaWaiters:
             return True
         return False
 
-    def after(self, callback: Callable[[object], None], end: int) -> None:
+    def after(self, callback: Callable[[Any], None], end: int) -> None:
         """Call ``callback(None)`` once the slaves hold ``end`` (or it timed out, or no slave
         is in sync): a broker-made write (loop)."""
         self.expect(_AfterReplication(callback, time.monotonic() + self.timeout_s), end)

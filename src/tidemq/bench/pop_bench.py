@@ -1,0 +1,138 @@
+"""`tidemq bench pop`: SimpleConsumers (server-side dispatch, POP) of one group drain a backlog,
+acking every message.
+
+1. COUNT messages of SIZE bytes are produced to TOPIC in batches of ``produce_batch`` (1000),
+   unless ``produce=False``.
+2. N consumer processes (spawned; one ``aio.SimpleConsumer`` each, ``init_mode="earliest"``)
+   start together on the parent's ``go``; each loops ``receive(pop_batch)`` and acks every
+   message it got, one ``ack`` per message (the client groups the acks of a receive into one
+   ACK_MESSAGE frame, as it groups any concurrent acks) -- per-message acks, not cumulative.
+3. The rate is the messages received and acked over the time from ``go`` to the last ack
+   answered (members report every 5 ms through shared memory). A message is counted when
+   its ack succeeded; ``redelivered`` counts deliveries with attempt > 1, ``stale`` acks refused
+   as stale (neither should happen with the default 60 s invisible time).
+
+Returns one dict (JSON from the CLI): ``msgs_per_s``, ``mb_per_s``, ``client_cpu_us_per_msg``,
+``broker`` side costs are not separated (the broker is another process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+import uuid
+from typing import Any
+
+from tidemq.bench.client_bench import Progress, bench_produce, ensure_topic, run_loop
+from tidemq.client.simple_consumer import SimpleConsumer
+
+__all__ = ["bench_pop"]
+
+_SLOTS = 5  # per member: acked, redelivered, stale, last time, cpu seconds
+_REPORT = 0.005
+
+
+async def _member(namesrv: str, group: str, topic: str, pop_batch: int, invisible: float,
+                  arr: Any, i: int, go: Any, stop: Any) -> None:
+    base = i * _SLOTS
+    async with SimpleConsumer(namesrv, group, await_duration=0.5, init_mode="earliest") as c:
+        c.subscribe(topic)
+        await c.routes.get(topic)
+        while not go.is_set():
+            await asyncio.sleep(0.001)
+        cpu0 = time.process_time()
+        acked = redelivered = 0
+        last_report = 0.0
+        while not stop.is_set():
+            msgs = await c.receive(pop_batch, invisible)
+            if not msgs:
+                continue
+            redelivered += sum(1 for m in msgs if m.delivery_attempt > 1)
+            results = await asyncio.gather(*(c.ack(m) for m in msgs), return_exceptions=True)
+            acked += sum(1 for r in results if r is None)
+            now = time.monotonic()
+            arr[base], arr[base + 1], arr[base + 2] = acked, redelivered, c.stale
+            arr[base + 3] = now
+            if now - last_report > _REPORT:
+                arr[base + 4] = time.process_time() - cpu0
+                last_report = now
+        arr[base + 4] = time.process_time() - cpu0
+
+
+def _member_process(args: tuple) -> None:
+    run_loop(_member(*args))
+
+
+def bench_pop(
+    *,
+    namesrv: str,
+    topic: str,
+    group: str | None = None,
+    consumers: int = 4,
+    count: int = 200_000,
+    size: int = 128,
+    pop_batch: int = 256,
+    queues: int = 8,
+    produce: bool = True,
+    produce_batch: int = 1000,
+    invisible: float = 60.0,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    if consumers < 1 or pop_batch < 1 or count < 1:
+        raise ValueError("consumers, pop_batch and count must be >= 1")
+    run_loop(ensure_topic(namesrv, topic, queues))
+    if produce:
+        bench_produce(namesrv=namesrv, topic=topic, size=size, count=count,
+                      batch=produce_batch, queues=queues, inflight=8)
+    group = group or f"bench-pop-{uuid.uuid4().hex[:12]}"
+    ctx = multiprocessing.get_context("spawn")
+    arr = ctx.Array("d", _SLOTS * consumers, lock=False)
+    go, stop = ctx.Event(), ctx.Event()
+    procs = [ctx.Process(target=_member_process, daemon=True,
+                         args=((namesrv, group, topic, pop_batch, invisible, arr, i, go, stop),))
+             for i in range(consumers)]
+    for p in procs:
+        p.start()
+    time.sleep(3.0)  # spawned interpreters import tidemq and connect
+    t_go = time.monotonic()
+    go.set()
+    done = 0
+    last_progress = time.monotonic()
+    try:
+        while done < count:
+            time.sleep(0.05)
+            now_done = int(sum(arr[i * _SLOTS] for i in range(consumers)))
+            if progress is not None and now_done > done:
+                progress(now_done - done)
+            if now_done > done:
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > 20:
+                break  # stalled: report what was consumed
+            done = now_done
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    lasts = [arr[i * _SLOTS + 3] for i in range(consumers)]
+    secs = max(max(lasts) - t_go, _REPORT)
+    cpu = sum(arr[i * _SLOTS + 4] for i in range(consumers))
+    return {
+        "workload": "pop",
+        "group": group,
+        "consumers": consumers,
+        "pop_batch": pop_batch,
+        "acks": "per message (grouped into one ACK_MESSAGE frame per receive)",
+        "size": size,
+        "produce_batch": produce_batch if produce else None,
+        "count": done,
+        "complete": done >= count,
+        "seconds": round(secs, 3),
+        "msgs_per_s": round(done / secs),
+        "mb_per_s": round(done * size / secs / 1e6, 1),
+        "redelivered": int(sum(arr[i * _SLOTS + 1] for i in range(consumers))),
+        "stale_acks": int(sum(arr[i * _SLOTS + 2] for i in range(consumers))),
+        "client_cpu_us_per_msg": round(cpu / max(done, 1) * 1e6, 3),
+    }

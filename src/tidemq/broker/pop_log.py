@@ -1,0 +1,102 @@
+"""Durable POP state: pop and ack records through the CommitLog (docs/pop-dispatch.md).
+
+Every change of a pop window (``pop_window.py``) -- the deliveries a pop handed out, the acks of
+an ACK_MESSAGE frame, a new invisible time -- is appended as one single-message batch to the
+system topic ``rmq_sys_POP_LOG`` (queue 0) before the answer leaves, through the ordinary
+store: flushed with the flush mode, recovered by the store's recovery, replicated as any topic.
+The body is one MessagePack array (msgspec)::
+
+    [group, topic, queue id, [[offset, attempt, pop time ms, invisible ms], ...],   # deliveries
+                             [[offset, pop time ms], ...]]                            # acks
+
+On start the broker replays the topic in order into fresh windows whose ``start`` is the
+group's committed offset (every offset below it is acked), else the first offset the log names
+for that queue. So after a kill -9: an acked message is never delivered again (its ack record
+was written before the ack was answered -- a machine crash can lose at most the records of one
+flush interval, whose acks then count as not given), an in-flight one stays invisible until its
+deadline and comes back with attempt + 1, and nothing is lost (a window's ``start`` moves only
+over acked offsets).
+
+Replay reads the whole topic (what retention left of it): its cost grows with the log until a
+checkpoint of the windows exists (not built yet).
+
+Threads: the broker's event loop only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from tidemq.protocol.errors import TidemqError
+from tidemq.protocol.record import BatchView, MessageData, encode_batch
+from tidemq.store.message_store import GetStatus
+
+if TYPE_CHECKING:
+    from tidemq.broker.pop_window import Popped, PopWindow
+    from tidemq.store.message_store import MessageStore
+
+__all__ = ["POP_LOG_TOPIC", "PopLog"]
+
+log = logging.getLogger(__name__)
+
+POP_LOG_TOPIC = "rmq_sys_POP_LOG"
+
+_Record = tuple[str, str, int, list[tuple[int, int, int, int]], list[tuple[int, int]]]
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(_Record)
+
+
+class PopLog:
+    """Append and replay ``rmq_sys_POP_LOG`` (event loop only)."""
+
+    def __init__(self, store: MessageStore) -> None:
+        self.store = store
+        self.appended = 0
+        self.replayed = 0
+        self.skipped = 0
+
+    def append(self, group: str, topic: str, qid: int, pops: list[Popped],
+               acks: list[tuple[int, int]]) -> None:
+        if not pops and not acks:
+            return
+        body = _encoder.encode((group, topic, qid,
+                                [(p.offset, p.attempt, p.pop_time, p.invisible_ms)
+                                 for p in pops], acks))
+        self.store.put(encode_batch(POP_LOG_TOPIC, [MessageData(body)]), queue_id=0)
+        self.appended += 1
+
+    def replay(self, window_for) -> int:
+        """Apply every record in order; ``window_for(group, topic, qid, first_offset)`` gives
+        the window to apply it to. Returns the records applied."""
+        store = self.store
+        off = store.min_offset(POP_LOG_TOPIC, 0)
+        end = store.max_offset(POP_LOG_TOPIC, 0)
+        n = 0
+        while off < end:
+            r = store.get_messages(POP_LOG_TOPIC, 0, off, 256)
+            if r.status is not GetStatus.FOUND:
+                if r.next_begin_offset > off:
+                    off = r.next_begin_offset
+                    continue
+                break
+            for rb in r.batches:
+                off = rb.queue_offset + rb.count
+                try:
+                    for m in BatchView(rb.data).messages(rb.first_index):
+                        group, topic, qid, pops, acks = _decoder.decode(m.body)
+                        first = pops[0][0] if pops else (acks[0][0] if acks else 0)
+                        w: PopWindow = window_for(group, topic, qid, first)
+                        for o, attempt, pop_time, inv in pops:
+                            w.restore(o, attempt, pop_time, inv)
+                        for o, pop_time in acks:
+                            w.ack(o, pop_time)
+                        n += 1
+                except (TidemqError, msgspec.DecodeError, ValueError) as exc:
+                    self.skipped += 1
+                    log.warning("%s record at offset %d skipped: %s", POP_LOG_TOPIC,
+                                rb.queue_offset, exc)
+        self.replayed = n
+        return n

@@ -1,0 +1,476 @@
+"""POP_MESSAGE, ACK_MESSAGE, CHANGE_INVISIBLE_TIME: server-side dispatch (docs/pop-dispatch.md).
+
+A POP group's members take messages from any queue of a topic; each popped message is invisible
+to the group for ``invisible_ms`` and comes back with its delivery attempt + 1 unless acked in
+time. The state of one (group, topic, queue) is a :class:`PopWindow`; this module is the wire
+around it:
+
+- **pop**: queues walked round robin from a per-(group, topic) cursor (or the one named);
+  per queue the window hands out revived deliveries first, then new offsets; the batches that
+  hold them are read from the store and answered whole, with one member bitmap (and, for
+  redeliveries, the attempts) per batch (``protocol/pop.py``). Messages the subscription
+  (tag or SQL92) does not select are acked on the spot, never delivered. A revived delivery
+  past the group's ``retry_max_times`` attempts is copied into ``%DLQ%<group>`` (as a push
+  consumer's message is, ``send_back.py``) and acked instead of delivered.
+- **long polling**: an empty pop with ``poll_ms`` is re-tried every ``_POLL_STEP_S`` until it
+  finds something or its time is up (then PULL_NOT_FOUND).
+- **ack**: many handles per frame; per handle SUCCESS, NO_MESSAGE (stale) or
+  INVALID_ARGUMENT. The acked prefix of a queue (``PopWindow.start``) is the group's consumer
+  offset, committed to the offset table (so ``tidemq group`` shows the lag).
+- **change invisible time**: a new handle for the same delivery attempt; the old is stale.
+
+One group name, one consumption mode: a group that pulled (push / lite pull consumers, or with
+heartbeating members) cannot pop, and a group that popped cannot pull, on this broker
+(CONSUME_MODE_CONFLICT, with the reason) -- their offsets would fight.
+
+Durable: every pop, ack and invisible-time change is appended to ``rmq_sys_POP_LOG`` before
+its answer leaves, and replayed at start (``pop_log.py``).
+
+Threads: the broker's event loop only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from tidemq.broker.connection import decode_request
+from tidemq.broker.consume_switches import check_consume_allowed
+from tidemq.broker.errors import RequestRejected, check_group
+from tidemq.broker.pop_log import PopLog
+from tidemq.broker.pop_window import Popped, PopWindow
+from tidemq.broker.send_back import store_copy
+from tidemq.broker.sql_select import sql_filter_for
+from tidemq.protocol.codes import DLQ_PREFIX, RequestCode, ResponseCode
+from tidemq.protocol.errors import CorruptBatchError, TidemqError
+from tidemq.protocol.headers import Perm
+from tidemq.protocol.members import bitmap, filter_fields
+from tidemq.protocol.pop import (
+    ANY_QUEUE,
+    INIT_EARLIEST,
+    INIT_LATEST,
+    AckMessageRequestHeader,
+    AckMessageResponseHeader,
+    ChangeInvisibleRequestHeader,
+    ChangeInvisibleResponseHeader,
+    PopMessageRequestHeader,
+    PopMessageResponseHeader,
+    PoppedBatch,
+)
+from tidemq.protocol.receipt import ReceiptError, ReceiptHandle, decode_receipt, encode_receipt
+from tidemq.protocol.record import BatchView
+from tidemq.store.message_store import GetStatus
+
+if TYPE_CHECKING:
+    from tidemq.broker.broker import Broker
+    from tidemq.broker.connection import BrokerConnection
+    from tidemq.protocol.frame import Frame
+
+__all__ = ["PopProcessor", "POP", "PULL"]
+
+log = logging.getLogger(__name__)
+
+POP = "POP"
+PULL = "PULL"
+_POLL_STEP_S = 0.02
+_R = ResponseCode
+_SCAN = 256  # offsets read per store call when gathering popped batches
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class _Held:
+    __slots__ = ("conn", "opaque", "header", "deadline")
+
+    def __init__(self, conn: BrokerConnection, opaque: int, header: PopMessageRequestHeader,
+                 deadline: float) -> None:
+        self.conn = conn
+        self.opaque = opaque
+        self.header = header
+        self.deadline = deadline
+
+
+class _Selector:
+    """A pop's subscription: None = every message; else matches(tag, props)."""
+
+    __slots__ = ("tags", "sql")
+
+    def __init__(self, h: PopMessageRequestHeader) -> None:
+        self.tags: frozenset[str] | None = None
+        self.sql = None
+        kind = (h.expression_type or "TAG").upper()
+        expr = (h.subscription or "").strip()
+        if kind == "SQL92":
+            self.sql = sql_filter_for(expr)
+        elif kind != "TAG":
+            raise RequestRejected(
+                _R.SUBSCRIPTION_PARSE_FAILED,
+                f"expression type {h.expression_type!r} is not supported; use TAG or SQL92")
+        elif expr and expr != "*":
+            tags = frozenset(t.strip() for t in expr.split("||") if t.strip())
+            if not tags:
+                raise RequestRejected(
+                    _R.SUBSCRIPTION_PARSE_FAILED,
+                    f"tag expression {expr!r} names no tag; use '*' or 'TagA || TagB'")
+            if "*" not in tags:
+                self.tags = tags
+
+    @property
+    def everything(self) -> bool:
+        return self.tags is None and self.sql is None
+
+    def matches(self, tag: str | None, props: dict[str, str] | None) -> bool:
+        if props is None:
+            return False  # undecodable: nobody's (the reader reports it)
+        if self.sql is not None:
+            return self.sql.matches(props, tag)
+        return self.tags is None or tag in self.tags
+
+
+class PopProcessor:
+    """The POP requests of one broker (event loop only)."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.windows: dict[tuple[str, str, int], PopWindow] = {}
+        self.modes: dict[str, str] = {}  # group -> POP or PULL (first use on this broker)
+        self._cursor: dict[tuple[str, str], int] = {}
+        self._held: list[_Held] = []
+        self._timer = None
+        self.popped = 0
+        self.acked = 0
+        self.stale = 0
+        self.dead = 0  # copied to %DLQ%<group> after retry_max_times deliveries
+        self.log = PopLog(broker.store)
+
+    def recover(self) -> int:
+        """Rebuild the windows from ``rmq_sys_POP_LOG`` (at start, before serving)."""
+        def window_for(group: str, topic: str, qid: int, first: int) -> PopWindow:
+            key = (group, topic, qid)
+            w = self.windows.get(key)
+            if w is None:
+                start = self.broker.offsets.query(group, topic, qid)
+                w = self.windows[key] = PopWindow(start if start >= 0 else first)
+                self.modes.setdefault(group, POP)
+            return w
+
+        n = self.log.replay(window_for)
+        for (group, topic, qid), w in self.windows.items():
+            self._commit(group, topic, qid, w)
+        if n:
+            log.info("POP state recovered: %d records, %d windows", n, len(self.windows))
+        return n
+
+    def handlers(self) -> dict:
+        return {
+            RequestCode.POP_MESSAGE: self.handle_pop,
+            RequestCode.ACK_MESSAGE: self.handle_ack,
+            RequestCode.CHANGE_INVISIBLE_TIME: self.handle_change,
+        }
+
+    # -- consumption mode ----------------------------------------------------------------------
+    def check_mode(self, group: str, mode: str) -> None:
+        """Refuse ``group`` consumed in ``mode`` when it is consumed in the other mode here."""
+        have = self.modes.get(group)
+        if have is None and mode == POP:
+            info = self.broker.consumers.group_of(group)
+            if info is not None and info.members:
+                have = PULL
+        if have is None:
+            self.modes[group] = mode
+            return
+        if have != mode:
+            what = {POP: "POP consumers (SimpleConsumer)", PULL: "pull/push consumers"}
+            raise RequestRejected(
+                _R.CONSUME_MODE_CONFLICT,
+                f"consumer group {group!r} is consumed by {what[have]} on broker "
+                f"{self.broker.config.broker_name}; {what[mode]} cannot join it: one group "
+                "name has one consumption mode, use another group name")
+
+    # -- POP_MESSAGE ---------------------------------------------------------------------------
+    def handle_pop(self, conn: BrokerConnection, frame: Frame) -> None:
+        h: PopMessageRequestHeader = decode_request(frame, PopMessageRequestHeader)
+        if frame.is_oneway:
+            raise RequestRejected(_R.INVALID_ARGUMENT, "a pop cannot be one-way")
+        self._admit(h)
+        if self._answer(conn, frame.opaque, h):
+            return
+        if h.poll_ms > 0:
+            self._held.append(_Held(conn, frame.opaque, h,
+                                    time.monotonic() + h.poll_ms / 1000.0))
+            self._arm()
+        else:
+            self._empty(conn, frame.opaque, h)
+
+    def _admit(self, h: PopMessageRequestHeader) -> None:
+        group = h.consumer_group
+        check_group(group)
+        check_consume_allowed(self.broker, group)
+        tc = self.broker.topics.get(h.topic)
+        name = self.broker.config.broker_name
+        if tc is None:
+            raise RequestRejected(
+                _R.TOPIC_NOT_EXIST, f"topic {h.topic!r} does not exist on broker {name}")
+        if not tc.perm & Perm.READ or h.topic.startswith(DLQ_PREFIX):
+            raise RequestRejected(
+                _R.NO_PERMISSION, f"topic {h.topic!r} is not readable on broker {name}")
+        if h.queue_id != ANY_QUEUE and h.queue_id >= tc.read_queue_nums:
+            raise RequestRejected(
+                _R.INVALID_ARGUMENT,
+                f"queue id {h.queue_id} is out of range: topic {h.topic!r} has "
+                f"{tc.read_queue_nums} read queues on broker {name} (or -1: any)")
+        if h.init_mode.upper() not in (INIT_EARLIEST, INIT_LATEST):
+            raise RequestRejected(
+                _R.INVALID_ARGUMENT,
+                f"init mode {h.init_mode!r} is not EARLIEST or LATEST")
+        if self.broker.non_persistent.owns(h.topic):
+            raise RequestRejected(
+                _R.NO_PERMISSION, f"topic {h.topic!r} is non-persistent: it cannot be popped")
+        _Selector(h)  # a bad subscription is refused at the door
+        self.check_mode(group, POP)
+
+    def _answer(self, conn: BrokerConnection, opaque: int, h: PopMessageRequestHeader) -> bool:
+        """Pop and answer SUCCESS when something was popped (True); else nothing sent."""
+        tc = self.broker.topics.get(h.topic)
+        if tc is None:
+            return False
+        sel = _Selector(h)
+        now = _now_ms()
+        if h.queue_id == ANY_QUEUE:
+            n = tc.read_queue_nums
+            key = (h.consumer_group, h.topic)
+            first = self._cursor.get(key, 0) % max(n, 1)
+            self._cursor[key] = first + 1
+            qids = [(first + i) % n for i in range(n)]
+        else:
+            qids = [h.queue_id]
+        bodies: list[memoryview] = []
+        batches: list[PoppedBatch] = []
+        want = h.max_msg_nums
+        for qid in qids:
+            if want <= 0:
+                break
+            want -= self._pop_queue(h, qid, want, now, sel, bodies, batches)
+        if not batches:
+            return False
+        header = PopMessageResponseHeader(
+            broker=self.broker.config.broker_name, pop_time=now, invisible_ms=h.invisible_ms,
+            batches=batches)
+        conn.respond(opaque, _R.SUCCESS, header, bodies)
+        return True
+
+    def _empty(self, conn: BrokerConnection, opaque: int, h: PopMessageRequestHeader) -> None:
+        conn.respond(opaque, _R.PULL_NOT_FOUND, PopMessageResponseHeader(
+            broker=self.broker.config.broker_name, pop_time=_now_ms(),
+            invisible_ms=h.invisible_ms))
+
+    def window(self, group: str, topic: str, qid: int, init_mode: str = INIT_LATEST
+               ) -> PopWindow:
+        key = (group, topic, qid)
+        w = self.windows.get(key)
+        if w is None:
+            store = self.broker.store
+            start = self.broker.offsets.query(group, topic, qid)
+            if start is None or start < 0:
+                if init_mode.upper() == INIT_EARLIEST:
+                    start = store.min_offset(topic, qid)
+                else:
+                    start = store.max_offset(topic, qid)
+            w = self.windows[key] = PopWindow(max(start, store.min_offset(topic, qid)))
+        return w
+
+    def _pop_queue(self, h: PopMessageRequestHeader, qid: int, want: int, now: int,
+                   sel: _Selector, bodies: list, batches: list[PoppedBatch]) -> int:
+        """Pop up to ``want`` messages of queue ``qid`` into ``bodies``/``batches``; how many."""
+        group, topic = h.consumer_group, h.topic
+        w = self.window(group, topic, qid, h.init_mode)
+        store = self.broker.store
+        max_off = store.max_offset(topic, qid)
+        got = 0
+        sg = None
+        logged: list[Popped] = []
+        acks: list[tuple[int, int]] = []
+        for _round in range(8):  # filtered-out and dead messages make room for more
+            popped = w.pop(want - got, now, h.invisible_ms, max_off)
+            if not popped:
+                break
+            logged += popped
+            by_off = {p.offset: p for p in popped}
+            for data, base, idx in self._read(topic, qid, sorted(by_off)):
+                keep: list[int] = []
+                attempts: list[int] = []
+                view = None
+                if not sel.everything:
+                    view = BatchView(data)
+                    try:
+                        fields = {i: (t, p) for i, t, p in filter_fields(view, idx[0])}
+                    except CorruptBatchError:
+                        fields = {}
+                for i in idx:
+                    p = by_off.pop(base + i)
+                    if view is not None and not sel.matches(*fields.get(i, (None, None))):
+                        w.ack(p.offset, p.pop_time)  # not this subscription's
+                        acks.append((p.offset, p.pop_time))
+                        continue
+                    if p.attempt > 1:
+                        if sg is None:
+                            sg = self.broker.subscription_groups.ensure(group)
+                        if p.attempt > sg.retry_max_times:
+                            self._dead_letter(group, data, i, p)
+                            w.ack(p.offset, p.pop_time)
+                            acks.append((p.offset, p.pop_time))
+                            continue
+                    keep.append(i)
+                    attempts.append(p.attempt)
+                if keep:
+                    bodies.append(data)
+                    batches.append(PoppedBatch(
+                        qid, bitmap(keep),
+                        attempts if any(a != 1 for a in attempts) else []))
+                    got += len(keep)
+            for p in by_off.values():  # gone from the store (retention): nothing to deliver
+                w.ack(p.offset, p.pop_time)
+                acks.append((p.offset, p.pop_time))
+            if got >= want:
+                break
+        self.log.append(group, topic, qid, logged, acks)  # durable before the answer leaves
+        self.popped += got
+        self._commit(group, topic, qid, w)
+        return got
+
+    def _read(self, topic: str, qid: int, offsets: list[int]):
+        """(batch bytes, base offset, member indices) of the batches holding ``offsets``."""
+        store = self.broker.store
+        i, n = 0, len(offsets)
+        while i < n:
+            off = offsets[i]
+            span = min(offsets[-1] - off + 1, _SCAN)
+            r = store.get_messages(topic, qid, off, span)
+            if r.status is not GetStatus.FOUND or not r.batches:
+                i += 1  # not readable: left to the caller (acked as gone)
+                continue
+            progressed = False
+            for b in r.batches:
+                base = b.queue_offset - b.first_index
+                end = b.queue_offset + b.count
+                idx: list[int] = []
+                while i < n and offsets[i] < end:
+                    if offsets[i] >= base:
+                        idx.append(offsets[i] - base)
+                    i += 1
+                    progressed = True
+                if idx:
+                    yield b.data, base, idx
+                if i >= n:
+                    break
+            if not progressed:
+                i += 1
+
+    def _dead_letter(self, group: str, data: memoryview, index: int, p: Popped) -> None:
+        broker = self.broker
+        try:
+            view = BatchView(data)
+            m = next(view.messages(index, broker.store.config.max_batch_bytes))
+            broker.ensure_dlq_topic(group)
+            store_copy(broker, view, index, m, DLQ_PREFIX + group, delay=0,
+                       reconsume_times=p.attempt - 1)
+            self.dead += 1
+            log.info("message at offset %d of group %s goes to %s%s after %d deliveries",
+                     p.offset, group, DLQ_PREFIX, group, p.attempt - 1)
+        except (TidemqError, StopIteration, ValueError) as exc:
+            log.warning("dead-letter copy of offset %d (group %s) failed: %s; dropped",
+                        p.offset, group, exc)
+
+    def _commit(self, group: str, topic: str, qid: int, w: PopWindow) -> None:
+        self.broker.offsets.commit(group, topic, qid, w.start)
+
+    # -- long polling ----------------------------------------------------------------------------
+    def _arm(self) -> None:
+        if self._timer is None and self._held:
+            self._timer = self.broker.loop.call_later(_POLL_STEP_S, self._retry_held)
+
+    def _retry_held(self) -> None:
+        self._timer = None
+        held, self._held = self._held, []
+        now = time.monotonic()
+        for x in held:
+            if x.conn.closed:
+                continue
+            try:
+                if self._answer(x.conn, x.opaque, x.header):
+                    continue
+                if now >= x.deadline:
+                    self._empty(x.conn, x.opaque, x.header)
+                else:
+                    self._held.append(x)
+            except Exception as exc:  # answer, never leave the client waiting
+                self.broker.answer_failure(x.conn, x.opaque, "POP_MESSAGE", exc)
+        self._arm()
+
+    def drop_connection(self, conn: BrokerConnection) -> None:
+        self._held = [x for x in self._held if x.conn is not conn]
+
+    # -- ACK_MESSAGE -----------------------------------------------------------------------------
+    def _handle_of(self, text: str) -> ReceiptHandle:
+        h = decode_receipt(text)
+        if h.broker != self.broker.config.broker_name:
+            raise ReceiptError(f"receipt handle of broker {h.broker!r}, this is "
+                               f"{self.broker.config.broker_name!r}")
+        return h
+
+    def handle_ack(self, conn: BrokerConnection, frame: Frame) -> None:
+        h: AckMessageRequestHeader = decode_request(frame, AckMessageRequestHeader)
+        check_group(h.consumer_group)
+        results: list[int] = []
+        touched: dict[tuple[str, str, int], list[tuple[int, int]]] = {}
+        for text in h.handles:
+            try:
+                rh = self._handle_of(text)
+            except ReceiptError:
+                results.append(_R.INVALID_ARGUMENT)
+                continue
+            key = (h.consumer_group, rh.topic, rh.queue_id)
+            w = self.windows.get(key)
+            if w is not None and w.ack(rh.offset, rh.pop_time):
+                results.append(_R.SUCCESS)
+                touched.setdefault(key, []).append((rh.offset, rh.pop_time))
+                self.acked += 1
+            else:
+                results.append(_R.NO_MESSAGE)
+                self.stale += 1
+        for key, acked in touched.items():
+            try:
+                self.log.append(*key, [], acked)  # before the answer: an ack survives kill -9
+            except TidemqError as exc:
+                log.error("ack records of %s not stored (%s): these acks may be lost in a "
+                          "restart (the messages are then delivered again)", key, exc)
+            self._commit(*key, self.windows[key])
+        if not frame.is_oneway:
+            conn.respond(frame.opaque, _R.SUCCESS, AckMessageResponseHeader(results=results))
+
+    # -- CHANGE_INVISIBLE_TIME ------------------------------------------------------------------
+    def handle_change(self, conn: BrokerConnection, frame: Frame) -> None:
+        h: ChangeInvisibleRequestHeader = decode_request(frame, ChangeInvisibleRequestHeader)
+        check_group(h.consumer_group)
+        try:
+            rh = self._handle_of(h.handle)
+        except ReceiptError as exc:
+            raise RequestRejected(_R.INVALID_ARGUMENT, str(exc)) from None
+        w = self.windows.get((h.consumer_group, rh.topic, rh.queue_id))
+        now = _now_ms()
+        if w is not None and now <= rh.pop_time:
+            now = rh.pop_time + 1  # a new handle must differ from the old (pop time)
+        p = w.change_invisible(rh.offset, rh.pop_time, h.invisible_ms, now) if w else None
+        if p is None:
+            raise RequestRejected(
+                _R.NO_MESSAGE,
+                f"receipt handle of {rh.topic} queue {rh.queue_id} offset {rh.offset} is "
+                "stale: acked already, or delivered again since")
+        self.log.append(h.consumer_group, rh.topic, rh.queue_id, [p], [])
+        new = ReceiptHandle(rh.broker, rh.topic, rh.queue_id, rh.offset, p.pop_time,
+                            p.invisible_ms, rh.revive_queue_id, p.attempt)
+        conn.respond(frame.opaque, _R.SUCCESS,
+                     ChangeInvisibleResponseHeader(handle=encode_receipt(new)))

@@ -1,0 +1,355 @@
+"""SimpleConsumer: RocketMQ 5's consumer on server-side dispatch (POP; docs/consumer-groups.md).
+
+::
+
+    async with aio.SimpleConsumer("127.0.0.1:9876", "billing") as c:
+        c.subscribe("orders")                        # or sql="region = 'eu'"
+        for m in await c.receive(16, invisible_duration=30.0):
+            handle(m.body)
+            await c.ack(m)
+
+The broker hands each message of the subscribed topics to one member of the group at a time:
+``receive`` pops up to ``max_messages`` from any queue (POP_MESSAGE, long polling up to
+``await_duration``); each received message is invisible to the group for
+``invisible_duration`` seconds; ``ack`` removes it for good; what is not acked in time is
+delivered again -- to this or another member -- with ``delivery_attempt`` + 1, and after the
+group's ``retry_max_times`` (16) deliveries goes to ``%DLQ%<group>``.
+``change_invisible_duration`` extends (or shortens) the time a message stays invisible.
+
+Acks are grouped: every ``ack`` joins a per-broker buffer sent as one ACK_MESSAGE frame on the
+next turn of the event loop (or at ``ack_batch`` handles), so many concurrent acks cost one
+round trip. ``ack`` raises :class:`StaleReceiptError` (response NO_MESSAGE) when the handle is
+stale: the message was acked already, or delivered again since because its invisible time
+passed -- the work was then done twice, which at-least-once allows.
+
+Members need no rebalance and no heartbeat: any number of them share any number of queues.
+
+Event loop only (``tidemq.SimpleConsumer`` is the blocking facade).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from tidemq.client.codec import decode_pull_body
+from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
+from tidemq.client.errors import ClientClosedError, NoRouteError
+from tidemq.client.message import MessageExt
+from tidemq.client.route import RouteCache
+from tidemq.client.selection import Selection
+from tidemq.protocol.codes import RequestCode, ResponseCode
+from tidemq.protocol.errors import BrokerError
+from tidemq.protocol.names import group_name_problem
+from tidemq.protocol.pop import (
+    MAX_ACKS_PER_FRAME,
+    MAX_POP_MESSAGES,
+    AckMessageRequestHeader,
+    ChangeInvisibleRequestHeader,
+    PopMessageRequestHeader,
+    receipt_handles,
+)
+from tidemq.protocol.receipt import MAX_INVISIBLE_MS, encode_receipt
+from tidemq.protocol.record import read_total_size_magic
+
+__all__ = ["SimpleConsumer", "ReceivedMessage", "StaleReceiptError"]
+
+log = logging.getLogger(__name__)
+
+_POP_OK = frozenset({ResponseCode.SUCCESS, ResponseCode.PULL_NOT_FOUND})
+_QUEUE_OFFSET_AT = 20  # byte of a stored batch's first queue offset (record.STORE_HEADER)
+
+
+class StaleReceiptError(BrokerError):
+    """An ack or invisible-time change of a stale receipt handle (NO_MESSAGE): the message was
+    acked already, or delivered again since."""
+
+    code = "NO_MESSAGE"
+
+
+class ReceivedMessage:
+    """A received message (``message``: the :class:`MessageExt`; its attributes are readable
+    here too) with its ``receipt_handle`` and ``delivery_attempt`` (1 = first delivery)."""
+
+    __slots__ = ("message", "receipt_handle", "delivery_attempt", "broker_addr")
+
+    def __init__(self, message: MessageExt, receipt_handle: str, delivery_attempt: int,
+                 broker_addr: str) -> None:
+        self.message = message
+        self.receipt_handle = receipt_handle
+        self.delivery_attempt = delivery_attempt
+        self.broker_addr = broker_addr
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.message, name)
+
+    def __repr__(self) -> str:
+        m = self.message
+        return (f"ReceivedMessage({m.topic}, queue {m.queue_id}, offset {m.queue_offset}, "
+                f"attempt {self.delivery_attempt})")
+
+
+def _ms(seconds: float, what: str) -> int:
+    ms = int(round(seconds * 1000))
+    if not 1 <= ms <= MAX_INVISIBLE_MS:
+        raise ValueError(f"{what} must be between 0.001 s and 12 h, not {seconds!r}")
+    return ms
+
+
+def _quiet(f: asyncio.Future[None]) -> None:
+    if not f.cancelled():
+        f.exception()  # retrieved: a failed ack nobody awaits is not worth a warning
+
+
+class _AckBuffer:
+    """Acks of one broker waiting for the next flush (one ACK_MESSAGE frame)."""
+
+    __slots__ = ("handles", "futures", "scheduled")
+
+    def __init__(self) -> None:
+        self.handles: list[str] = []
+        self.futures: list[asyncio.Future[None]] = []
+        self.scheduled = False
+
+
+class SimpleConsumer:
+    """RocketMQ 5 SimpleConsumer over POP (see the module doc). Event loop only."""
+
+    def __init__(
+        self,
+        namesrv: str | Sequence[str],
+        group: str,
+        *,
+        await_duration: float = 20.0,
+        init_mode: str = "latest",
+        ack_batch: int = 1024,
+        request_timeout: float = DEFAULT_TIMEOUT,
+        route_refresh: float = 30.0,
+        pool: ConnectionPool | None = None,
+    ) -> None:
+        problem = group_name_problem(group)
+        if problem:
+            raise ValueError(problem)
+        if init_mode.lower() not in ("earliest", "latest"):
+            raise ValueError("init_mode is 'earliest' or 'latest'")
+        if not 1 <= ack_batch <= MAX_ACKS_PER_FRAME:
+            raise ValueError(f"ack_batch must be between 1 and {MAX_ACKS_PER_FRAME}")
+        self.group = group
+        self.await_duration = await_duration
+        self.init_mode = init_mode.upper()
+        self.ack_batch = ack_batch
+        self.request_timeout = request_timeout
+        self._own_pool = pool is None
+        self.pool = pool if pool is not None else ConnectionPool(connect_timeout=request_timeout)
+        self.routes = RouteCache(self.pool, namesrv, refresh_interval=route_refresh,
+                                 timeout=request_timeout)
+        self._subs: dict[str, Selection] = {}
+        self._rr = itertools.count()
+        self._acks: dict[str, _AckBuffer] = {}
+        self._started = False
+        self._closed = False
+        self.received = 0
+        self.acked = 0
+        self.stale = 0
+
+    # -- configuration / lifecycle ---------------------------------------------------------------
+    def subscribe(self, topic: str, expression: str = "*", *, sql: str | None = None) -> None:
+        """Receive ``topic``'s messages: ``expression`` "*" or "TagA || TagB", or
+        ``sql="..."`` (SQL92 over properties, filtered on the broker)."""
+        self._subs[topic] = Selection(expression, sql=sql)
+
+    def unsubscribe(self, topic: str) -> None:
+        self._subs.pop(topic, None)
+
+    def subscription(self) -> dict[str, str]:
+        return {t: s.expression for t, s in self._subs.items()}
+
+    async def start(self) -> SimpleConsumer:
+        if self._closed:
+            raise ClientClosedError("this SimpleConsumer was closed; create a new one")
+        if not self._started:
+            self._started = True
+            self.routes.start()
+        return self
+
+    async def close(self) -> None:
+        """Flush pending acks, then close. Unacked received messages come back to the group
+        when their invisible time passes."""
+        if self._closed:
+            return
+        for addr, buf in list(self._acks.items()):
+            if buf.handles:
+                await self._flush(addr)
+        self._closed = True
+        await self.routes.close()
+        if self._own_pool:
+            self.pool.close()
+
+    async def __aenter__(self) -> SimpleConsumer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- receive ---------------------------------------------------------------------------------
+    async def receive(self, max_messages: int = 16, invisible_duration: float = 30.0
+                      ) -> list[ReceivedMessage]:
+        """Up to ``max_messages`` messages, each invisible to the group for
+        ``invisible_duration`` seconds; waits up to ``await_duration`` when there are none
+        (then returns [])."""
+        if not self._started:
+            await self.start()
+        if not self._subs:
+            raise ValueError("subscribe to a topic before receive()")
+        if not 1 <= max_messages <= MAX_POP_MESSAGES:
+            raise ValueError(f"max_messages must be between 1 and {MAX_POP_MESSAGES}")
+        inv = _ms(invisible_duration, "invisible_duration")
+        targets: list[tuple[str, str, Selection]] = []
+        for topic, sel in self._subs.items():
+            route = await self.routes.get(topic)
+            targets += [(topic, addr, sel) for addr in sorted(route.read_addrs.values())]
+        if not targets:
+            raise NoRouteError(f"no broker serves {sorted(self._subs)}; create the topic")
+        n = len(targets)
+        first = next(self._rr) % n
+        order = [targets[(first + i) % n] for i in range(n)]
+        # one quick pass over every (topic, broker), then a long poll on the next one
+        for topic, addr, sel in order:
+            got = await self._pop(topic, addr, sel, max_messages, inv, 0)
+            if got:
+                return got
+        topic, addr, sel = order[0]
+        poll_ms = max(0, min(int(self.await_duration * 1000 / n), 60_000))
+        if poll_ms == 0:
+            return []
+        return await self._pop(topic, addr, sel, max_messages, inv, poll_ms)
+
+    async def _pop(self, topic: str, addr: str, sel: Selection, max_messages: int, inv: int,
+                   poll_ms: int) -> list[ReceivedMessage]:
+        h = PopMessageRequestHeader(
+            consumer_group=self.group, topic=topic, max_msg_nums=max_messages, invisible_ms=inv,
+            poll_ms=poll_ms, subscription=sel.expression if sel.filters else None,
+            expression_type=sel.expression_type, init_mode=self.init_mode)
+        conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
+        frame = raise_for_error(
+            await conn.request(RequestCode.POP_MESSAGE, h,
+                               timeout=poll_ms / 1000 + self.request_timeout), _POP_OK)
+        if frame.code != ResponseCode.SUCCESS:
+            return []
+        rh = frame.header
+        body = frame.body
+        mv = body if isinstance(body, memoryview) else memoryview(body)
+        wanted: dict[tuple[int, int], tuple[str, int]] = {}
+        pos = 0
+        for j in range(len(rh.batches)):
+            total, _magic = read_total_size_magic(mv, pos)
+            base = int.from_bytes(mv[pos + _QUEUE_OFFSET_AT:pos + _QUEUE_OFFSET_AT + 8], "little")
+            for r in receipt_handles(rh, topic, j, base):
+                wanted[(r.queue_id, r.offset)] = (encode_receipt(r), r.attempt)
+            pos += total
+        msgs, _end = decode_pull_body(body, from_offset=0, broker_name=rh.broker, topic=topic)
+        out: list[ReceivedMessage] = []
+        for m in msgs:
+            w = wanted.pop((m.queue_id, m.queue_offset), None)
+            if w is not None:
+                out.append(ReceivedMessage(m, w[0], w[1], addr))
+        if wanted:
+            # a popped message that did not decode: ack it, nobody can consume it
+            log.warning("%d popped messages of %s did not decode; acking them", len(wanted),
+                        topic)
+            for text, _a in wanted.values():
+                self._enqueue_ack(addr, text).add_done_callback(_quiet)
+        self.received += len(out)
+        return out
+
+    # -- ack / change invisible time ---------------------------------------------------------------
+    async def ack(self, msg: ReceivedMessage) -> None:
+        """Ack ``msg`` (grouped with concurrent acks into one frame); StaleReceiptError when
+        its handle is stale."""
+        await self._enqueue_ack(msg.broker_addr, msg.receipt_handle)
+
+    def ack_nowait(self, msg: ReceivedMessage) -> asyncio.Future[None]:
+        """Queue the ack of ``msg`` and return its future (resolves once the broker answered)."""
+        return self._enqueue_ack(msg.broker_addr, msg.receipt_handle)
+
+    async def ack_all(self, msgs: Iterable[ReceivedMessage]) -> list[BaseException | None]:
+        """Ack many; per message None or the error (StaleReceiptError, ...)."""
+        futs = [self._enqueue_ack(m.broker_addr, m.receipt_handle) for m in msgs]
+        return list(await asyncio.gather(*futs, return_exceptions=True))
+
+    def _enqueue_ack(self, addr: str, handle: str) -> asyncio.Future[None]:
+        if self._closed:
+            raise ClientClosedError("this SimpleConsumer was closed")
+        loop = asyncio.get_running_loop()
+        buf = self._acks.get(addr)
+        if buf is None:
+            buf = self._acks[addr] = _AckBuffer()
+        fut: asyncio.Future[None] = loop.create_future()
+        buf.handles.append(handle)
+        buf.futures.append(fut)
+        if len(buf.handles) >= self.ack_batch:
+            loop.create_task(self._flush(addr))
+        elif not buf.scheduled:
+            buf.scheduled = True
+            loop.call_soon(lambda: loop.create_task(self._flush(addr)))
+        return fut
+
+    async def _flush(self, addr: str) -> None:
+        buf = self._acks.get(addr)
+        if buf is None:
+            return
+        buf.scheduled = False
+        handles, futures = buf.handles, buf.futures
+        if not handles:
+            return
+        buf.handles, buf.futures = [], []
+        try:
+            conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
+            frame = raise_for_error(await conn.request(
+                RequestCode.ACK_MESSAGE,
+                AckMessageRequestHeader(consumer_group=self.group, handles=handles),
+                timeout=self.request_timeout))
+            results = frame.header.results
+        except Exception as exc:  # every waiter learns it
+            for f in futures:
+                if not f.done():
+                    f.set_exception(exc)
+            return
+        for f, code, h in zip(futures, results, handles, strict=False):
+            if f.done():
+                continue
+            if code == ResponseCode.SUCCESS:
+                self.acked += 1
+                f.set_result(None)
+            elif code == ResponseCode.NO_MESSAGE:
+                self.stale += 1
+                f.set_exception(StaleReceiptError(
+                    f"receipt handle {h!r} is stale: acked already, or delivered again since",
+                    response_code=code))
+            else:
+                f.set_exception(BrokerError.from_response(code, f"ack of {h!r} refused"))
+
+    async def change_invisible_duration(self, msg: ReceivedMessage, duration: float) -> None:
+        """Make ``msg`` invisible for ``duration`` seconds from now; its receipt handle is
+        replaced (StaleReceiptError when the old one was stale)."""
+        inv = _ms(duration, "duration")
+        addr = msg.broker_addr
+        conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
+        frame = await conn.request(
+            RequestCode.CHANGE_INVISIBLE_TIME,
+            ChangeInvisibleRequestHeader(consumer_group=self.group, handle=msg.receipt_handle,
+                                         invisible_ms=inv),
+            timeout=self.request_timeout)
+        if frame.code == ResponseCode.NO_MESSAGE:
+            self.stale += 1
+            raise StaleReceiptError(
+                getattr(frame.header, "message", "") or "stale receipt handle",
+                response_code=frame.code)
+        raise_for_error(frame)
+        msg.receipt_handle = frame.header.handle
+
+    def stats(self) -> dict[str, int]:
+        return {"received": self.received, "acked": self.acked, "stale": self.stale}

@@ -1,0 +1,64 @@
+"""POP state across a real kill -9 of the broker (rmq_sys_POP_LOG, broker/pop_log.py): after the
+restart no acked message is delivered again, the unacked in-flight ones stay invisible until
+their deadline and come back with attempt + 1, the never-popped ones are delivered, none is
+lost."""
+
+from __future__ import annotations
+
+import time
+
+from tidemq.protocol.pop import AckMessageRequestHeader, PopMessageRequestHeader
+from tidemq.protocol.receipt import decode_receipt
+
+from .test_pop import handles
+from .wire import RequestCode, ResponseCode, Wire, error_message, start_broker
+
+TOPIC = "pop_restart"
+GROUP = "pop_restart_g"
+
+
+def _pop(w, max_n, inv_ms):
+    r = w.request(RequestCode.POP_MESSAGE, PopMessageRequestHeader(
+        consumer_group=GROUP, topic=TOPIC, max_msg_nums=max_n, invisible_ms=inv_ms,
+        init_mode="EARLIEST"))
+    assert r.code in (ResponseCode.SUCCESS, ResponseCode.PULL_NOT_FOUND), error_message(r)
+    return handles(r, TOPIC) if r.code == ResponseCode.SUCCESS else []
+
+
+def test_kill9_keeps_acks_and_in_flight_deliveries(tmp_path):
+    data = tmp_path / "data"
+    srv = start_broker(tmp_path, "", data_dir=data)
+    try:
+        with Wire(srv.addr) as w:
+            w.create_topic(TOPIC, 2)
+            for q in (0, 1):
+                w.send_messages(TOPIC, [b"q%d-%d" % (q, i) for i in range(50)], queue_id=q)
+            popped = _pop(w, 60, 4000)  # 60 of the 100
+            assert len(popped) == 60
+            acked, kept = popped[::3] + popped[1::3], popped[2::3]  # 40 acked, 20 in flight
+            r = w.request(RequestCode.ACK_MESSAGE,
+                          AckMessageRequestHeader(consumer_group=GROUP, handles=acked))
+            assert r.header.results == [0] * 40
+            popped_at = time.monotonic()
+        srv.kill9()  # right away: before any offset persist
+        srv = start_broker(tmp_path, "", data_dir=data)
+        key = lambda h: (decode_receipt(h).queue_id, decode_receipt(h).offset)  # noqa: E731
+        with Wire(srv.addr) as w:
+            fresh = _pop(w, 200, 60_000)
+            # the 40 never popped, at once; neither acked nor still-invisible ones
+            assert len(fresh) == 40, [key(h) for h in fresh]
+            assert not {key(h) for h in fresh} & {key(h) for h in popped}
+            assert all(decode_receipt(h).attempt == 1 for h in fresh)
+            assert time.monotonic() - popped_at < 4.0, "restart too slow for this test"
+            time.sleep(max(0.0, 4.1 - (time.monotonic() - popped_at)))
+            back = _pop(w, 200, 60_000)
+            assert sorted(map(key, back)) == sorted(map(key, kept))
+            assert all(decode_receipt(h).attempt == 2 for h in back)
+            # a stale handle of before the crash is still stale
+            r = w.request(RequestCode.ACK_MESSAGE, AckMessageRequestHeader(
+                consumer_group=GROUP, handles=kept[:1] + acked[:1] + back + fresh))
+            assert r.header.results == [ResponseCode.NO_MESSAGE] * 2 + [0] * 60
+            assert _pop(w, 200, 60_000) == []
+    finally:
+        if srv.alive():
+            srv.stop()
