@@ -204,3 +204,19 @@ def test_write_queues_of_a_new_topic_are_those_of_the_default_route(dev):
         assert [q.queue_id for q in p.write_queues("ab-not-yet")] == [0, 1, 2]
         _run(ensure_topic(dev.namesrv, "ab-five", 5))
         assert [q.queue_id for q in p.write_queues("ab-five")] == [0, 1, 2, 3, 4]
+
+
+def test_a_lone_blocking_send_refused_by_the_broker_fails_only_itself(dev):
+    # A lone send is written without a task and answered from the connection's callback;
+    # an answer that is not SEND_OK goes back through the send's coroutine (retry policy,
+    # error): the caller gets the broker's refusal, and the producer keeps sending.
+    with tidemq.Producer(dev.namesrv, max_properties_size=128 * 1024) as p:
+        ok1 = p.send(tidemq.Message("ab-lone", b"first"))
+        big = tidemq.Message("ab-lone", b"x", properties={"p": "v" * 40_000})
+        with pytest.raises(tidemq.BrokerError) as err:
+            p.send(big)
+        assert "propert" in str(err.value).lower()
+        ok2 = p.send(tidemq.Message("ab-lone", b"second"))
+        assert ok1.status is tidemq.SendStatus.SEND_OK and ok2.status is tidemq.SendStatus.SEND_OK
+        assert p._aio.accumulator.npending == 0
+    assert sorted(_bodies(dev, "ab-lone")) == [b"first", b"second"]

@@ -85,6 +85,52 @@ class _Bucket:
         self.cool = False
 
 
+class _Lone:
+    """Where the connection puts the answer of a lone message's request (what
+    ``Connection.start_request`` calls with a ``sink``): handed straight to the accumulator.
+    Awaitable (until answered), so ``close()`` and ``flush()`` wait for it as for a task."""
+
+    __slots__ = ("acc", "b", "msgs", "futs", "st", "_done", "_waiter")
+
+    def __init__(self, acc: Accumulator, b: _Bucket, msgs: list[Message],
+                 futs: list[Any]) -> None:
+        self.acc = acc
+        self.b = b
+        self.msgs = msgs
+        self.futs = futs
+        self.st: Any = None
+        self._done = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, frame: Any) -> None:
+        self._finish(frame, None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._finish(None, exc)
+
+    def _finish(self, frame: Any, exc: BaseException | None) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.acc.tasks.discard(self)
+        try:
+            self.acc._one_done(self, frame, exc)
+        finally:
+            w = self._waiter
+            if w is not None and not w.done():
+                w.set_result(None)
+
+    def __await__(self) -> Any:
+        if self._done:
+            return
+        if self._waiter is None:
+            self._waiter = self.b.loop.create_future()
+        yield from self._waiter.__await__()
+
+
 class Accumulator:
     def __init__(self, send: BatchSend, *, batch_max_messages: int, batch_max_bytes: int,
                  batch_max_delay: float, max_pending_messages: int,
@@ -103,10 +149,17 @@ class Accumulator:
         self.npending = 0
         self._room: asyncio.Event | None = None  # set when npending drops below the bound
         #: the tasks of batches in flight (and other tracked sends)
-        self.tasks: set[asyncio.Future[Any]] = set()
+        self.tasks: set[Any] = set()
         #: when several topics' batches flush together: takes those it sends in frames of many
         #: batches per broker (SEND_MULTI_QUEUE, client/multi_sender.py), returns the rest
         self.send_many: Callable[[list[Any]], list[Any]] | None = None
+        #: a lone message's send without a task (BatchSender.start / finish / send with
+        #: ``started``, wired by the producer); None: every batch is a task
+        self.start_one: Callable[[str, MessageQueue | None, Message, float | None, Any],
+                                 Any] | None = None
+        self.finish_one: Callable[[Any, str, Any], SendResult | None] | None = None
+        self.resume_one: Callable[[str, MessageQueue | None, list[Message], Any],
+                                  Awaitable[SendResult]] | None = None
         #: batches sent from buckets so far, and the messages in them
         self.batches = 0
         self.batched_messages = 0
@@ -303,7 +356,69 @@ class Accumulator:
         b.inflight += 1
         self.batches += 1
         self.batched_messages += len(msgs)
+        if len(msgs) == 1 and self.start_one is not None:
+            # A lone message (the blocking facade's send when nothing else is in flight):
+            # written now, answered from the connection's data_received through a _Lone (no
+            # task, no future, no loop iteration between the answer and the caller's wake-up);
+            # a task only when the answer is not a plain success (errors, retries).
+            d = deadlines[0]
+            timeout = None
+            if d:
+                timeout = d - b.loop.time()
+            if timeout is None or timeout > 0:
+                lone = _Lone(self, b, msgs, futs)
+                st = self.start_one(b.topic, b.mq, msgs[0], timeout, lone)
+                if st is not None:
+                    lone.st = st
+                    self.tasks.add(lone)
+                    return
         self.track(b.loop.create_task(self._send_batch(b, msgs, futs, deadlines)))
+
+    def _one_done(self, lone: _Lone, frame: Any, exc: BaseException | None) -> None:
+        """The outcome of a lone message's request (on the loop, from the connection)."""
+        assert self.finish_one is not None
+        b, st, futs = lone.b, lone.st, lone.futs
+        r = None
+        if exc is None:
+            try:
+                r = self.finish_one(st, b.topic, frame)
+            except Exception:  # noqa: BLE001 - the coroutine path reports it
+                r = None
+        if r is None:
+            f = b.loop.create_future()
+            if exc is None:
+                f.set_result(frame)
+            else:
+                f.set_exception(exc)
+            self.track(b.loop.create_task(self._resume(b, st._replace(fut=f), lone.msgs,
+                                                       futs)))
+            return
+        self._answered(1)
+        f0 = futs[0]
+        if not f0.done():
+            with contextlib.suppress(*_InvalidState):  # cancelled by another thread
+                f0.set_result(r)
+        self._after(b)
+
+    async def _resume(self, b: _Bucket, st: Any, msgs: list[Message], futs: list[Any]
+                      ) -> None:
+        """A started lone message whose answer was not a plain success: the send's coroutine
+        from its first answer on (retries, errors), then as any batch."""
+        assert self.resume_one is not None
+        try:
+            try:
+                r = await self.resume_one(b.topic, b.mq, msgs, st)
+            except BaseException as exc:
+                self._answered(1)
+                if not futs[0].done():
+                    futs[0].set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+                return
+            self._answered(1)
+            split_result(r, futs)
+        finally:
+            self._after(b)
 
     def track(self, task: asyncio.Future[Any]) -> None:
         self.tasks.add(task)

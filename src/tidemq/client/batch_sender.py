@@ -15,7 +15,7 @@ import logging
 import struct
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from tidemq.client.columns import Columns
 from tidemq.client.connection import ConnectionPool, raise_for_error
@@ -28,16 +28,18 @@ from tidemq.client.errors import (
 from tidemq.client.latency_fault import FAILURE_LATENCY_MS
 from tidemq.client.message import Message, MessageQueue, SendResult, SendStatus
 from tidemq.client.retry_policy import RetryPolicy
+from tidemq.client.route import TopicRoute
 from tidemq.client.send_router import Selector, SendRouter
 from tidemq.client.sequencer import Sequencer
 from tidemq.protocol.batch.fast import encode_messages
 from tidemq.protocol.batch.fields import set_queue_id
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import BrokerError, LocalProtocolError
+from tidemq.protocol.frame import Frame
 from tidemq.protocol.headers import SendMessageRequestHeader, SendMessageResponseHeader
 from tidemq.protocol.record import pack_host, unique_id
 
-__all__ = ["BatchSender", "Encoder"]
+__all__ = ["BatchSender", "Encoder", "Started"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,19 @@ _DUPLICATE = int(ResponseCode.DUPLICATE)
 
 # (topic, msgs, queue_id, host, port, sequence_id, born_ts) -> (batch bytes, base sequence)
 Encoder = Callable[..., tuple[bytearray, int]]
+
+
+class Started(NamedTuple):
+    """A send's first attempt, written by :meth:`BatchSender.start`."""
+
+    fut: Any  # the response frame: a future, or start()'s sink
+    route: TopicRoute
+    mq: MessageQueue
+    pinned: bool
+    batch: bytearray
+    seq: int
+    t0: float  # time.monotonic() at the write (the latency table's start)
+    deadline: float  # loop time
 
 
 class BatchSender:
@@ -141,6 +156,51 @@ class BatchSender:
                 f"{self.max_message_size}-byte limit")
         return None
 
+    def start(self, topic: str, msgs: Sequence[Message], queue_id: MessageQueue | None,
+              timeout: float | None, code: int, sink: Any = None) -> Started | None:
+        """The first attempt of :meth:`send` without a coroutine: encode and write the request
+        now, return what :meth:`finish` needs once its response future completes -- or None
+        when this send needs the coroutine from the start (no cached route or open writable
+        connection, a deduplicated producer, a message the encoder refuses: :meth:`send` then
+        does everything, and raises what it must). The blocking facade's lone sends take this
+        path: no task, no coroutine frames, no loop iteration to wake a task. ``sink``:
+        where the connection puts the answer (``Connection.start_request``)."""
+        if self.sequencer.dedup:
+            return None
+        route = self.router.cached(topic)
+        if route is None:
+            return None
+        router = self.router
+        mq, pinned = router.select(route, msgs[0], queue_id, None, None, None, None)
+        conn = self.pool.get_nowait(route.broker_addrs[mq.broker_name])
+        if conn is None or not conn.writable:
+            return None
+        timeout = self.send_timeout if timeout is None else timeout
+        t0 = time.monotonic()
+        born_ts = int(time.time() * 1000)
+        try:
+            batch, seq = self.encode(topic, msgs, mq.queue_id, conn.local_host,
+                                     conn.local_port, None, born_ts)
+            header = self.header(topic, mq.queue_id, code == _SEND_BATCH, born_ts)
+            fut = conn.start_request(code, header, batch, timeout, sink)
+        except (ClientError, LocalProtocolError):
+            return None  # the coroutine path sends it again and reports what it must
+        return Started(fut, route, mq, pinned, batch, seq, t0, conn._loop.time() + timeout)
+
+    def finish(self, st: Started, topic: str, frame: Frame) -> SendResult | None:
+        """The SendResult of a started send whose answer ``frame`` is a plain SEND_OK, else
+        None (the coroutine, :meth:`send` with ``started``, takes it from there: errors,
+        retries, statuses that may be sent again elsewhere)."""
+        if frame.code != _SUCCESS:
+            return None
+        mq = st.mq
+        self.router.record(mq.broker_name, (time.monotonic() - st.t0) * 1000)
+        h = frame.header
+        assert isinstance(h, SendMessageResponseHeader)
+        return SendResult(SendStatus.SEND_OK, h.msg_id, topic, h.queue_id, h.queue_offset,
+                          h.count, mq.broker_name, self.sequencer.producer_id, st.seq,
+                          h.commit_log_offset)
+
     async def send(
         self,
         topic: str,
@@ -152,6 +212,7 @@ class BatchSender:
         timeout: float | None,
         code: int,
         sequence_id: int | None = None,
+        started: Started | None = None,
     ) -> SendResult:
         # The hot path of every synchronous send: one coroutine frame (the connection's future
         # is awaited here, not through Connection.request), one clock read for the deadline,
@@ -161,8 +222,11 @@ class BatchSender:
         producer_id = self.sequencer.producer_id
         timeout = self.send_timeout if timeout is None else timeout
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        route = router.cached(topic) or await router.route(topic)
+        if started is None:
+            deadline = loop.time() + timeout
+            route = router.cached(topic) or await router.route(topic)
+        else:  # the first attempt was written by start(): its answer is awaited below
+            deadline, route = started.deadline, started.route
         batch: bytearray | None = None
         seq = 0
         last_broker: str | None = None
@@ -180,25 +244,34 @@ class BatchSender:
                 left = deadline - loop.time()
                 if left <= 0:
                     break
-            if mq is None or not dedup:
-                mq, pinned = router.select(route, msgs[0], queue_id, selector, arg, hash_key,
-                                           last_broker)
+            if started is not None:
+                mq, pinned, batch, seq, t0 = (started.mq, started.pinned, started.batch,
+                                              started.seq, started.t0)
+                first, started = started.fut, None
+            else:
+                first = None
+                if mq is None or not dedup:
+                    mq, pinned = router.select(route, msgs[0], queue_id, selector, arg,
+                                               hash_key, last_broker)
+                t0 = time.monotonic()
             addr = route.broker_addrs[mq.broker_name]
-            t0 = time.monotonic()
             try:
-                conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
-                born_ts = int(time.time() * 1000)
-                if batch is None:
-                    batch, seq = self.encode(topic, msgs, mq.queue_id, conn.local_host,
-                                             conn.local_port, sequence_id, born_ts)
-                elif attempt:
-                    # A copy: the transport may still hold the bytes of the failed attempt.
-                    batch = bytearray(batch)
-                    set_queue_id(batch, mq.queue_id)
-                header = self.header(topic, mq.queue_id, code == _SEND_BATCH, born_ts)
-                if not conn.writable:
-                    await conn.drain()
-                frame = await conn.start_request(code, header, batch, left)
+                if first is not None:
+                    frame = await first
+                else:
+                    conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
+                    born_ts = int(time.time() * 1000)
+                    if batch is None:
+                        batch, seq = self.encode(topic, msgs, mq.queue_id, conn.local_host,
+                                                 conn.local_port, sequence_id, born_ts)
+                    elif attempt:
+                        # A copy: the transport may still hold the bytes of the failed attempt.
+                        batch = bytearray(batch)
+                        set_queue_id(batch, mq.queue_id)
+                    header = self.header(topic, mq.queue_id, code == _SEND_BATCH, born_ts)
+                    if not conn.writable:
+                        await conn.drain()
+                    frame = await conn.start_request(code, header, batch, left)
                 fcode = frame.code
                 if fcode not in _SEND_OK_CODES:
                     if fcode == _DUPLICATE:

@@ -293,17 +293,23 @@ class Connection(asyncio.Protocol):
         return self._drained is None
 
     def start_request(
-        self, code: int, header: Any = None, body: Any = b"", timeout: float = DEFAULT_TIMEOUT
+        self, code: int, header: Any = None, body: Any = b"", timeout: float = DEFAULT_TIMEOUT,
+        sink: Any = None,
     ) -> asyncio.Future[Frame]:
         """Queue a request now and return the future of its response frame: :meth:`request`
         without the coroutine, for a caller on the hot path that awaits the future itself
-        (and checks :attr:`writable` first). Cancelling the future abandons the request."""
+        (and checks :attr:`writable` first). Cancelling the future abandons the request.
+
+        ``sink``: instead of a new future, any object with ``done()``, ``set_result(frame)``
+        and ``set_exception(exc)``, called on the loop as soon as the outcome is known (from
+        ``data_received`` itself: no loop iteration between the answer and its use); it is
+        returned. The producer's lone sends use it (accumulator.py)."""
         if self._closed_exc is not None:
             raise self._closed_exc
         o = self._next_opaque
         self._next_opaque = (o + 1) & _OPAQUE_MASK or 1
         loop = self._loop
-        fut: asyncio.Future[Frame] = loop.create_future()
+        fut: asyncio.Future[Frame] = loop.create_future() if sink is None else sink
         deadline = loop.time() + timeout
         self._pending[o] = (fut, code, deadline, timeout)
         if deadline < self._sweep_at:

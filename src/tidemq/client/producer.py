@@ -28,7 +28,7 @@ from typing import Any
 
 from tidemq.client import chunking
 from tidemq.client.accumulator import Accumulator
-from tidemq.client.batch_sender import BatchSender
+from tidemq.client.batch_sender import BatchSender, Started
 from tidemq.client.columns import Columns
 from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool
 from tidemq.client.errors import ClientClosedError, NoRouteError
@@ -157,6 +157,9 @@ class Producer:
         )
         if multi_queue and producer_name is None:
             acc.send_many = self.multi.take
+        acc.start_one = self._start_one
+        acc.finish_one = self.sender.finish
+        acc.resume_one = self._resume_one
         self._started = False
         self._closed = False
 
@@ -533,6 +536,18 @@ class Producer:
         """One batch of the accumulator (``mq``: the queue of a pinned bucket)."""
         code = RequestCode.SEND_BATCH if len(msgs) > 1 else RequestCode.SEND_MESSAGE
         return await self._send(topic, msgs, mq, None, None, None, timeout, code)
+
+    def _start_one(self, topic: str, mq: MessageQueue | None, msg: Message,
+                   timeout: float | None, sink: Any) -> Started | None:
+        """A lone message of the accumulator written without a task (None: it needs one)."""
+        if not self._started or self._closed:
+            return None
+        return self.sender.start(topic, (msg,), mq, timeout, RequestCode.SEND_MESSAGE, sink)
+
+    async def _resume_one(self, topic: str, mq: MessageQueue | None, msgs: list[Message],
+                          st: Started) -> SendResult:
+        return await self.sender.send(topic, msgs, mq, None, None, None, None,
+                                      RequestCode.SEND_MESSAGE, started=st)
 
     async def _counted(self, coro: Any, n: int) -> SendResult:
         """Run a send_async send; its ``n`` messages stop counting as pending before its
