@@ -226,3 +226,75 @@ def test_a_multi_pull_answer_stays_within_one_read(wire, topic):
     res = r.header.results
     assert res[0].code == R.SUCCESS and len(r.body) <= 8 << 20
     assert res[-1].code == R.PULL_RETRY_IMMEDIATELY and res[-1].next_begin_offset == 0
+
+
+def test_many_queues_start_where_the_group_committed_without_a_lookup_per_queue(tmp_path):
+    """The multi pull resolves a new queue's start on the broker: the group's committed offset,
+    else consume_from."""
+    ns = start_namesrv(tmp_path)
+    br = start_broker(tmp_path, ns.addr)
+    try:
+        async def run() -> None:
+            async with Admin(ns.addr) as admin:
+                await admin.create_topic("resolved", 32)
+                route = await admin.topic_queues("resolved")
+                async with Producer(ns.addr) as p:
+                    for mq in route:
+                        await p.send_batch([Message("resolved", b"%d-%d" % (mq.queue_id, i))
+                                            for i in range(4)], queue_id=mq)
+                # the group has consumed 3 messages of queue 5 and nothing elsewhere
+                five = next(mq for mq in route if mq.queue_id == 5)
+                await admin.reset_consumer_offset("g-res", five, 3)
+            c = PullConsumer(ns.addr, "g-res", consume_from="last", auto_commit=False,
+                             multi_queue_min=16, suspend_timeout=1.0)
+            c.subscribe("resolved")
+            got: list[bytes] = []
+            async with c:
+                for _ in range(10):
+                    got += [m.body for m in await c.poll(timeout=1)]
+                    if got:
+                        break
+                assert got == [b"5-3"]  # queue 5 from its committed offset; others from last
+                for _ in range(100):
+                    if all(c.position(mq) == 4 for mq in c.assignment()):
+                        break
+                    await asyncio.sleep(0.05)
+                assert {c.position(mq) for mq in c.assignment()} == {4}
+                assert len(c.assignment()) == 32
+                assert sum(b.requests for b in c._batchers.values()) >= 1
+
+        asyncio.run(run())
+    finally:
+        br.stop()
+        ns.stop()
+
+
+def test_spread_traffic_over_many_topics_is_split_into_bounded_frames(tmp_path):
+    from tidemq.client import multi_sender
+
+    ns = start_namesrv(tmp_path)
+    br = start_broker(tmp_path, ns.addr)
+    try:
+        async def run() -> None:
+            topics = [f"wide{i}" for i in range(40)]
+            async with Admin(ns.addr) as admin:
+                for t in topics:
+                    await admin.create_topic(t, 2)
+            async with Producer(ns.addr, batch_max_delay=0.005) as p:
+                for t in topics:
+                    await p.send(Message(t, b"first"))
+                frames0 = p.multi.frames
+                old = multi_sender.MAX_FRAME_BATCHES
+                multi_sender.MAX_FRAME_BATCHES = 8
+                try:
+                    rs = await asyncio.gather(*(p.send_async(Message(t, b"x" * 100))
+                                                for t in topics))
+                finally:
+                    multi_sender.MAX_FRAME_BATCHES = old
+                assert all(r.queue_offset >= 1 for r in rs)
+                assert p.multi.frames - frames0 >= 5  # 40 batches, at most 8 a frame
+
+        asyncio.run(run())
+    finally:
+        br.stop()
+        ns.stop()

@@ -30,6 +30,13 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 # -- the frame client -----------------------------------------------------------------------------
 
 
+
+def _readable(sock: socket.socket, timeout: float) -> bool:
+    """poll, not select: the test process may hold descriptors past FD_SETSIZE (1024)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLHUP)
+    return bool(poller.poll(max(0.0, timeout) * 1000))
+
 class Wire:
     """One connection; ``request`` sends a frame and returns its response (headers typed)."""
 
@@ -81,8 +88,7 @@ class Wire:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError("no response in time")
-                r, _, _ = select.select([self.sock], [], [], left)
-                if not r:
+                if not _readable(self.sock, left):
                     raise TimeoutError("no response in time")
             data = self.sock.recv(1 << 20)
             if not data:
@@ -96,8 +102,7 @@ class Wire:
         """True when the server closes the connection within ``timeout`` (data is discarded)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            r, _, _ = select.select([self.sock], [], [], deadline - time.monotonic())
-            if r:
+            if _readable(self.sock, deadline - time.monotonic()):
                 try:
                     if not self.sock.recv(1 << 16):
                         return True

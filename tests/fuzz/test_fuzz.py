@@ -45,6 +45,13 @@ RSS_GROWTH_LIMIT = 256 << 20
 _opaque = itertools.count(1)
 
 
+
+def _readable(sock: socket.socket, timeout: float) -> bool:
+    """poll, not select: the test process may hold descriptors past FD_SETSIZE (1024)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLHUP)
+    return bool(poller.poll(max(0.0, timeout) * 1000))
+
 class Peer:
     """A raw connection: sends generated frames, collects responses by opaque."""
 
@@ -63,8 +70,7 @@ class Peer:
         self.sock.close()
 
     def _read(self, timeout: float) -> bool:
-        r, _, _ = select.select([self.sock], [], [], timeout)
-        if not r:
+        if not _readable(self.sock, timeout):
             return True
         try:
             data = self.sock.recv(1 << 20)

@@ -140,3 +140,53 @@ def test_dev_runs_both_in_one_process_and_starts_fast(tmp_path):
         assert ready < 3.0  # generous under a loaded test run; measured ~0.4 s alone
     finally:
         assert dev.stop() == 0
+
+
+def test_registration_without_topics_stands_for_a_known_data_version(tmp_path):
+    """Issue 17: a broker's periodic registration leaves its topic table out when the name
+    server holds that data version; a name server that does not (restarted, expired) answers
+    need_topics and keeps no empty route."""
+    ns = start_namesrv(tmp_path)
+    link = Wire(ns.addr)  # the broker's connection (its close unregisters the broker)
+    try:
+        def reg(version: int, topics: dict[str, int] | None, omitted: bool = False):
+            h = RegisterBrokerRequestHeader(
+                cluster_name="c", broker_name="bx", broker_id=0, broker_addr="127.0.0.1:1",
+                data_version=version, topics_omitted=omitted,
+                topics={t: TopicConfig(topic_name=t, read_queue_nums=n, write_queue_nums=n)
+                        for t, n in (topics or {}).items()})
+            r = link.request(RequestCode.REGISTER_BROKER, h)
+            assert r.code == R.SUCCESS, error_message(r)
+            return r.header
+
+        assert reg(3, None, omitted=True).need_topics  # never heard of it
+        assert route_brokers(ns.addr, "kept") == []
+        assert not reg(3, {"kept": 2}).need_topics
+        assert route_brokers(ns.addr, "kept") == ["bx"]
+        assert not reg(3, None, omitted=True).need_topics  # a heartbeat: topics stay
+        assert route_brokers(ns.addr, "kept") == ["bx"]
+        assert reg(4, None, omitted=True).need_topics  # a version it does not hold
+        assert route_brokers(ns.addr, "kept") == ["bx"]
+    finally:
+        link.close()
+        ns.stop()
+
+
+def test_a_broker_sends_its_topics_only_when_they_changed(tmp_path):
+    ns = start_namesrv(tmp_path, "--scan-interval-ms", "200")
+    b = start_broker(tmp_path, ns.addr, "-o", "register_interval_ms=200",
+                     "-o", "heartbeat_timeout_ms=1000", name="broker-v")
+    try:
+        with Wire(b.addr) as w:
+            assert w.create_topic("versioned", 2).code == R.SUCCESS
+        assert wait_until(lambda: route_brokers(ns.addr, "versioned") == ["broker-v"], 3)
+        time.sleep(2.5)  # many heartbeats without topics, past the 1 s heartbeat timeout
+        assert route_brokers(ns.addr, "versioned") == ["broker-v"]
+        # a name server that lost everything gets the topics again at the next heartbeat
+        port = ns.addr.rpartition(":")[2]
+        ns.stop()
+        ns = start_namesrv(tmp_path, "--port", port)
+        assert wait_until(lambda: route_brokers(ns.addr, "versioned") == ["broker-v"], 5)
+    finally:
+        b.stop()
+        ns.stop()

@@ -162,9 +162,11 @@ def start(args: list[str], log_path: str, timeout: float = 20.0) -> Server:
     )
     deadline = time.monotonic() + timeout
     line = b""
+    # poll, not select: a long test session can hold more than FD_SETSIZE (1024) descriptors
+    poller = select.poll()
+    poller.register(proc.stdout, select.POLLIN | select.POLLHUP)
     while time.monotonic() < deadline:
-        r, _, _ = select.select([proc.stdout], [], [], 0.1)
-        if r:
+        if poller.poll(100):
             line = proc.stdout.readline()
             break
         if proc.poll() is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
@@ -38,6 +38,9 @@ from tidemq.protocol.headers import (
 from tidemq.protocol.members import member_offsets
 from tidemq.protocol.record import MessageData, encode_batch
 from tidemq.protocol.sql_filter import compile_sql
+
+if TYPE_CHECKING:
+    from tidemq.broker.connection import BrokerConnection
 
 __all__ = ["bench_sql_filter", "SELECTIVE_SQL"]
 
@@ -68,7 +71,7 @@ class _Sink:
 
 
 def _fill(broker: Broker, topic: str, count: int, batch: int, size: int) -> None:
-    conn = _Sink()
+    conn = cast("BrokerConnection", _Sink())  # answers dropped; duck-typed
     body = b"x" * size
     header = msgspec.Raw(msgspec.msgpack.encode(SendMessageRequestHeader(
         producer_group="bench", topic=topic, queue_id=0, batch=True)))
@@ -84,7 +87,8 @@ def _fill(broker: Broker, topic: str, count: int, batch: int, size: int) -> None
 def _pass(broker: Broker, topic: str, count: int, sql: str | None) -> tuple[float, int]:
     """CPU seconds of the pulls that read the whole queue, and the messages selected."""
     handle = broker.pull_processor.handle
-    conn = _Sink()
+    sink = _Sink()
+    conn = cast("BrokerConnection", sink)  # answers kept in sink.last; duck-typed
     offset = selected = 0
     cpu = 0.0
     while offset < count:
@@ -96,7 +100,7 @@ def _pass(broker: Broker, topic: str, count: int, sql: str | None) -> tuple[floa
         t0 = time.thread_time()
         handle(conn, Frame(_PULL, 1, 0, raw, memoryview(b"")))
         cpu += time.thread_time() - t0
-        code, rh, bodies = conn.last
+        code, rh, bodies = sink.last
         if code == ResponseCode.SUCCESS and sql is not None:
             selected += len(member_offsets(b"".join(bytes(b) for b in bodies), rh.members))
         elif code == ResponseCode.SUCCESS:

@@ -24,6 +24,7 @@ from tidemq.broker.errors import RequestRejected
 from tidemq.broker.long_polling import HeldPull
 from tidemq.protocol.codes import ResponseCode
 from tidemq.protocol.headers import (
+    MultiQueuePull,
     MultiQueuePullResult,
     PullMessageRequestHeader,
     PullMessageResponseHeader,
@@ -47,7 +48,7 @@ class _MultiPull:
     """One PULL_MULTI_QUEUE between its arrival and its answer."""
 
     __slots__ = ("proc", "conn", "opaque", "results", "bodies", "held", "holding", "sent",
-                 "timer", "nbytes")
+                 "timer", "nbytes", "starts")
 
     def __init__(self, proc: MultiPullProcessor, conn: BrokerConnection, opaque: int,
                  n: int) -> None:
@@ -61,6 +62,7 @@ class _MultiPull:
         self.sent = False
         self.timer: Any = None
         self.nbytes = 0  # body bytes so far
+        self.starts: dict[int, tuple[int, bool]] = {}  # resolved start offsets by index
 
     def put(self, i: int, code: int, header: Any, bodies: list[Any] | None) -> None:
         if self.sent:
@@ -72,6 +74,9 @@ class _MultiPull:
                                      header.suggest_which_broker_id)
         else:
             r = MultiQueuePullResult(code, message=getattr(header, "message", ""))
+        start = self.starts.get(i)
+        if start is not None:
+            r.start_offset, r.start_committed = start
         self.results[i] = r
         self.bodies[i] = list(bodies) if bodies else []
         self.nbytes += r.body_bytes
@@ -129,6 +134,19 @@ class _Msg:
 
 
 class MultiPullProcessor:
+    def _start(self, group: str, p: MultiQueuePull) -> tuple[int, bool]:
+        """Where a queue without a start begins: the group's committed offset, else what
+        ``p.resolve`` says (as the consumer's own lookups would)."""
+        committed = self.broker.offsets.query(group, p.topic, p.queue_id)
+        if committed >= 0:
+            return committed, True
+        store = self.broker.store
+        if p.resolve == 1:
+            return store.min_offset(p.topic, p.queue_id), False
+        if p.resolve == 2:
+            return store.max_offset(p.topic, p.queue_id), False
+        return max(0, store.offset_for_timestamp(p.topic, p.queue_id, p.timestamp)), False
+
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
         self.pull = broker.pull_processor
@@ -150,14 +168,19 @@ class MultiPullProcessor:
         for i, p in enumerate(h.pulls):
             if agg.nbytes >= budget:
                 # A response stays within one read's bytes (and the frame limit): the queues
-                # not read answer PULL_RETRY_IMMEDIATELY at their offset (pull again at once).
+                # not read answer PULL_RETRY_IMMEDIATELY at their offset (pull again at once;
+                # a queue still to be resolved is resolved then).
                 agg.results[i] = MultiQueuePullResult(
                     ResponseCode.PULL_RETRY_IMMEDIATELY, p.queue_offset,
                     message="not read: this answer is full; pull again")
                 continue
+            offset = p.queue_offset
+            if p.resolve and not self.broker.non_persistent.owns(p.topic):
+                offset, committed = self._start(h.consumer_group, p)
+                agg.starts[i] = (offset, committed)
             one = PullMessageRequestHeader(
                 consumer_group=h.consumer_group, topic=p.topic, queue_id=p.queue_id,
-                queue_offset=p.queue_offset, max_msg_nums=p.max_msg_nums,
+                queue_offset=offset, max_msg_nums=p.max_msg_nums,
                 sys_flag=p.sys_flag & ~PullSysFlag.SUSPEND, commit_offset=p.commit_offset,
                 suspend_timeout_millis=h.suspend_timeout_millis, subscription=p.subscription,
                 expression_type=p.expression_type,

@@ -1,7 +1,11 @@
 """The broker's side of the name servers (RocketMQ's BrokerOuterAPI; ref NS1).
 
 Every ``register_interval_ms`` (30 s), and at once whenever the topic set changes, the broker
-sends REGISTER_BROKER with *all* its topic configs to every name server, in parallel. Each name
+sends REGISTER_BROKER to every name server, in parallel: with *all* its topic configs when the
+topic set's data version changed since that name server last accepted one (or after a
+reconnect), else without them (``topics_omitted``: a heartbeat whose size does not grow with
+the number of topics; a name server that does not hold that version answers ``need_topics``
+and gets the full registration at once). Each name
 server keeps the broker for ``heartbeat_timeout_ms`` (120 s) after its last registration, and
 drops it at once when this connection closes (RocketMQ's BrokerHousekeepingService), so a
 broker killed with kill -9 leaves the routes within a scan interval. On a clean shutdown the
@@ -20,11 +24,14 @@ import itertools
 import logging
 from collections.abc import Callable
 
+import msgspec
+
 from tidemq.protocol.codes import RequestCode, ResponseCode, describe
 from tidemq.protocol.frame import Frame, FrameDecoder, encode_frame
 from tidemq.protocol.headers import (
     ErrorResponseHeader,
     RegisterBrokerRequestHeader,
+    RegisterBrokerResponseHeader,
     UnregisterBrokerRequestHeader,
     response_header_type,
 )
@@ -57,6 +64,8 @@ class NamesrvLink:
         self._opaque = itertools.count(1)
         self._pending_code = 0
         self.failures = 0
+        #: the data version whose topics this name server accepted (None: send them)
+        self.accepted_version: int | None = None
 
     def _resolve(self, flags: int, code: int, opaque: int) -> type | None:
         return response_header_type(self._pending_code, code)
@@ -95,6 +104,7 @@ class NamesrvLink:
             self._writer.close()
         self._writer = self._reader = None
         self._decoder = None
+        self.accepted_version = None
 
 
 class NamesrvRegistration:
@@ -132,8 +142,16 @@ class NamesrvRegistration:
         return sum(1 for r in results if r is True)
 
     async def _register(self, link: NamesrvLink, header: RegisterBrokerRequestHeader) -> bool:
+        full = header
+        if link.accepted_version == header.data_version and header.topics:
+            header = msgspec.structs.replace(header, topics={}, topics_omitted=True)
         try:
             resp = await link.request(RequestCode.REGISTER_BROKER, header)
+            h = resp.header
+            if isinstance(h, RegisterBrokerResponseHeader) and h.need_topics:
+                link.accepted_version = None
+                header = full
+                resp = await link.request(RequestCode.REGISTER_BROKER, full)
         except Exception as exc:  # OSError, TimeoutError, a peer that breaks the framing...
             level = logging.WARNING if link.failures == 0 else logging.DEBUG
             link.failures += 1
@@ -156,6 +174,7 @@ class NamesrvRegistration:
         if link.failures:
             log.info("registered with name server %s again", link.addr)
         link.failures = 0
+        link.accepted_version = header.data_version
         self.registrations += 1
         return True
 

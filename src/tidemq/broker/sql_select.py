@@ -22,7 +22,7 @@ Threads: the broker's event loop (like the pull processor that calls it).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from tidemq.broker.errors import RequestRejected
 from tidemq.protocol.codes import ResponseCode
@@ -61,7 +61,7 @@ def read_selected(
     """(result, bitmaps, examined): ``result.batches`` are the batches holding a selected
     message (``count`` = messages selected), ``bitmaps[j]`` those of batch ``j``."""
     matches = flt.matches
-    kept: list = []
+    kept: list[Any] = []
     bitmaps: list[bytes] = []
     selected = examined = nbytes = 0
     r = first = src.get_messages(topic, queue_id, offset, max_messages)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -144,7 +145,7 @@ def _take(chunk: ColumnChunk, keep: np.ndarray, bufs: list[bytes],
     idx = np.flatnonzero(keep)
     sel = idx.tolist()
 
-    def rows(xs: list | None) -> list | None:
+    def rows(xs: list[Any] | None) -> list[Any] | None:
         return None if xs is None else [xs[i] for i in sel]
 
     return ColumnChunk(

@@ -95,6 +95,11 @@ _FATAL_CODES = frozenset({
 
 log = logging.getLogger(__name__)
 
+# consume_from -> MultiQueuePull.resolve (the broker finds a new queue's start)
+_RESOLVE = {ConsumeFrom.FIRST: 1, ConsumeFrom.LAST: 2, ConsumeFrom.TIMESTAMP: 3}
+# a multi pull that did not read the queue (answer full): resolve it at the next pull
+_RETRY_RESOLVE = frozenset({int(ResponseCode.PULL_RETRY_IMMEDIATELY)})
+
 
 class _Queue:
     """State of one assigned queue (event loop only)."""
@@ -136,7 +141,7 @@ class PullConsumer:
     batch, uncompressed; raise it with the broker's ``max_message_size``), ``request_timeout``
     (3 s for other requests), ``pool``; group membership when subscribing:
     ``heartbeat_interval`` (30 s), ``rebalance_interval`` (20 s), ``allocate_strategy``
-    (AllocateStrategy.AVG), ``instance_name`` (part of ``client_id``); ``multi_queue_min`` (64:
+    (AllocateStrategy.AVG), ``instance_name`` (part of ``client_id``); ``multi_queue_min`` (256:
     with this many assigned queues or more, the pulls to one broker travel together in
     PULL_MULTI_QUEUE requests, held by the broker as one long poll; 0 = never).
     """
@@ -164,7 +169,7 @@ class PullConsumer:
         rebalance_interval: float = 20.0,
         allocate_strategy: AllocateStrategy | str = AllocateStrategy.AVG,
         instance_name: str | None = None,
-        multi_queue_min: int = 64,
+        multi_queue_min: int = 256,
     ) -> None:
         problem = group_name_problem(group)
         if problem:
@@ -207,6 +212,7 @@ class PullConsumer:
         #: PULL_MULTI_QUEUE requests (client/multi_pull.py); 0 = never
         self.multi_queue_min = multi_queue_min
         self._batchers: dict[str, PullBatcher] = {}
+        self._no_resolve = False  # start offsets are looked up queue by queue
         #: start-offset lookups in flight at most (a consumer of 100,000 queues would
         #: otherwise ask for all of them at once and time out)
         self._lookups = asyncio.Semaphore(1024)
@@ -607,7 +613,11 @@ class PullConsumer:
         while True:
             addr = ""
             try:
-                if q.pull_offset is None:
+                resolve = 0
+                if q.pull_offset is None and q.broker_id == MASTER_ID and self._multi_pulls():
+                    # the multi pull resolves the start on the broker (no lookup per queue)
+                    resolve = _RESOLVE[self.consume_from]
+                elif q.pull_offset is None:
                     async with self._lookups:  # thousands of queues: not all at once
                         off, committed = await self._start_offset(
                             mq, await self.routes.addr_for_admin(mq))
@@ -621,7 +631,7 @@ class PullConsumer:
                     continue
                 addr, _slave = await self.routes.addr_for_read(mq, q.broker_id)
                 conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
-                offset = q.pull_offset
+                offset = q.pull_offset if q.pull_offset is not None else 0
                 header = PullMessageRequestHeader(
                     consumer_group=self.group, topic=mq.topic, queue_id=mq.queue_id,
                     queue_offset=offset, max_msg_nums=self.pull_batch_size, sys_flag=flags,
@@ -630,15 +640,26 @@ class PullConsumer:
                     expression_type=sel.expression_type,
                 )
                 batcher = self._batcher(addr, suspend_ms, timeout)
+                if resolve and (batcher is None or _slave):
+                    self._no_resolve = True  # look the start up the usual way
+                    continue
                 if batcher is not None:
                     # many queues: this pull travels in a PULL_MULTI_QUEUE (client/multi_pull.py)
                     try:
                         h, body = await batcher.pull(MultiQueuePull(
                             mq.topic, mq.queue_id, offset, self.pull_batch_size,
                             flags & ~PullSysFlag.SUSPEND, 0, header.subscription,
-                            header.expression_type))
+                            header.expression_type, resolve, self.consume_timestamp))
                     except MultiPullUnsupported:
                         continue  # pulled one by one from now on
+                    if resolve:
+                        if h.start_offset < 0:
+                            if h.code not in _RETRY_RESOLVE:
+                                self._no_resolve = True  # an older broker: look it up
+                            continue
+                        offset = h.start_offset
+                        q.pull_offset = q.consume_offset = offset
+                        q.committed = offset if h.start_committed else None
                     status = pull_status(h.code)
                     if status is None:
                         raise BrokerError(h.message or f"pull refused ({h.code})",
@@ -708,6 +729,10 @@ class PullConsumer:
             "chunks_expired": sum(q.assembler.expired for q in self._queues.values()
                                   if q.assembler is not None),
         }
+
+    def _multi_pulls(self) -> bool:
+        return (not self._no_resolve and self.multi_queue_min > 0
+                and len(self._queues) >= self.multi_queue_min)
 
     def _batcher(self, addr: str, suspend_ms: int, timeout: float) -> PullBatcher | None:
         """The PULL_MULTI_QUEUE batcher of ``addr`` when this consumer pulls many queues

@@ -33,6 +33,10 @@ from tidemq.protocol.headers import SendMultiQueueRequestHeader, SendMultiQueueR
 
 __all__ = ["MultiQueueSender", "OpenBatch"]
 
+#: batches per SEND_MULTI_QUEUE frame at most, and the body bytes a frame aims to stay under
+MAX_FRAME_BATCHES = 1000
+MAX_FRAME_BYTES = 4 << 20
+
 # (topic, messages, futures) of one open batch
 OpenBatch = tuple[str, list[Message], list[asyncio.Future[SendResult]]]
 
@@ -78,8 +82,22 @@ class MultiQueueSender:
         for addr, items in by_broker.items():
             if len(items) == 1:
                 rest.append(items[0][1])
-            else:
-                self._track(loop.create_task(self._send(addr, items)))
+                continue
+            # frames of at most MAX_FRAME_BATCHES batches and about MAX_FRAME_BYTES of bodies:
+            # far below the frame limit (16 MiB), and one frame's work stays bounded
+            frame: list[tuple[MessageQueue, OpenBatch]] = []
+            size = 0
+            for it in items:
+                n = sum(len(m.body) for m in it[1][1]) + 256
+                if frame and (len(frame) >= MAX_FRAME_BATCHES or size + n > MAX_FRAME_BYTES):
+                    self._track(loop.create_task(self._send(addr, frame)))
+                    frame, size = [], 0
+                frame.append(it)
+                size += n
+            if len(frame) == 1:
+                rest.append(frame[0][1])
+            elif frame:
+                self._track(loop.create_task(self._send(addr, frame)))
         return rest
 
     async def _send(self, addr: str, items: list[tuple[MessageQueue, OpenBatch]]) -> None:

@@ -60,7 +60,7 @@ class Sequencer:
         producer's name."""
         frame = await routes.namesrv_request(RequestCode.GET_BROKER_CLUSTER_INFO)
         info = frame.header
-        addrs = []
+        addrs: list[str] = []
         if isinstance(info, ClusterInfo):
             for bd in info.broker_addr_table.values():
                 addrs.extend(bd.broker_addrs.values())

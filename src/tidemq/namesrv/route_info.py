@@ -128,12 +128,15 @@ class RouteInfoManager:
         live.broker_id = h.broker_id
         live.ha_server_addr = h.ha_server_addr
         live.epoch = h.epoch
-        if h.broker_id == MASTER_ID or MASTER_ID not in bd.broker_addrs:
-            # Every registration carries the whole topic set; replacing is cheap and exact.
+        if h.topics_omitted:
+            pass  # a heartbeat for a topic set already held (has_topics_of checked it)
+        elif h.broker_id == MASTER_ID or MASTER_ID not in bd.broker_addrs:
+            # A full registration carries the whole topic set; replacing is exact.
             # A slave's topics (copied from its master) count while the group has no master,
             # so its queues stay readable when the name server restarts meanwhile.
             self._replace_topics(h)
-        live.data_version = h.data_version
+        if not h.topics_omitted:
+            live.data_version = h.data_version
         if first:
             log.info(
                 "broker %s id %d (%s, cluster %s) registered with %d topics",
@@ -142,6 +145,12 @@ class RouteInfoManager:
         master = bd.broker_addrs.get(MASTER_ID, "")
         mlive = self.broker_live_table.get(master) if master else None
         return master, (mlive.ha_server_addr if mlive is not None else "")
+
+    def has_topics_of(self, h: RegisterBrokerRequestHeader) -> bool:
+        """Whether a registration without topics may stand for the topic set this name server
+        holds for the broker (same address, same data version)."""
+        live = self.broker_live_table.get(h.broker_addr)
+        return live is not None and live.data_version == h.data_version
 
     def _replace_topics(self, h: RegisterBrokerRequestHeader) -> None:
         name = h.broker_name

@@ -192,6 +192,9 @@ class NameServer:
                 ResponseCode.INVALID_ARGUMENT,
                 "a registration needs cluster_name, broker_name and broker_addr",
             )
+        if h.topics_omitted and not self.routes.has_topics_of(h):
+            # a heartbeat for a topic set we do not hold (we restarted): ask for it
+            return RegisterBrokerResponseHeader(need_topics=True)
         try:
             master, ha = self.routes.register_broker(h, conn)
         except RegistrationRefused as exc:

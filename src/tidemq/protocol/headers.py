@@ -273,6 +273,11 @@ class MultiQueuePull(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     commit_offset: NonNeg = 0
     subscription: str | None = None
     expression_type: str = "TAG"
+    #: a queue without a start yet: 0 = pull from queue_offset; else the broker starts at the
+    #: group's committed offset, or (none) at 1 = the queue's first, 2 = its last, 3 = the
+    #: first stored at or after ``timestamp`` (ms) -- saving the consumer a lookup per queue
+    resolve: NonNeg = 0
+    timestamp: NonNeg = 0
 
 
 class PullMultiQueueRequestHeader(Header):
@@ -298,6 +303,10 @@ class MultiQueuePullResult(msgspec.Struct, array_like=True, omit_defaults=True, 
     message: str = ""
     members: list[bytes] = []
     suggest_which_broker_id: int = MASTER_ID
+    #: with ``resolve``: the offset the pull started at (-1: not resolved), and whether it is
+    #: the group's committed offset
+    start_offset: int = -1
+    start_committed: bool = False
 
 
 class PullMultiQueueResponseHeader(Header):
@@ -361,13 +370,19 @@ class RegisterBrokerRequestHeader(Header):
     #: the master's epoch (replication, docs/cluster.md); a name server keeps the master of
     #: the highest epoch when two addresses claim id 0 of one broker name
     epoch: NonNeg = 0
+    #: ``topics`` left out: the topic set is the one of ``data_version``, which this name
+    #: server was sent before (a heartbeat; its size does not grow with the topics)
+    topics_omitted: bool = False
 
 
 class RegisterBrokerResponseHeader(Header):
-    """The master of the group, for a slave: its replication and client addresses."""
+    """The master of the group, for a slave: its replication and client addresses;
+    ``need_topics``: a registration without topics came for a data version this name server
+    does not hold -- register again with them."""
 
     ha_server_addr: str = ""
     master_addr: str = ""
+    need_topics: bool = False
 
 
 class GetRouteInfoRequestHeader(Header):

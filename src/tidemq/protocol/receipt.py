@@ -70,14 +70,15 @@ def _check(h: ReceiptHandle) -> None:
     for name, value in (("broker", h.broker), ("topic", h.topic)):
         if not isinstance(value, str) or not _NAME.match(value):
             raise ReceiptError(f"receipt handle {name} {value!r} is not a valid name")
-    limits = (("queue_id", h.queue_id, 0, _MAX_I31), ("offset", h.offset, 0, _MAX_I63),
+    limits: tuple[tuple[str, object, int, int], ...] = (
+              ("queue_id", h.queue_id, 0, _MAX_I31), ("offset", h.offset, 0, _MAX_I63),
               ("pop_time", h.pop_time, 0, _MAX_I63),
               ("invisible_ms", h.invisible_ms, 1, MAX_INVISIBLE_MS),
               ("revive_queue_id", h.revive_queue_id, 0, _MAX_I31),
               ("attempt", h.attempt, 1, _MAX_I31))
-    for name, value, lo, hi in limits:
-        if type(value) is not int or not lo <= value <= hi:
-            raise ReceiptError(f"receipt handle {name} {value!r} is outside {lo}..{hi}")
+    for field, number, lo, hi in limits:
+        if type(number) is not int or not lo <= number <= hi:
+            raise ReceiptError(f"receipt handle {field} {number!r} is outside {lo}..{hi}")
     g = h.message_group
     if g is not None and (type(g) is not int or not 0 <= g < 2**64):
         raise ReceiptError(f"receipt handle message group {g!r} is not a 64-bit hash")

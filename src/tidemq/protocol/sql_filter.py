@@ -241,7 +241,8 @@ def _compare(lv: Any, rv: Any) -> int:
             lk = rk = "D"
     if lk == "D":
         return _dcmp(lv, rv)
-    return (lv > rv) - (lv < rv)
+    order: int = (lv > rv) - (lv < rv)
+    return order
 
 
 # -- compiled nodes --------------------------------------------------------------------------
@@ -415,7 +416,7 @@ def _prop(name: str) -> _Node:
 
 def _negate(n: _Node) -> _Node:
     if n.const is not _NOCONST and type(n.const) in (int, _Long, float):
-        v = n.const
+        v: Any = n.const
         # -2147483648 stays a Long, as in RocketMQ (the literal was read as a Long first)
         return _const(_Long(-v) if type(v) is _Long else (-v))
     f = n.fn

@@ -438,7 +438,10 @@ def _sendfile(fd: int, header: bytes, seg: Any, rel: int, n: int, timeout: float
 
 
 def _wait_writable(fd: int, timeout: float) -> None:
-    if not select.select([], [fd], [], timeout)[1]:
+    # poll, not select: a broker with many connections has descriptors past FD_SETSIZE (1024)
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    if not poller.poll(timeout * 1000):
         raise TimeoutError(f"the slave read nothing for {timeout:g} s")
 
 
