@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+from tidemq.protocol.batch.fields import queue_offset_at
 from tidemq.protocol.headers import SubscriptionGroupConfig
 from tidemq.protocol.members import member_offsets
 from tidemq.protocol.pop import (
@@ -33,7 +34,7 @@ def handles(frame, topic):
     body = bytes(frame.body)
     for j in range(len(frame.header.batches)):
         total = int.from_bytes(body[pos:pos + 4], "little")
-        base = int.from_bytes(body[pos + 20:pos + 28], "little")
+        base = queue_offset_at(body, pos)
         out += [encode_receipt(h) for h in receipt_handles(frame.header, topic, j, base)]
         pos += total
     assert pos == len(body)
@@ -156,3 +157,19 @@ def test_a_group_has_one_consumption_mode(wire, topic):
     assert wire.pull(topic, 0, group="pullgrp").code == ResponseCode.SUCCESS
     r = pop(wire, topic, "pullgrp")
     assert r.code == ResponseCode.CONSUME_MODE_CONFLICT, error_message(r)
+
+
+def test_sql92_subscription_pops_only_the_selected(wire, topic):
+    from tidemq.protocol.headers import SendMessageRequestHeader
+    from tidemq.protocol.record import MessageData, encode_batch
+    wire.create_topic(topic, 1)
+    msgs = [MessageData(b"m%d" % i, properties={"region": "eu" if i % 3 == 0 else "us"})
+            for i in range(9)]
+    r = wire.request(RequestCode.SEND_BATCH, SendMessageRequestHeader(
+        producer_group="pg", topic=topic, queue_id=0, batch=True), bytes(encode_batch(topic, msgs)))
+    assert r.code == ResponseCode.SUCCESS, error_message(r)
+    p = pop(wire, topic, "pgsql", subscription="region = 'eu'", expression_type="SQL92")
+    assert p.code == ResponseCode.SUCCESS, error_message(p)
+    assert [decode_receipt(h).offset for h in handles(p, topic)] == [0, 3, 6]
+    assert pop(wire, topic, "pgsql", subscription="region = 'eu'",
+               expression_type="SQL92").code == ResponseCode.PULL_NOT_FOUND

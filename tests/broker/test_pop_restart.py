@@ -27,21 +27,34 @@ def _pop(w, max_n, inv_ms):
 
 def test_kill9_keeps_acks_and_in_flight_deliveries(tmp_path):
     data = tmp_path / "data"
-    srv = start_broker(tmp_path, "", data_dir=data)
+    fast = ("-o", "offset_persist_interval_ms=200")  # POP snapshots every 0.2 s
+    srv = start_broker(tmp_path, "", *fast, data_dir=data)
     try:
         with Wire(srv.addr) as w:
             w.create_topic(TOPIC, 2)
             for q in (0, 1):
                 w.send_messages(TOPIC, [b"q%d-%d" % (q, i) for i in range(50)], queue_id=q)
-            popped = _pop(w, 60, 4000)  # 60 of the 100
-            assert len(popped) == 60
-            acked, kept = popped[::3] + popped[1::3], popped[2::3]  # 40 acked, 20 in flight
+            early_at = time.monotonic()
+            early = _pop(w, 30, 8000)  # 30 of the 100, half acked, then a snapshot
             r = w.request(RequestCode.ACK_MESSAGE,
-                          AckMessageRequestHeader(consumer_group=GROUP, handles=acked))
-            assert r.header.results == [0] * 40
+                          AckMessageRequestHeader(consumer_group=GROUP, handles=early[::2]))
+            assert r.header.results == [0] * 15
+            deadline = time.monotonic() + 5
+            while not list(data.rglob("pop_windows.snapshot")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert list(data.rglob("pop_windows.snapshot")), "no POP snapshot written"
+            time.sleep(0.5)  # a snapshot holding the early acks is written
+            late = _pop(w, 30, 8000)  # records after the snapshot: replayed from the log
+            popped = early + late
+            assert len(popped) == 60
+            acked = early[::2] + late[::3] + late[1::3]  # 35 acked: 15 before, 20 after
+            kept = [h for h in popped if h not in set(acked)]  # 25 in flight
+            r = w.request(RequestCode.ACK_MESSAGE, AckMessageRequestHeader(
+                consumer_group=GROUP, handles=late[::3] + late[1::3]))
+            assert r.header.results == [0] * 20
             popped_at = time.monotonic()
         srv.kill9()  # right away: before any offset persist
-        srv = start_broker(tmp_path, "", data_dir=data)
+        srv = start_broker(tmp_path, "", *fast, data_dir=data)
         key = lambda h: (decode_receipt(h).queue_id, decode_receipt(h).offset)  # noqa: E731
         with Wire(srv.addr) as w:
             fresh = _pop(w, 200, 60_000)
@@ -49,15 +62,15 @@ def test_kill9_keeps_acks_and_in_flight_deliveries(tmp_path):
             assert len(fresh) == 40, [key(h) for h in fresh]
             assert not {key(h) for h in fresh} & {key(h) for h in popped}
             assert all(decode_receipt(h).attempt == 1 for h in fresh)
-            assert time.monotonic() - popped_at < 4.0, "restart too slow for this test"
-            time.sleep(max(0.0, 4.1 - (time.monotonic() - popped_at)))
+            assert time.monotonic() - early_at < 8.0, "restart too slow for this test"
+            time.sleep(max(0.0, 8.1 - (time.monotonic() - popped_at)))
             back = _pop(w, 200, 60_000)
             assert sorted(map(key, back)) == sorted(map(key, kept))
             assert all(decode_receipt(h).attempt == 2 for h in back)
             # a stale handle of before the crash is still stale
             r = w.request(RequestCode.ACK_MESSAGE, AckMessageRequestHeader(
                 consumer_group=GROUP, handles=kept[:1] + acked[:1] + back + fresh))
-            assert r.header.results == [ResponseCode.NO_MESSAGE] * 2 + [0] * 60
+            assert r.header.results == [ResponseCode.NO_MESSAGE] * 2 + [0] * 65
             assert _pop(w, 200, 60_000) == []
     finally:
         if srv.alive():

@@ -111,3 +111,18 @@ def test_bad_arguments():
         PopWindow().pop(0, 0, 10, 5)
     with pytest.raises(ValueError):
         PopWindow().change_invisible(0, 0, 0, 0)
+
+
+def test_state_round_trip_and_restore():
+    from tidemq.broker.pop_window import PopWindow as W
+    w = W(5)
+    a, b, c = w.pop(3, 1000, 100, 20)
+    assert w.ack(b.offset, b.pop_time)
+    copy = W.from_state(w.to_state())
+    assert copy.to_state() == w.to_state()
+    assert [copy.state(o) for o in range(5, 9)] == ["in_flight", "acked", "in_flight", "new"]
+    # replay of a record naming offset 10 on a window at 5: 5..9 come back at the next pop
+    r = W(5)
+    r.restore(10, 2, 1000, 100)
+    assert r.next == 11 and r.state(10) == "in_flight"
+    assert [p.offset for p in r.pop(10, 1001, 100, 11)] == [5, 6, 7, 8, 9]

@@ -265,6 +265,7 @@ class Broker:
             loop.create_task(self._persist_offsets_forever(), name="offsets-persist"),
             loop.create_task(self._sample_stats_forever(), name="stats-sample"),
             loop.create_task(self.dedup.run_snapshots(self.store), name="dedup-snapshot"),
+            loop.create_task(self.pop.run_snapshots(), name="pop-snapshot"),
             loop.create_task(self._scan_clients_forever(), name="client-scan"),
             loop.create_task(self.shrinker.run_forever(), name="queue-shrink"),
         ]

@@ -17,19 +17,23 @@ flush interval, whose acks then count as not given), an in-flight one stays invi
 deadline and comes back with attempt + 1, and nothing is lost (a window's ``start`` moves only
 over acked offsets).
 
-Replay reads the whole topic (what retention left of it): its cost grows with the log until a
-checkpoint of the windows exists (not built yet).
+Snapshots bound the replay: every ``interval`` the windows are copied with the log's end
+offset and, once the CommitLog is flushed past what that copy covers, written atomically to
+``<config>/pop_windows.snapshot``; a start loads the snapshot and replays only the records
+after it (``PopSnapshots``).
 
 Threads: the broker's event loop only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from tidemq.base.atomic_file import write_atomic
 from tidemq.protocol.errors import TidemqError
 from tidemq.protocol.record import BatchView, MessageData, encode_batch
 from tidemq.store.message_store import GetStatus
@@ -38,7 +42,7 @@ if TYPE_CHECKING:
     from tidemq.broker.pop_window import Popped, PopWindow
     from tidemq.store.message_store import MessageStore
 
-__all__ = ["POP_LOG_TOPIC", "PopLog"]
+__all__ = ["POP_LOG_TOPIC", "PopLog", "PopSnapshots"]
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +72,12 @@ class PopLog:
         self.store.put(encode_batch(POP_LOG_TOPIC, [MessageData(body)]), queue_id=0)
         self.appended += 1
 
-    def replay(self, window_for) -> int:
-        """Apply every record in order; ``window_for(group, topic, qid, first_offset)`` gives
-        the window to apply it to. Returns the records applied."""
+    def replay(self, window_for, start: int = 0) -> int:
+        """Apply every record from log offset ``start`` on, in order;
+        ``window_for(group, topic, qid, first_offset)`` gives the window to apply it to.
+        Returns the records applied."""
         store = self.store
-        off = store.min_offset(POP_LOG_TOPIC, 0)
+        off = max(start, store.min_offset(POP_LOG_TOPIC, 0))
         end = store.max_offset(POP_LOG_TOPIC, 0)
         n = 0
         while off < end:
@@ -100,3 +105,56 @@ class PopLog:
                                 rb.queue_offset, exc)
         self.replayed = n
         return n
+
+
+_snap_encoder = msgspec.msgpack.Encoder()
+_snap_decoder = msgspec.msgpack.Decoder()
+
+
+class PopSnapshots:
+    """Snapshots of the pop windows (see the module doc). Event loop only."""
+
+    def __init__(self, path: str, store: MessageStore) -> None:
+        self.path = path
+        self.store = store
+        self._pending: tuple[int, bytes] | None = None  # (phys offset it needs flushed, bytes)
+        self.written = 0
+
+    def take(self, windows: dict) -> tuple[int, bytes]:
+        """The windows now, with the log offset replay continues from."""
+        data = _snap_encoder.encode({
+            "log": self.store.max_offset(POP_LOG_TOPIC, 0),
+            "windows": [[g, t, q, w.to_state()] for (g, t, q), w in windows.items()],
+        })
+        return self.store.max_phys_offset, data
+
+    def load(self) -> tuple[int, list] | None:
+        """(log offset, [[group, topic, queue, state], ...]) of the last snapshot, or None."""
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return None
+        try:
+            d = _snap_decoder.decode(raw)
+            return int(d["log"]), list(d["windows"])
+        except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
+            log.warning("POP snapshot %s does not decode (%s): replaying the whole log",
+                        self.path, exc)
+            return None
+
+    async def run(self, windows_of, interval_s: float) -> None:
+        """Every ``interval_s``: write the previous copy if the CommitLog is durable past what
+        it covers, then take a new one (a copy never claims more than the log holds)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                pending = self._pending
+                if pending is not None and self.store.flushed_phys_offset >= pending[0]:
+                    self._pending = None
+                    await asyncio.to_thread(write_atomic, self.path, pending[1])
+                    self.written += 1
+                if self._pending is None:
+                    self._pending = self.take(windows_of())
+            except OSError as exc:
+                log.error("writing the POP snapshot %s failed: %s", self.path, exc)

@@ -32,13 +32,14 @@ Threads: the broker's event loop only.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
 from tidemq.broker.connection import decode_request
 from tidemq.broker.consume_switches import check_consume_allowed
 from tidemq.broker.errors import RequestRejected, check_group
-from tidemq.broker.pop_log import PopLog
+from tidemq.broker.pop_log import PopLog, PopSnapshots
 from tidemq.broker.pop_window import Popped, PopWindow
 from tidemq.broker.send_back import store_copy
 from tidemq.broker.sql_select import sql_filter_for
@@ -150,6 +151,12 @@ class PopProcessor:
         self.stale = 0
         self.dead = 0  # copied to %DLQ%<group> after retry_max_times deliveries
         self.log = PopLog(broker.store)
+        self.snapshots = PopSnapshots(
+            os.path.join(broker.config.config_path, "pop_windows.snapshot"), broker.store)
+
+    async def run_snapshots(self) -> None:
+        await self.snapshots.run(lambda: self.windows,
+                                 self.broker.config.offset_persist_interval_ms / 1000)
 
     def recover(self) -> int:
         """Rebuild the windows from ``rmq_sys_POP_LOG`` (at start, before serving)."""
@@ -162,7 +169,14 @@ class PopProcessor:
                 self.modes.setdefault(group, POP)
             return w
 
-        n = self.log.replay(window_for)
+        snap = self.snapshots.load()
+        start = 0
+        if snap is not None:
+            start, saved = snap
+            for group, topic, qid, state in saved:
+                self.windows[(group, topic, qid)] = PopWindow.from_state(state)
+                self.modes.setdefault(group, POP)
+        n = self.log.replay(window_for, start)
         for (group, topic, qid), w in self.windows.items():
             self._commit(group, topic, qid, w)
         if n:

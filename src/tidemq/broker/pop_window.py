@@ -27,9 +27,14 @@ Threads: one owner (the broker's event loop).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["PopWindow", "Popped"]
+__all__ = ["PopWindow", "Popped", "WindowState"]
+
+#: (start, next, [(offset, pop time, deadline, attempt), ...], [acked offset, ...])
+WindowState = tuple[int, int, list[tuple[int, int, int, int]], list[int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +153,21 @@ class PopWindow:
             self._inflight[offset] = _InFlight(pop_time, pop_time + invisible_ms, attempt)
         else:
             e.pop_time, e.deadline, e.attempt = pop_time, pop_time + invisible_ms, attempt
+
+    def to_state(self) -> WindowState:
+        """Everything of the window, as plain tuples (``broker/pop_log.py`` snapshots)."""
+        return (self.start, self.next,
+                [(o, e.pop_time, e.deadline, e.attempt) for o, e in self._inflight.items()],
+                sorted(self._acked))
+
+    @classmethod
+    def from_state(cls, state: Sequence[Any]) -> PopWindow:
+        start, nxt, inflight, acked = state
+        w = cls(start)
+        w.next = nxt
+        w._inflight = {o: _InFlight(pt, dl, a) for o, pt, dl, a in inflight}
+        w._acked = set(acked)
+        return w
 
     def _advance(self) -> None:
         acked = self._acked

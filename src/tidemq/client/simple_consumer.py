@@ -41,6 +41,8 @@ from tidemq.client.errors import ClientClosedError, NoRouteError
 from tidemq.client.message import MessageExt
 from tidemq.client.route import RouteCache
 from tidemq.client.selection import Selection
+from tidemq.protocol.batch.codec import read_total_size_magic
+from tidemq.protocol.batch.fields import queue_offset_at
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import BrokerError
 from tidemq.protocol.names import group_name_problem
@@ -53,14 +55,12 @@ from tidemq.protocol.pop import (
     receipt_strings,
 )
 from tidemq.protocol.receipt import MAX_INVISIBLE_MS
-from tidemq.protocol.record import read_total_size_magic
 
 __all__ = ["SimpleConsumer", "ReceivedMessage", "StaleReceiptError"]
 
 log = logging.getLogger(__name__)
 
 _POP_OK = frozenset({ResponseCode.SUCCESS, ResponseCode.PULL_NOT_FOUND})
-_QUEUE_OFFSET_AT = 20  # byte of a stored batch's first queue offset (record.STORE_HEADER)
 
 
 class StaleReceiptError(BrokerError):
@@ -247,7 +247,7 @@ class SimpleConsumer:
         pos = 0
         for j in range(len(rh.batches)):
             total, _magic = read_total_size_magic(mv, pos)
-            base = int.from_bytes(mv[pos + _QUEUE_OFFSET_AT:pos + _QUEUE_OFFSET_AT + 8], "little")
+            base = queue_offset_at(mv, pos)
             handles = receipt_strings(rh, topic, j, base)
             for q, off, text, attempt in handles:
                 wanted[(q, off)] = (text, attempt)
