@@ -63,7 +63,7 @@ async def _member(namesrv: str, group: str, topic: str, pop_batch: int, invisibl
         arr[base + 4] = time.process_time() - cpu0
 
 
-def _member_process(args: tuple) -> None:
+def _member_process(args: tuple[Any, ...]) -> None:
     run_loop(_member(*args))
 
 

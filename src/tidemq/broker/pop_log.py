@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -72,7 +73,7 @@ class PopLog:
         self.store.put(encode_batch(POP_LOG_TOPIC, [MessageData(body)]), queue_id=0)
         self.appended += 1
 
-    def replay(self, window_for, start: int = 0) -> int:
+    def replay(self, window_for: Callable[..., Any], start: int = 0) -> int:
         """Apply every record from log offset ``start`` on, in order;
         ``window_for(group, topic, qid, first_offset)`` gives the window to apply it to.
         Returns the records applied."""
@@ -120,7 +121,7 @@ class PopSnapshots:
         self._pending: tuple[int, bytes] | None = None  # (phys offset it needs flushed, bytes)
         self.written = 0
 
-    def take(self, windows: dict) -> tuple[int, bytes]:
+    def take(self, windows: dict[Any, Any]) -> tuple[int, bytes]:
         """The windows now, with the log offset replay continues from."""
         data = _snap_encoder.encode({
             "log": self.store.max_offset(POP_LOG_TOPIC, 0),
@@ -128,7 +129,7 @@ class PopSnapshots:
         })
         return self.store.max_phys_offset, data
 
-    def load(self) -> tuple[int, list] | None:
+    def load(self) -> tuple[int, list[Any]] | None:
         """(log offset, [[group, topic, queue, state], ...]) of the last snapshot, or None."""
         try:
             with open(self.path, "rb") as f:
@@ -143,7 +144,7 @@ class PopSnapshots:
                         self.path, exc)
             return None
 
-    async def run(self, windows_of, interval_s: float) -> None:
+    async def run(self, windows_of: Callable[[], Any], interval_s: float) -> None:
         """Every ``interval_s``: write the previous copy if the CommitLog is durable past what
         it covers, then take a new one (a copy never claims more than the log holds)."""
         while True:

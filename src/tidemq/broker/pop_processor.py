@@ -31,10 +31,11 @@ Threads: the broker's event loop only.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tidemq.broker.connection import decode_request
 from tidemq.broker.consume_switches import check_consume_allowed
@@ -145,7 +146,7 @@ class PopProcessor:
         self.modes: dict[str, str] = {}  # group -> POP or PULL (first use on this broker)
         self._cursor: dict[tuple[str, str], int] = {}
         self._held: list[_Held] = []
-        self._timer = None
+        self._timer: asyncio.TimerHandle | None = None
         self.popped = 0
         self.acked = 0
         self.stale = 0
@@ -183,7 +184,7 @@ class PopProcessor:
             log.info("POP state recovered: %d records, %d windows", n, len(self.windows))
         return n
 
-    def handlers(self) -> dict:
+    def handlers(self) -> dict[int, Any]:
         return {
             RequestCode.POP_MESSAGE: self.handle_pop,
             RequestCode.ACK_MESSAGE: self.handle_ack,
@@ -302,7 +303,7 @@ class PopProcessor:
         return w
 
     def _pop_queue(self, h: PopMessageRequestHeader, qid: int, want: int, now: int,
-                   sel: _Selector, bodies: list, batches: list[PoppedBatch]) -> int:
+                   sel: _Selector, bodies: list[Any], batches: list[PoppedBatch]) -> int:
         """Pop up to ``want`` messages of queue ``qid`` into ``bodies``/``batches``; how many."""
         group, topic = h.consumer_group, h.topic
         w = self.window(group, topic, qid, h.init_mode)
@@ -360,7 +361,7 @@ class PopProcessor:
         self._commit(group, topic, qid, w)
         return got
 
-    def _read(self, topic: str, qid: int, offsets: list[int]):
+    def _read(self, topic: str, qid: int, offsets: list[int]) -> Any:
         """(batch bytes, base offset, member indices) of the batches holding ``offsets``."""
         store = self.broker.store
         i, n = 0, len(offsets)

@@ -234,6 +234,7 @@ class Accumulator:
             b = self._buckets[k] = _Bucket(k, msg.topic, mq, loop)
         if fut is None:
             fut = _Future(loop=b.loop)
+        result: asyncio.Future[SendResult] = fut
         msgs = b.msgs
         msgs.append(msg)
         b.futs.append(fut)
@@ -243,7 +244,7 @@ class Accumulator:
         if len(msgs) >= self.batch_max_messages or size >= self.batch_max_bytes:
             if not (b.mq is not None and b.inflight):
                 self._dispatch(b)
-            return fut
+            return result
         if deadline:
             b.waiting = True
             if not b.inflight:
@@ -258,7 +259,7 @@ class Accumulator:
                 b.loop.call_later(self.batch_max_delay, self.flush_open)
             else:
                 b.loop.call_soon(self.flush_open)
-        return fut
+        return result
 
     def _expire(self, b: _Bucket) -> None:
         """Fail the messages of ``b`` whose callers' deadlines passed while they waited."""

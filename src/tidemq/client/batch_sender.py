@@ -234,7 +234,7 @@ class BatchSender:
         last_result: SendResult | None = None
         attempts = policy.attempts
         dedup = self.sequencer.dedup or (
-            type(msgs) is Columns and msgs.producer_id is not None
+            isinstance(msgs, Columns) and msgs.producer_id is not None
         )
         mq: MessageQueue | None = None
         pinned = False

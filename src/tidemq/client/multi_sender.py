@@ -108,9 +108,9 @@ class MultiQueueSender:
             encode = self._encode()
             parts = []
             for mq, (topic, msgs, _futs) in items:
-                b, seq = encode(topic, msgs, mq.queue_id, conn.local_host, conn.local_port,
-                                None, born_ts)
-                parts.append(b)
+                encoded, seq = encode(topic, msgs, mq.queue_id, conn.local_host,
+                                      conn.local_port, None, born_ts)
+                parts.append(encoded)
                 seqs.append(seq)
             header = SendMultiQueueRequestHeader(producer_group=self.group, batches=len(parts),
                                                  born_timestamp=born_ts)

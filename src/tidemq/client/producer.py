@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from tidemq.client import chunking
 from tidemq.client.accumulator import Accumulator
@@ -356,7 +356,7 @@ class Producer:
                                                       len(msg)))
             acc.track(fut)
         else:
-            fut = self._pinned_async(msg, options)
+            fut = self._pinned_async(cast(Message, msg), options)
         if callback is not None:
 
             def done(f: asyncio.Future[SendResult]) -> None:
@@ -489,7 +489,7 @@ class Producer:
     ) -> None:
         """Write the message (or a list, as one batch) and return without any answer: no
         result, no retry, possible silent loss (RocketMQ's oneway)."""
-        msgs: Sequence[Message] = msg if isinstance(msg, list | tuple) else (msg,)  # type: ignore[assignment]
+        msgs: Sequence[Message] = msg if isinstance(msg, list | tuple) else (msg,)
         if not msgs:
             raise ValueError("send_oneway needs at least one message")
         topic = msgs[0].topic
@@ -553,7 +553,8 @@ class Producer:
         """Run a send_async send; its ``n`` messages stop counting as pending before its
         future completes (so whoever sees it done may send ``n`` more at once)."""
         try:
-            return await coro
+            result: SendResult = await coro
+            return result
         finally:
             self.accumulator.npending -= n
 
