@@ -26,7 +26,9 @@ which gives each queue a number. Little-endian::
              count > 0: ``count`` units of queue ``id`` from queue offset ``first``, stored in
                         ``units`` in entry order;
              count = 0: the queue's units end at ``first`` (a truncation, or where an empty
-                        queue starts);
+                        queue starts: above the queue's end, its earlier units are gone);
+                        a block may hold two for a queue, the lowest cut since the
+                        previous block and then where the queue now starts;
              count = -1: the queue was deleted.
     unit   = phys_offset u64 | size u32 | tag_hash u64 (as in store/consume_queue.py)
 
@@ -96,8 +98,8 @@ class LogQueue:
     The same interface as store/consume_queue.py's ConsumeQueue (the store uses either)."""
 
     __slots__ = ("topic", "queue_id", "qid", "_log", "_min", "_max", "_max_phys", "_last_phys",
-                 "_rfirst", "_rcount", "_rpos", "_pend", "_pend_first", "_cut", "_closed",
-                 "_defined")
+                 "_rfirst", "_rcount", "_rpos", "_pend", "_pend_first", "_cut", "_cut_to",
+                 "_closed", "_defined")
 
     UNIT_SIZE = UNIT_SIZE
 
@@ -116,6 +118,9 @@ class LogQueue:
         self._pend = bytearray()
         self._pend_first = 0
         self._cut = False  # flushed units were cut (or the queue starts above 0): log the end
+        # The lowest cut into flushed units since the last block (-1: none). Logged before the
+        # end: after a cut to 0 and a start_at, the end alone would not cut the logged units.
+        self._cut_to = -1
         self._closed = False
         self._defined = False
 
@@ -313,6 +318,8 @@ class LogQueue:
             if self._rcount:
                 last = len(self._rcount) - 1
                 self._rcount[last] = min(self._rcount[last], cut - self._rfirst[last])
+            if self._cut_to < 0 or cut < self._cut_to:
+                self._cut_to = cut
             self._mark_cut()
         self._max = cut
         self._min = min(self._min, cut)
@@ -525,31 +532,62 @@ class IndexLog:
             os.ftruncate(fd, p)
         self._names_size = p
 
+    def _check_block(self, rows: list[tuple[int, int, int]]) -> None:
+        """Raise ValueError when a block's entries do not apply, before any is applied (a
+        block applies whole or not at all: no queue keeps a run of a block the log cuts off).
+        Follows :meth:`_apply_block` on each queue's end and first run only."""
+        state: dict[int, tuple[int, int] | None] = {}  # qid -> (end, first run or -1)
+        for qid, count, first in rows:
+            if qid in state:
+                st = state[qid]
+            else:
+                q = self._by_id.get(qid)
+                st = None if q is None else (q._max, q._rfirst[0] if q._rcount else -1)
+            if st is None:
+                raise ValueError(f"entry for an unknown or deleted queue id {qid}")
+            if count < DROP:
+                raise ValueError(f"entry for queue id {qid} with count {count}")
+            if count == DROP:
+                state[qid] = None
+                continue
+            end, r0 = st
+            if first > end:
+                if count and (r0 >= 0 or end):
+                    raise ValueError(f"queue id {qid} jumps from {end} to {first}")
+                end, r0 = first, -1
+            elif first < end:
+                end = first
+                if r0 >= first:
+                    r0 = -1
+            if count > 0:
+                end = first + count
+                if r0 < 0:
+                    r0 = first
+            state[qid] = (end, r0)
+
     def _apply_block(self, meta: bytes, n_entries: int, units_pos: int) -> None:
-        entries = np.frombuffer(meta, ENTRY_DTYPE, count=n_entries)
+        rows = np.frombuffer(meta, ENTRY_DTYPE, count=n_entries).tolist()
+        self._check_block(rows)
         pos = units_pos
         by_id = self._by_id
         seen = self._seen
-        for qid, count, first in entries.tolist():
-            q = by_id.get(qid)
-            if q is None:
-                raise ValueError(f"entry for an unknown or deleted queue id {qid}")
+        for qid, count, first in rows:
+            q = by_id[qid]
             if count == DROP:
                 del by_id[qid]
                 seen.discard(qid)
                 continue
             seen.add(qid)
             if first > q._max:
-                if q._rcount or q._max:  # units missing in between
-                    if count == 0 and not q._rcount:
-                        q._min = q._max = first
-                        continue
-                    raise ValueError(f"queue {q.topic}/{q.queue_id} jumps from {q._max} to "
-                                     f"{first}")
+                # count > 0 here only on an empty queue (_check_block); a count-0 entry above
+                # the end is where the queue now starts, its earlier units cut (the writer
+                # before the lowest cut was logged wrote "cut to 0, start at N" so)
+                q._rfirst, q._rcount, q._rpos = array("q"), array("q"), array("q")
                 q._min = q._max = first
+                q._last_phys = q._max_phys = -1
             elif first < q._max:
                 q._truncate_locked(first)
-                q._cut = False
+                q._cut, q._cut_to = False, -1
             if count > 0:
                 if q._rcount and q._rfirst[-1] + q._rcount[-1] == first and \
                         q._rpos[-1] + q._rcount[-1] * UNIT_SIZE == pos:
@@ -567,7 +605,7 @@ class IndexLog:
         with self._lock:
             self._dirty = {}
             for q in self._queues.values():
-                q._cut = False
+                q._cut, q._cut_to = False, -1
                 if q._max > q._min:
                     u = q._units_locked(q._max - 1, 1)
                     if len(u):
@@ -693,7 +731,8 @@ class IndexLog:
 
     def _build_block(
         self,
-    ) -> tuple[list[bytes], list[tuple[LogQueue, int, int]], int, bytes] | None:
+    ) -> tuple[list[bytes], list[tuple[LogQueue, int, int]], int, bytes,
+               list[LogQueue]] | None:
         """The next block from what changed (lock held); changes no state, so a failed write
         leaves everything pending for the next flush."""
         if not self._dirty and not self._dropped:
@@ -702,6 +741,7 @@ class IndexLog:
         entries: list[bytes] = [ENTRY.pack(qid, DROP, 0) for qid in self._dropped]
         units: list[bytes] = []
         runs: list[tuple[LogQueue, int, int]] = []  # queue, first, unit index in block
+        named: list[LogQueue] = []  # queues whose name record goes with this block
         n_units = 0
         max_phys = -1
         for q in self._dirty.values():
@@ -711,10 +751,14 @@ class IndexLog:
                 t = q.topic.encode()
                 rec = struct.pack("<IIH", q.qid, q.queue_id, len(t)) + t
                 names.append(struct.pack("<I", crc32c(rec)) + rec)
+                named.append(q)
             if q._cut:
                 end = (q._rfirst[-1] + q._rcount[-1]) if q._rcount else (
                     q._pend_first if q._pend else q._max)
-                entries.append(ENTRY.pack(q.qid, 0, end))
+                if q._cut_to >= 0:  # the logged units are cut there first
+                    entries.append(ENTRY.pack(q.qid, 0, q._cut_to))
+                if end != q._cut_to:
+                    entries.append(ENTRY.pack(q.qid, 0, end))
             if q._pend:
                 n = len(q._pend) // UNIT_SIZE
                 entries.append(ENTRY.pack(q.qid, n, q._pend_first))
@@ -728,10 +772,10 @@ class IndexLog:
         meta = b"".join(entries)
         body = meta + b"".join(units)
         head = BLOCK_HEADER.pack(BLOCK_MAGIC, crc32c(body), len(body), len(entries), max_phys)
-        return [head, body], runs, BLOCK_HEADER.size + len(meta), b"".join(names)
+        return [head, body], runs, BLOCK_HEADER.size + len(meta), b"".join(names), named
 
     def _write_block(self, parts: list[bytes], runs: list[tuple[LogQueue, int, int]],
-                     units_at: int, names: bytes) -> None:
+                     units_at: int, names: bytes, named: list[LogQueue]) -> None:
         if names:  # durable before any block names these ids
             try:
                 if os.pwrite(self._names_fd, names, self._names_size) != len(names):
@@ -754,6 +798,8 @@ class IndexLog:
         # written: now the state moves (what was pending is in the log)
         for q in self._dirty.values():
             q._cut = False
+            q._cut_to = -1
+        for q in named:  # only these: a dirty queue left without units wrote no name record
             q._defined = True
         self._dirty = {}
         self._dropped = []
