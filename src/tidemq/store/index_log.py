@@ -430,7 +430,7 @@ class IndexLog:
         ``trusted_end`` (the checkpoint's log position: the store then rebuilds)."""
         os.makedirs(self.root, exist_ok=True)
         self._load_names()
-        self._seen: set[int] = set()
+        self._seen = set()
         files = sorted(n for n in os.listdir(self.root)
                        if len(n) == _NAME_DIGITS and n.isdigit())
         stop = False
