@@ -105,6 +105,50 @@ def test_the_producer_sends_spread_traffic_in_multi_queue_frames(tmp_path):
         ns.stop()
 
 
+def test_a_message_refused_in_a_multi_queue_frame_fails_only_its_own_caller(tmp_path):
+    # the client's properties limit is above the broker's (32 KiB): only the broker refuses
+    ns = start_namesrv(tmp_path)
+    br = start_broker(tmp_path, ns.addr)
+    try:
+        async def run() -> list[object]:
+            topics = [f"iso{i}" for i in range(10)]
+            async with Admin(ns.addr) as admin:
+                for t in topics:
+                    await admin.create_topic(t, 1)
+            async with Producer(ns.addr, batch_max_delay=0.005,
+                                max_properties_size=128 * 1024) as p:
+                for t in topics:  # routes cached
+                    await p.send(Message(t, b"first"))
+                msgs = [Message(topics[i % 10], b"m%d" % i) for i in range(100)]
+                msgs[33] = Message(topics[3], b"bad", properties={"big": "x" * 40_000})
+                futs = [p.send_async(m) for m in msgs]
+                out = await asyncio.gather(*futs, return_exceptions=True)
+                assert p.multi.frames >= 1
+                return out
+
+        out = asyncio.run(run())
+        errors = [i for i, r in enumerate(out) if isinstance(r, BaseException)]
+        assert errors == [33], [out[i] for i in errors[:3]]
+        assert "propert" in str(out[33])
+
+        async def read() -> list[bytes]:
+            c = PullConsumer(ns.addr, "g-iso", consume_from="first", auto_commit=False)
+            c.subscribe("iso3")
+            got: list[bytes] = []
+            async with c:
+                while len(got) < 10:
+                    msgs = await c.poll(timeout=5)
+                    assert msgs, got
+                    got += [m.body for m in msgs]
+            return got
+
+        assert sorted(asyncio.run(read())) == sorted(
+            [b"first"] + [b"m%d" % i for i in range(3, 100, 10) if i != 33])
+    finally:
+        br.stop()
+        ns.stop()
+
+
 # -- PULL_MULTI_QUEUE -----------------------------------------------------------------------------
 
 

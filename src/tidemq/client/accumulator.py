@@ -42,7 +42,7 @@ from typing import Any
 
 from tidemq.client.errors import MessageRejectedError, ProducerQueueFullError, RequestTimeoutError
 from tidemq.client.message import Message, MessageQueue, SendResult
-from tidemq.protocol.codes import ResponseCode
+from tidemq.client.retry_policy import CONTENT_CODES
 from tidemq.protocol.errors import BrokerError
 
 __all__ = ["Accumulator", "BatchSend", "split_result"]
@@ -55,11 +55,7 @@ BatchSend = Callable[[str, MessageQueue | None, list[Message], float | None],
 # The reason one message of a batch cannot be sent (None: it can), found without sending.
 Check = Callable[[Message], Exception | None]
 
-# Broker answers about a batch's content: one bad message of a shared batch must not fail the
-# others, so they are told apart by sending them again.
 _InvalidState = (asyncio.InvalidStateError, concurrent.futures.InvalidStateError)
-_CONTENT_CODES = frozenset({ResponseCode.MESSAGE_ILLEGAL, ResponseCode.MESSAGE_TOO_LARGE,
-                            ResponseCode.INVALID_ARGUMENT})
 
 
 class _Bucket:
@@ -480,7 +476,7 @@ class Accumulator:
         except BaseException as exc:
             if (len(msgs) > 1 and not alone and isinstance(exc, MessageRejectedError | BrokerError)
                     and (isinstance(exc, MessageRejectedError)
-                         or exc.response_code in _CONTENT_CODES)):
+                         or exc.response_code in CONTENT_CODES)):
                 await self._isolate(b, msgs, futs, deadlines)
                 return
             self._answered(len(msgs))

@@ -25,7 +25,7 @@ from typing import Any
 from tidemq.client.batch_sender import STATUS, Encoder
 from tidemq.client.connection import ConnectionPool, raise_for_error
 from tidemq.client.message import Message, MessageQueue, SendResult
-from tidemq.client.retry_policy import RETRY_CODES
+from tidemq.client.retry_policy import CONTENT_CODES, RETRY_CODES
 from tidemq.client.send_router import SendRouter
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import BrokerError
@@ -138,7 +138,9 @@ class MultiQueueSender:
             topic, msgs, futs = b
             status = STATUS.get(r.code)
             if status is None:
-                if r.code in RETRY_CODES:
+                if r.code in RETRY_CODES or (r.code in CONTENT_CODES and len(msgs) > 1):
+                    # again on its own: with its retries, or to tell the bad message apart
+                    # from the callers it shares the batch with
                     self._single(b)
                     continue
                 self._answered(len(msgs))

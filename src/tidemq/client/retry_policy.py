@@ -19,7 +19,13 @@ from tidemq.client.errors import MessageRejectedError
 from tidemq.protocol.codes import ResponseCode
 from tidemq.protocol.errors import BrokerError
 
-__all__ = ["RETRY_CODES", "RetryPolicy"]
+__all__ = ["CONTENT_CODES", "RETRY_CODES", "RetryPolicy"]
+
+# Refusals of a batch for the content of one of its messages: retrying elsewhere cannot help,
+# but in a batch shared by several callers the others must not fail with it -- the batch is
+# sent again to tell the bad message apart (client/accumulator.py, client/multi_sender.py).
+CONTENT_CODES = frozenset({ResponseCode.MESSAGE_ILLEGAL, ResponseCode.MESSAGE_TOO_LARGE,
+                           ResponseCode.INVALID_ARGUMENT})
 
 # Error responses worth another broker (RocketMQ's retryResponseCodes plus the retryable ones).
 RETRY_CODES = frozenset(
