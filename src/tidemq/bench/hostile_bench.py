@@ -273,13 +273,16 @@ def bench_hostile(
                     unloaded = await measure_while(asyncio.sleep(unloaded_seconds))
                     t_attack = time.monotonic()
                     for kind, srv in (("broker", br), ("namesrv", ns)):
-                        drivers.append(subprocess.Popen(
+                        driver = subprocess.Popen(
                             [sys.executable, "-m", "tidemq.bench.hostile_driver", "--target",
                              srv.addr, "--kind", kind, "--connections", str(connections),
                              "--topic", topic, "--partial-rate", str(partial_rate)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            preexec_fn=(lambda: os.nice(driver_nice)) if driver_nice else None,
-                        ))
+                        )
+                        if driver_nice:  # lower than ours (no preexec_fn: this process has threads)
+                            os.setpriority(os.PRIO_PROCESS, driver.pid, min(
+                                19, os.getpriority(os.PRIO_PROCESS, 0) + driver_nice))
+                        drivers.append(driver)
                     stop = asyncio.Event()
                     sampler = loop.create_task(sample(stop))
                     try:
