@@ -203,8 +203,13 @@ class RouteCache:
         if task is None:
             task = asyncio.get_running_loop().create_task(self._fetch(topic))
             self._fetching[topic] = task
-            task.add_done_callback(lambda _t: self._fetching.pop(topic, None))
+            task.add_done_callback(lambda t: self._fetched(topic, t))
         return await asyncio.shield(task)
+
+    def _fetched(self, topic: str, task: asyncio.Task[TopicRoute]) -> None:
+        self._fetching.pop(topic, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: the waiters (if any are left) got it already
 
     async def _fetch(self, topic: str) -> TopicRoute:
         try:
