@@ -114,6 +114,8 @@ class ConsumerManager:
             self._check_group(cd.group)
             for sd in cd.subscriptions:
                 check_subscription(sd.expression_type, sd.expression, sd.topic)
+            if self.broker.pop is not None:  # one mode per group; exclusive subscriptions
+                self.broker.pop.types.check_heartbeat(h.client_id, cd)
         for cd in h.consumers:
             self.register(conn, h.client_id, cd, now)
         if not frame.is_oneway:
@@ -174,6 +176,8 @@ class ConsumerManager:
             m.last_seen = now
             return False
         info.members[client_id] = _Member(client_id, conn, now)
+        if cd.consume_type == "POP" and self.broker.pop is not None:
+            self.broker.pop.types.joined(group, client_id, cd)
         if cd.message_model == "CLUSTERING":
             self.broker.ensure_retry_topic(group)
         log.info("consumer %s joined group %s (%d members)", client_id, group, len(info.members))
@@ -186,6 +190,8 @@ class ConsumerManager:
             return
         log.info("consumer %s left group %s (%s)", client_id, group, why)
         self.broker.queue_locks.release_client(group, client_id)
+        if self.broker.pop is not None:
+            self.broker.pop.types.left(group, client_id)
         if info.members:
             self._notify(info)
         else:

@@ -44,6 +44,7 @@ from tidemq.broker.pop_log import PopLog, PopSnapshots
 from tidemq.broker.pop_window import Popped, PopWindow
 from tidemq.broker.send_back import store_copy
 from tidemq.broker.sql_select import sql_filter_for
+from tidemq.broker.subscription_types import SubscriptionTypes
 from tidemq.protocol.codes import DLQ_PREFIX, RequestCode, ResponseCode
 from tidemq.protocol.errors import CorruptBatchError, TidemqError
 from tidemq.protocol.headers import Perm
@@ -152,6 +153,7 @@ class PopProcessor:
         self.stale = 0
         self.dead = 0  # copied to %DLQ%<group> after retry_max_times deliveries
         self.log = PopLog(broker.store)
+        self.types = SubscriptionTypes(self)  # Pulsar subscription types (their own module)
         self.snapshots = PopSnapshots(
             os.path.join(broker.config.config_path, "pop_windows.snapshot"), broker.store)
 
@@ -189,6 +191,7 @@ class PopProcessor:
             RequestCode.POP_MESSAGE: self.handle_pop,
             RequestCode.ACK_MESSAGE: self.handle_ack,
             RequestCode.CHANGE_INVISIBLE_TIME: self.handle_change,
+            RequestCode.SEEK_SUBSCRIPTION: self.types.handle_seek,
         }
 
     # -- consumption mode ----------------------------------------------------------------------
@@ -197,7 +200,7 @@ class PopProcessor:
         have = self.modes.get(group)
         if have is None and mode == POP:
             info = self.broker.consumers.group_of(group)
-            if info is not None and info.members:
+            if info is not None and info.members and info.consume_type != POP:
                 have = PULL
         if have is None:
             self.modes[group] = mode
@@ -251,11 +254,12 @@ class PopProcessor:
                 _R.NO_PERMISSION, f"topic {h.topic!r} is non-persistent: it cannot be popped")
         _Selector(h)  # a bad subscription is refused at the door
         self.check_mode(group, POP)
+        self.types.admit(h)
 
     def _answer(self, conn: BrokerConnection, opaque: int, h: PopMessageRequestHeader) -> bool:
         """Pop and answer SUCCESS when something was popped (True); else nothing sent."""
         tc = self.broker.topics.get(h.topic)
-        if tc is None:
+        if tc is None or not self.types.may_pop(h):
             return False
         sel = _Selector(h)
         now = _now_ms()
@@ -314,7 +318,7 @@ class PopProcessor:
         logged: list[Popped] = []
         acks: list[tuple[int, int]] = []
         for _round in range(8):  # filtered-out and dead messages make room for more
-            popped = w.pop(want - got, now, h.invisible_ms, max_off)
+            popped = self.types.choose(h, w, qid, want - got, now, max_off)
             if not popped:
                 break
             logged += popped
@@ -357,6 +361,7 @@ class PopProcessor:
             if got >= want:
                 break
         self.log.append(group, topic, qid, logged, acks)  # durable before the answer leaves
+        self.types.hold(group, h.consumer, (group, topic, qid), logged)
         self.popped += got
         self._commit(group, topic, qid, w)
         return got

@@ -154,6 +154,55 @@ class PopWindow:
         else:
             e.pop_time, e.deadline, e.attempt = pop_time, pop_time + invisible_ms, attempt
 
+    # -- chosen deliveries (key-shared, ``subscription_types.py``) --------------------------------
+    def revivable(self, now: int) -> list[int]:
+        """In-flight offsets whose deadline passed (``now`` included), in offset order:
+        expired deliveries, those of a consumer that left, and offsets passed over unassigned."""
+        return sorted(o for o, e in self._inflight.items() if e.deadline <= now)
+
+    def deliver(self, offset: int, now: int, invisible_ms: int) -> Popped:
+        """Deliver ``offset``, which is revivable (attempt + 1) or not popped yet (at or after
+        ``next``; the offsets between ``next`` and it are passed over: in flight with no
+        delivery, attempt 0, revivable at once -- see :meth:`pass_over`)."""
+        e = self._inflight.get(offset)
+        if e is None:
+            if offset < self.next:
+                raise ValueError(f"offset {offset} is acked or in flight, not deliverable")
+            self.pass_over(offset)
+            self.next = offset + 1
+            self._inflight[offset] = _InFlight(now, now + invisible_ms, 1)
+            return Popped(offset, 1, now, invisible_ms)
+        if e.deadline > now:
+            raise ValueError(f"offset {offset} is in flight until {e.deadline}")
+        e.attempt += 1
+        if e.attempt > 1:
+            self.redelivered += 1
+        e.pop_time = now
+        e.deadline = now + invisible_ms
+        return Popped(offset, e.attempt, now, invisible_ms)
+
+    def pass_over(self, end: int) -> None:
+        """Offsets from ``next`` up to ``end`` (excluded) were read but given to nobody: they
+        stay unacked, revivable with attempt 0 (their first delivery is attempt 1), as a lost
+        log record's offsets are in :meth:`restore`."""
+        while self.next < end:
+            self._inflight[self.next] = _InFlight(0, 0, 0)
+            self.next += 1
+
+    def expire(self, offset: int, pop_time: int) -> bool:
+        """End the delivery of ``offset`` popped at ``pop_time`` now (its consumer left): it is
+        revivable at once. False when that delivery is over already."""
+        e = self._inflight.get(offset)
+        if e is None or e.pop_time != pop_time:
+            return False
+        e.deadline = 0
+        return True
+
+    def holds(self, offset: int, pop_time: int) -> bool:
+        """True while the delivery of ``offset`` popped at ``pop_time`` is in flight."""
+        e = self._inflight.get(offset)
+        return e is not None and e.pop_time == pop_time
+
     def to_state(self) -> WindowState:
         """Everything of the window, as plain tuples (``broker/pop_log.py`` snapshots)."""
         return (self.start, self.next,

@@ -28,7 +28,7 @@ from tidemq.client.errors import NoRouteError
 from tidemq.client.message import MessageQueue
 from tidemq.client.rebalance import AllocateStrategy, allocate, find_consumer_ids
 from tidemq.protocol.codes import RequestCode, ResponseCode
-from tidemq.protocol.errors import TidemqError
+from tidemq.protocol.errors import BrokerError, TidemqError
 from tidemq.protocol.headers import (
     ConsumerData,
     HeartbeatRequestHeader,
@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 __all__ = ["GroupMembership", "make_client_id"]
 
 log = logging.getLogger(__name__)
+
+#: heartbeat answers that no retry cures: raised, not logged
+_REFUSALS = frozenset({ResponseCode.SUBSCRIPTION_PARSE_FAILED, ResponseCode.CONSUMER_BUSY,
+                       ResponseCode.CONSUME_MODE_CONFLICT, ResponseCode.INVALID_ARGUMENT})
 
 
 def make_client_id(instance_name: str | None = None) -> str:
@@ -69,7 +73,11 @@ class GroupMembership:
         consume_from: str,
         strategy: AllocateStrategy = AllocateStrategy.AVG,
         request_timeout: float = 3.0,
+        consume_type: str = "PULL",
+        subscription_type: str = "",
     ) -> None:
+        """``consume_type`` "POP" with a ``subscription_type``: a Pulsar-style consumer
+        (``subscription_consumer.py``), which uses the heartbeats and not the allocation."""
         self.group = group
         self.client_id = client_id
         self.pool = pool
@@ -77,6 +85,8 @@ class GroupMembership:
         self.consume_from = consume_from
         self.strategy = AllocateStrategy(strategy)
         self.request_timeout = request_timeout
+        self.consume_type = consume_type
+        self.subscription_type = subscription_type
         #: set when a broker says the group's membership changed: rebalance now
         self.changed = asyncio.Event()
         self.heartbeats = 0
@@ -99,7 +109,8 @@ class GroupMembership:
         """One HEART_BEAT to every broker of the subscribed topics. A refusal (a subscription
         the broker cannot parse) raises; an unreachable broker is logged and skipped."""
         cd = ConsumerData(
-            group=self.group, consume_type="PULL", message_model="CLUSTERING",
+            group=self.group, consume_type=self.consume_type, message_model="CLUSTERING",
+            subscription_type=self.subscription_type,
             consume_from=self.consume_from,
             subscriptions=[SubscriptionData(topic=t, expression=s.expression,
                                             expression_type=s.expression_type)
@@ -110,6 +121,12 @@ class GroupMembership:
             try:
                 f = await self.pool.request(addr, RequestCode.HEART_BEAT, header,
                                             timeout=self.request_timeout)
+            except BrokerError as exc:
+                if exc.response_code in _REFUSALS:
+                    raise  # the broker will not take this member: the caller must know
+                log.warning("heartbeat of %s to broker %s (%s) failed: %s", self.group, name,
+                            addr, exc)
+                continue
             except TidemqError as exc:
                 log.warning("heartbeat of %s to broker %s (%s) failed: %s", self.group, name,
                             addr, exc)

@@ -129,7 +129,11 @@ class SimpleConsumer:
         request_timeout: float = DEFAULT_TIMEOUT,
         route_refresh: float = 30.0,
         pool: ConnectionPool | None = None,
+        consumer_name: str = "",
+        subscription_type: str = "",
     ) -> None:
+        """``consumer_name`` and ``subscription_type``: set by the Pulsar-style
+        :class:`~tidemq.client.subscription_consumer.Consumer` that pops through this one."""
         problem = group_name_problem(group)
         if problem:
             raise ValueError(problem)
@@ -138,6 +142,8 @@ class SimpleConsumer:
         if not 1 <= ack_batch <= MAX_ACKS_PER_FRAME:
             raise ValueError(f"ack_batch must be between 1 and {MAX_ACKS_PER_FRAME}")
         self.group = group
+        self.consumer_name = consumer_name
+        self.subscription_type = subscription_type
         self.await_duration = await_duration
         self.init_mode = init_mode.upper()
         self.ack_batch = ack_batch
@@ -232,7 +238,8 @@ class SimpleConsumer:
         h = PopMessageRequestHeader(
             consumer_group=self.group, topic=topic, max_msg_nums=max_messages, invisible_ms=inv,
             poll_ms=poll_ms, subscription=sel.expression if sel.filters else None,
-            expression_type=sel.expression_type, init_mode=self.init_mode)
+            expression_type=sel.expression_type, init_mode=self.init_mode,
+            consumer=self.consumer_name, subscription_type=self.subscription_type)
         conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
         frame = raise_for_error(
             await conn.request(RequestCode.POP_MESSAGE, h,

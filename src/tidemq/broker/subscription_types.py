@@ -1,0 +1,385 @@
+"""Pulsar subscription types on server-side dispatch (SPEC CO10; docs/pop-dispatch.md).
+
+A Pulsar-style consumer (``client/subscription_consumer.py``) is a POP consumer that names
+itself (``PopMessageRequestHeader.consumer``, its client id) and its subscription type, and is
+a member of its group through the broker's ordinary heartbeats (HEART_BEAT with
+``consume_type="POP"`` and ``subscription_type``; ``consumer_manager.py``): a member leaves
+when its connection closes (kill -9), when it unregisters, or after
+``client_channel_expired_ms`` of silence. The rules of each type, on top of the plain pop of
+``pop_processor.py``:
+
+==========  ================================================================================
+Exclusive   the first member owns the group; a second consumer's heartbeat (and pop) is
+            refused with CONSUMER_BUSY naming the owner
+Failover    members sorted by name; the first live one pops, the others' pops find nothing
+            (held like an empty pop) until it leaves; then the next takes over at once
+Shared      the plain pop (any member, any message)
+Key_Shared  a message's ordering key (its sharding key, else its first key) hashed into
+            65 536 slots split between the members by consistent hashing
+            (``key_shared.py``); keyless messages go to anyone, as Shared
+==========  ================================================================================
+
+Shared to all types: a member that leaves has its deliveries in flight ended at once
+(revivable by the next pop, with attempt + 1) instead of after their invisible time -- so a
+failover standby or a key's new owner continues where the dead one stopped, and per-key order
+holds (a key's next owner takes the revived messages first, in offset order).
+
+**Key_Shared dispatch.** A pop of member C walks the queue's revivable offsets (expired, left by
+a member that left, or read earlier but passed over) then new ones, in offset order, and takes
+the ones whose slot C owns; new offsets read but not taken stay in the window unassigned
+(attempt 0, revivable at once, ``PopWindow.pass_over``) with their slot cached here, for their
+owner's next pop. **Recently joined members** (Pulsar's rule): when C joins, the read position
+of each queue (``PopWindow.next``) is recorded; an offset below it is dispatched as if C were not
+there, and C takes no keyed message until everything below it is acked (the window's
+``start`` passes it). A key moving to C therefore reaches C only after every earlier message of
+that key was acked by its old owner: per-key order holds through a join, and the others never
+stall.
+
+**One mode per group**: a group with live pull/push members refuses POP members and the
+reverse; a group's live POP members all have one subscription type (a SimpleConsumer's is "");
+a consumer of another type is refused with CONSUME_MODE_CONFLICT naming the type it has.
+
+**Seek** (SEEK_SUBSCRIPTION): a queue's window is replaced by an empty one starting at the
+offset (or at the first message stored at or after a time); the old deliveries become stale.
+The seek is not a ``rmq_sys_POP_LOG`` record: a broker restart before the next snapshot may
+bring back deliveries made before the seek (delivered again, never lost).
+
+Threads: the broker's event loop only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from tidemq.broker.connection import decode_request
+from tidemq.broker.errors import RequestRejected, check_group
+from tidemq.broker.key_shared import KeySharedSelector, key_slot, ordering_key
+from tidemq.broker.pop_window import Popped, PopWindow
+from tidemq.protocol.batch.codec import filter_fields
+from tidemq.protocol.codes import ResponseCode
+from tidemq.protocol.errors import CorruptBatchError
+from tidemq.protocol.pop import ANY_QUEUE, SeekRequestHeader, SeekResponseHeader
+from tidemq.protocol.record import BatchView
+
+if TYPE_CHECKING:
+    from tidemq.broker.connection import BrokerConnection
+    from tidemq.broker.pop_processor import PopProcessor
+    from tidemq.protocol.frame import Frame
+    from tidemq.protocol.headers import ConsumerData
+    from tidemq.protocol.pop import PopMessageRequestHeader
+
+__all__ = ["SubscriptionTypes", "EXCLUSIVE", "FAILOVER", "SHARED", "KEY_SHARED", "TYPES"]
+
+log = logging.getLogger(__name__)
+
+EXCLUSIVE = "Exclusive"
+FAILOVER = "Failover"
+SHARED = "Shared"
+KEY_SHARED = "Key_Shared"
+TYPES = (EXCLUSIVE, FAILOVER, SHARED, KEY_SHARED)
+POP_CONSUME_TYPE = "POP"  # ConsumerData.consume_type of POP members
+
+_R = ResponseCode
+_KEYLESS = -1
+_SCAN_NEW = 4096  # new offsets a key-shared pop reads at most
+_MAX_PASSED = 20_000  # unassigned offsets per queue before key-shared pops stop reading ahead
+
+WindowKey = tuple[str, str, int]  # (group, topic, queue id)
+
+
+def _kind(t: str) -> str:
+    return f"a {t} subscription" if t else "SimpleConsumers"
+
+
+class SubscriptionTypes:
+    """The subscription-type rules of one broker's POP groups (see the module doc)."""
+
+    def __init__(self, pop: PopProcessor) -> None:
+        self.pop = pop
+        self.broker = pop.broker
+        self.types: dict[str, str] = {}  # group -> subscription type of its live POP members
+        # (group, consumer) -> deliveries in flight: [(window key, pop time, offsets), ...]
+        self._holds: dict[tuple[str, str], list[tuple[WindowKey, int, list[int]]]] = {}
+        self._held_n: dict[tuple[str, str], int] = {}
+        self._compact_at: dict[tuple[str, str], int] = {}
+        # group -> consumer -> (topic, queue) -> read position when it joined (key-shared)
+        self._joined: dict[str, dict[str, dict[tuple[str, int], int]]] = {}
+        self._slots: dict[WindowKey, dict[int, int]] = {}  # passed-over offset -> slot
+        self._selectors: dict[tuple[str, frozenset[str]], KeySharedSelector] = {}
+        self.revived = 0  # deliveries ended early because their consumer left
+
+    # -- membership (from consumer_manager.py) ---------------------------------------------------
+    def members(self, group: str) -> list[str]:
+        info = self.broker.consumers.group_of(group)
+        return sorted(info.members) if info is not None else []
+
+    def check_heartbeat(self, client_id: str, cd: ConsumerData) -> None:
+        """Refuse a heartbeat that would break the group's one mode or its exclusivity."""
+        group = cd.group
+        info = self.broker.consumers.group_of(group)
+        others = [c for c in info.members if c != client_id] if info is not None else []
+        pop_group = info is not None and info.consume_type == POP_CONSUME_TYPE
+        if cd.consume_type != POP_CONSUME_TYPE:
+            if others and pop_group:
+                raise RequestRejected(
+                    _R.CONSUME_MODE_CONFLICT,
+                    f"consumer group {group!r} is consumed by "
+                    f"{_kind(self.types.get(group, ''))} (POP); a {cd.consume_type.lower()} "
+                    "consumer cannot join it: one group name has one consumption mode")
+            return
+        t = cd.subscription_type
+        if t and t not in TYPES:
+            raise RequestRejected(
+                _R.INVALID_ARGUMENT,
+                f"subscription type {t!r} is not one of {', '.join(TYPES)}")
+        if others and not pop_group:
+            raise RequestRejected(
+                _R.CONSUME_MODE_CONFLICT,
+                f"consumer group {group!r} is consumed by pull/push consumers; "
+                f"{_kind(t)} cannot join it: one group name has one consumption mode")
+        self.pop.check_mode(group, POP_CONSUME_TYPE)  # pop_processor.POP is the same word
+        have = self.types.get(group) if others else None
+        if have is not None and have != t:
+            raise RequestRejected(
+                _R.CONSUME_MODE_CONFLICT,
+                f"consumer group {group!r} is {_kind(have)} (members {', '.join(others)}); "
+                f"{_kind(t)} cannot join it: one group name has one subscription type")
+        if t == EXCLUSIVE and others:
+            raise RequestRejected(
+                _R.CONSUMER_BUSY,
+                f"exclusive subscription {group!r} is held by consumer {others[0]!r}; wait "
+                "until it closes, or use a Failover or Shared subscription")
+
+    def joined(self, group: str, client_id: str, cd: ConsumerData) -> None:
+        """A new POP member (after :meth:`check_heartbeat` let it in)."""
+        self.types[group] = cd.subscription_type
+        self.pop.modes.setdefault(group, POP_CONSUME_TYPE)
+        self._drop_selectors(group)
+        if cd.subscription_type != KEY_SHARED or len(self.members(group)) < 2:
+            return
+        marks = {(t, q): w.next for (g, t, q), w in self.pop.windows.items()
+                 if g == group and w.next > w.start}
+        if marks:
+            self._joined.setdefault(group, {})[client_id] = marks
+
+    def left(self, group: str, client_id: str) -> None:
+        """A member left (closed, unregistered, expired): its deliveries revive now."""
+        self._drop_selectors(group)
+        j = self._joined.get(group)
+        if j is not None:
+            j.pop(client_id, None)
+        hk = (group, client_id)
+        self._held_n.pop(hk, None)
+        self._compact_at.pop(hk, None)
+        n = 0
+        for key, pop_time, offsets in self._holds.pop(hk, ()):
+            w = self.pop.windows.get(key)
+            if w is not None:
+                n += sum(1 for o in offsets if w.expire(o, pop_time))
+        self.revived += n
+        if n:
+            log.info("consumer %s left group %s: %d deliveries revived", client_id, group, n)
+        if not self.members(group):
+            self.types.pop(group, None)
+            self._joined.pop(group, None)
+
+    def _drop_selectors(self, group: str) -> None:
+        for k in [k for k in self._selectors if k[0] == group]:
+            del self._selectors[k]
+
+    # -- pops (from pop_processor.py) --------------------------------------------------------
+    def admit(self, h: PopMessageRequestHeader) -> None:
+        """Refuse a pop its group's type does not allow (at the door)."""
+        group, t = h.consumer_group, h.subscription_type
+        have = self.types.get(group)
+        if not t:
+            if have:
+                raise RequestRejected(
+                    _R.CONSUME_MODE_CONFLICT,
+                    f"consumer group {group!r} is {_kind(have)}; a SimpleConsumer cannot pop "
+                    "from it: one group name has one consumption mode")
+            return
+        if t not in TYPES:
+            raise RequestRejected(
+                _R.INVALID_ARGUMENT, f"subscription type {t!r} is not one of {', '.join(TYPES)}")
+        info = self.broker.consumers.group_of(group)
+        if not h.consumer or info is None or h.consumer not in info.members:
+            raise RequestRejected(
+                _R.CONSUMER_NOT_ONLINE,
+                f"consumer {h.consumer!r} is not a member of group {group!r} on broker "
+                f"{self.broker.config.broker_name}: send a heartbeat (consume type POP, "
+                f"subscription type {t}) before popping")
+        if have != t:
+            raise RequestRejected(
+                _R.CONSUME_MODE_CONFLICT,
+                f"consumer group {group!r} is {_kind(have or '')}; {_kind(t)} cannot pop from it")
+
+    def may_pop(self, h: PopMessageRequestHeader) -> bool:
+        """False for a failover standby (its pop finds nothing while the active one lives)."""
+        if h.subscription_type != FAILOVER:
+            return True
+        members = self.members(h.consumer_group)
+        return bool(members) and members[0] == h.consumer
+
+    def choose(self, h: PopMessageRequestHeader, w: PopWindow, qid: int, want: int, now: int,
+               max_offset: int) -> list[Popped]:
+        """The deliveries of one pop of queue ``qid``: the plain pop, or key-shared's."""
+        if h.subscription_type != KEY_SHARED:
+            return w.pop(want, now, h.invisible_ms, max_offset)
+        return self._choose_key_shared(h, w, qid, want, now, max_offset)
+
+    def hold(self, group: str, consumer: str, key: WindowKey, popped: list[Popped]) -> None:
+        """Remember the deliveries of ``consumer`` (ended at once if it leaves)."""
+        if not consumer or not popped:
+            return
+        hk = (group, consumer)
+        holds = self._holds.setdefault(hk, [])
+        holds.append((key, popped[0].pop_time, [p.offset for p in popped]))
+        n = self._held_n.get(hk, 0) + len(popped)
+        if n > self._compact_at.get(hk, 4096):
+            # drop what was acked; the next compaction at twice what is left (amortised O(1))
+            windows = self.pop.windows
+            kept = []
+            for k, pt, offs in holds:
+                wk = windows.get(k)
+                live = [o for o in offs if wk is not None and wk.holds(o, pt)]
+                if live:
+                    kept.append((k, pt, live))
+            holds[:] = kept
+            n = sum(len(x[2]) for x in kept)
+            self._compact_at[hk] = max(4096, 2 * n)
+        self._held_n[hk] = n
+
+    # -- key-shared ------------------------------------------------------------------------------
+    def _selector(self, group: str, members: frozenset[str]) -> KeySharedSelector:
+        sel = self._selectors.get((group, members))
+        if sel is None:
+            sel = self._selectors[(group, members)] = KeySharedSelector()
+            for m in members:
+                sel.add(m)
+        return sel
+
+    def _choose_key_shared(self, h: PopMessageRequestHeader, w: PopWindow, qid: int, want: int,
+                           now: int, max_offset: int) -> list[Popped]:
+        group, me, topic = h.consumer_group, h.consumer, h.topic
+        key = (group, topic, qid)
+        members = frozenset(self.members(group))
+        # recently joined members of this queue: (read position at join, name)
+        marks: list[tuple[int, str]] = []
+        joined = self._joined.get(group)
+        if joined:
+            for c, pos in list(joined.items()):
+                p = pos.get((topic, qid))
+                if p is None:
+                    continue
+                if w.start >= p:  # everything before its join is acked: a full member
+                    del pos[(topic, qid)]
+                    if not pos:
+                        del joined[c]
+                elif c in members:
+                    marks.append((p, c))
+        gated = any(c == me for _p, c in marks)
+        full = self._selector(group, members)
+        slots = self._slots.setdefault(key, {})
+        out: list[Popped] = []
+        inv = h.invisible_ms
+
+        def mine(o: int, slot: int) -> bool:
+            if slot == _KEYLESS:
+                return True
+            if not marks:
+                return full.owner(slot) == me
+            excl = frozenset(c for p, c in marks if p > o)
+            if me in excl:
+                return False
+            owner = (self._selector(group, members - excl) if excl else full).owner(slot)
+            return owner == me and not gated
+
+        revivable = w.revivable(now)
+        missing = [o for o in revivable if o not in slots]
+        if missing:
+            self._read_slots(topic, qid, missing, slots)
+        for o in revivable:
+            if len(out) >= want:
+                break
+            if mine(o, slots.get(o, _KEYLESS)):
+                slots.pop(o, None)
+                out.append(w.deliver(o, now, inv))
+        scanned = 0
+        chunk = want * max(1, len(members)) + 16
+        while len(out) < want and w.next < max_offset and scanned < _SCAN_NEW \
+                and len(slots) < _MAX_PASSED:
+            end = min(max_offset, w.next + chunk)
+            new = list(range(w.next, end))
+            self._read_slots(topic, qid, new, slots)
+            scanned += len(new)
+            for o in new:
+                if len(out) < want and mine(o, slots[o]):
+                    slots.pop(o)
+                    out.append(w.deliver(o, now, inv))
+            w.pass_over(end)  # the rest wait, unassigned, for their owners
+        return out
+
+    def _read_slots(self, topic: str, qid: int, offsets: list[int], slots: dict[int, int]
+                    ) -> None:
+        """The slot of each offset (keyless, undecodable or gone from the store: _KEYLESS)."""
+        for o in offsets:
+            slots[o] = _KEYLESS
+        for data, base, idx in self.pop._read(topic, qid, sorted(offsets)):
+            try:
+                view = BatchView(data)
+                keys = view.keys()
+                fields = {i: p for i, _t, p in filter_fields(view, idx[0])}
+            except (CorruptBatchError, ValueError):
+                continue
+            for i in idx:
+                k = ordering_key(fields.get(i) or {}, keys.get(i))
+                if k is not None:
+                    slots[base + i] = key_slot(k)
+
+    # -- SEEK_SUBSCRIPTION ---------------------------------------------------------------------
+    def handle_seek(self, conn: BrokerConnection, frame: Frame) -> None:
+        h: SeekRequestHeader = decode_request(frame, SeekRequestHeader)
+        group = h.consumer_group
+        check_group(group)
+        broker = self.broker
+        name = broker.config.broker_name
+        tc = broker.topics.get(h.topic)
+        if tc is None:
+            raise RequestRejected(
+                _R.TOPIC_NOT_EXIST, f"topic {h.topic!r} does not exist on broker {name}")
+        if h.queue_id != ANY_QUEUE and h.queue_id >= tc.read_queue_nums:
+            raise RequestRejected(
+                _R.INVALID_ARGUMENT,
+                f"queue id {h.queue_id} is out of range: topic {h.topic!r} has "
+                f"{tc.read_queue_nums} read queues on broker {name} (or -1: all)")
+        if (h.offset < 0) == (h.timestamp < 0):
+            raise RequestRejected(_R.INVALID_ARGUMENT,
+                                  "a seek names an offset or a timestamp (exactly one)")
+        self.pop.check_mode(group, POP_CONSUME_TYPE)
+        store = broker.store
+        qids = range(tc.read_queue_nums) if h.queue_id == ANY_QUEUE else [h.queue_id]
+        moved: dict[int, int] = {}
+        for q in qids:
+            lo, hi = store.min_offset(h.topic, q), store.max_offset(h.topic, q)
+            if h.offset >= 0:
+                off = h.offset
+            else:
+                off = hi if h.timestamp > time.time() * 1000 else \
+                    store.offset_for_timestamp(h.topic, q, h.timestamp)
+            off = max(lo, min(off, hi))
+            key = (group, h.topic, q)
+            self.pop.windows[key] = PopWindow(off)
+            self._slots.pop(key, None)
+            for pos in self._joined.get(group, {}).values():
+                pos.pop((h.topic, q), None)
+            broker.offsets.commit(group, h.topic, q, off)
+            moved[q] = off
+        log.info("group %s seeks %s to %s", group, h.topic, moved)
+        conn.respond(frame.opaque, _R.SUCCESS, SeekResponseHeader(offsets=moved))
+
+    def stats(self) -> dict[str, Any]:
+        return {"types": dict(self.types), "revived": self.revived,
+                "passed_over": sum(len(s) for s in self._slots.values())}
