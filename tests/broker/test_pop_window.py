@@ -139,3 +139,25 @@ def test_state_round_trip_and_restore():
     r.restore(10, 2, 1000, 100)
     assert r.next == 11 and r.state(10) == "in_flight"
     assert [p.offset for p in r.pop(10, 1001, 100, 11)] == [5, 6, 7, 8, 9]
+
+
+def test_deliver_chosen_offsets_pass_over_and_expire() -> None:
+    """Key-shared's use of a window: chosen offsets delivered, the skipped ones left unassigned
+    (attempt 0, revivable at once), a leaving consumer's delivery ended early."""
+    w = PopWindow(10)
+    p = w.deliver(12, 1000, 500)
+    assert (p.offset, p.attempt, w.next) == (12, 1, 13)
+    assert w.revivable(1000) == [10, 11]  # passed over: waiting for their owner
+    assert w.deliver(11, 1001, 500).attempt == 1  # a first delivery, not a redelivery
+    assert w.redelivered == 0
+    with pytest.raises(ValueError):
+        w.deliver(12, 1002, 500)  # in flight
+    assert w.holds(12, 1000) and not w.holds(12, 999)
+    assert w.expire(12, 1000) and not w.expire(12, 999)
+    assert w.revivable(1002) == [10, 12]
+    again = w.deliver(12, 1003, 500)
+    assert (again.attempt, w.redelivered) == (2, 1)
+    assert w.ack(12, 1003) and w.ack(11, 1001)
+    assert w.start == 10 and w.unacked(13) == 1  # the hole at 10
+    w.pass_over(15)
+    assert w.revivable(1004) == [10, 13, 14] and w.unacked(15) == 3
