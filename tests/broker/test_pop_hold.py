@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from tidemq.protocol.pop import PopMessageRequestHeader
+from tidemq.protocol.pop import NotificationRequestHeader, PopMessageRequestHeader
 from tidemq.protocol.receipt import decode_receipt
 
 from .test_pop import handles, pop
@@ -87,3 +87,36 @@ def test_held_pop_times_out_and_a_closed_one_is_dropped(broker, topic):
         while info(w2)["pop_held"]:
             assert time.monotonic() < deadline, "a closed connection's pop stays held"
             time.sleep(0.01)
+
+
+def notify(w, topic, group, poll_ms=0, **kw):
+    return w.send(RequestCode.NOTIFICATION, NotificationRequestHeader(
+        consumer_group=group, topic=topic, poll_ms=poll_ms, init_mode="EARLIEST", **kw))
+
+
+def test_notification_is_held_until_something_is_poppable_and_pops_nothing(broker, topic):
+    with Wire(broker.addr) as w1, Wire(broker.addr) as w2:
+        w1.create_topic(topic, 2)
+        r = w1.recv(notify(w1, topic, "pgn"), timeout=5)
+        assert r.code == ResponseCode.SUCCESS, error_message(r)
+        assert r.header.has_msg is False
+        t0 = time.monotonic()
+        assert w1.recv(notify(w1, topic, "pgn", poll_ms=200), timeout=5).header.has_msg is False
+        assert time.monotonic() - t0 >= 0.19
+        # held, then a message arrives: has_msg at once; nothing was popped by it
+        opaque = notify(w1, topic, "pgn", poll_ms=5000)
+        wait_held(w2, 1)
+        t0 = time.perf_counter()
+        w2.send_messages(topic, [b"n"], queue_id=1)
+        r = w1.recv(opaque, timeout=5)
+        assert r.header.has_msg is True and time.perf_counter() - t0 < 0.5
+        [h] = handles(pop(w1, topic, "pgn", invisible_ms=300), topic)
+        assert decode_receipt(h).attempt == 1
+        # in flight: nothing poppable until its invisible time runs out
+        opaque = notify(w1, topic, "pgn", poll_ms=5000, queue_id=1)
+        r = w1.recv(opaque, timeout=5)
+        assert r.header.has_msg is True
+        assert time.time() * 1000 >= decode_receipt(h).pop_time + 300
+        bad = w1.recv(notify(w1, topic, "pgn", subscription="a =", expression_type="SQL92"),
+                      timeout=5)
+        assert bad.code == ResponseCode.SUBSCRIPTION_PARSE_FAILED

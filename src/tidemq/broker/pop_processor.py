@@ -44,6 +44,7 @@ from tidemq.broker.consume_switches import check_consume_allowed
 from tidemq.broker.errors import RequestRejected, check_group
 from tidemq.broker.pop_hold import HeldPop, PopHoldService, WindowKey
 from tidemq.broker.pop_log import PopLog, PopSnapshots
+from tidemq.broker.pop_notification import NotificationHandler
 from tidemq.broker.pop_window import Popped, PopWindow
 from tidemq.broker.send_back import store_copy
 from tidemq.broker.sql_select import sql_filter_for
@@ -59,6 +60,7 @@ from tidemq.protocol.pop import (
     AckMessageResponseHeader,
     ChangeInvisibleRequestHeader,
     ChangeInvisibleResponseHeader,
+    NotificationRequestHeader,
     PopMessageRequestHeader,
     PopMessageResponseHeader,
     PoppedBatch,
@@ -96,7 +98,7 @@ class _Selector:
 
     __slots__ = ("tags", "sql")
 
-    def __init__(self, h: PopMessageRequestHeader) -> None:
+    def __init__(self, h: PopMessageRequestHeader | NotificationRequestHeader) -> None:
         self.tags: frozenset[str] | None = None
         self.sql = None
         kind = (h.expression_type or "TAG").upper()
@@ -137,6 +139,7 @@ class PopProcessor:
         self.modes: dict[str, str] = {}  # group -> POP or PULL (first use on this broker)
         self._cursor: dict[tuple[str, str], int] = {}
         self.hold = PopHoldService(broker.loop, self._windows_of, self._fail)
+        self.notifications = NotificationHandler(self)
         self.popped = 0
         self.acked = 0
         self.stale = 0
@@ -179,6 +182,7 @@ class PopProcessor:
             RequestCode.POP_MESSAGE: self.handle_pop,
             RequestCode.ACK_MESSAGE: self.handle_ack,
             RequestCode.CHANGE_INVISIBLE_TIME: self.handle_change,
+            RequestCode.NOTIFICATION: self.notifications.handle,
         }
 
     # -- consumption mode ----------------------------------------------------------------------
@@ -214,7 +218,7 @@ class PopProcessor:
         else:
             self._empty(conn, frame.opaque, h)
 
-    def _admit(self, h: PopMessageRequestHeader) -> None:
+    def _admit(self, h: PopMessageRequestHeader | NotificationRequestHeader) -> None:
         group = h.consumer_group
         check_group(group)
         check_consume_allowed(self.broker, group)
@@ -290,6 +294,11 @@ class PopProcessor:
                     start = store.max_offset(topic, qid)
             w = self.windows[key] = PopWindow(max(start, store.min_offset(topic, qid)))
         return w
+
+    def poppable(self, group: str, topic: str, qid: int, init_mode: str, order: bool) -> bool:
+        """Would a pop of queue ``qid`` find something now (filters not applied)?"""
+        w = self.window(group, topic, qid, init_mode)
+        return w.poppable(_now_ms(), self.broker.store.max_offset(topic, qid))
 
     def _pop_queue(self, h: PopMessageRequestHeader, qid: int, want: int, now: int,
                    sel: _Selector, bodies: list[Any], batches: list[PoppedBatch]) -> int:
