@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from tidemq.broker.pop_processor import PopProcessor
     from tidemq.protocol.frame import Frame
     from tidemq.protocol.headers import ConsumerData
-    from tidemq.protocol.pop import PopMessageRequestHeader
+    from tidemq.protocol.pop import NotificationRequestHeader, PopMessageRequestHeader
 
 __all__ = ["SubscriptionTypes", "EXCLUSIVE", "FAILOVER", "SHARED", "KEY_SHARED", "TYPES"]
 
@@ -157,6 +157,8 @@ class SubscriptionTypes:
         self.types[group] = cd.subscription_type
         self.pop.modes.setdefault(group, POP_CONSUME_TYPE)
         self._drop_selectors(group)
+        if cd.subscription_type == FAILOVER:
+            self._wake(group)  # the first by name may have changed
         if cd.subscription_type != KEY_SHARED or len(self.members(group)) < 2:
             return
         marks = {(t, q): w.next for (g, t, q), w in self.pop.windows.items()
@@ -184,15 +186,28 @@ class SubscriptionTypes:
         if not self.members(group):
             self.types.pop(group, None)
             self._joined.pop(group, None)
+        self._wake(group)  # a standby is active now; revived messages are poppable
+
+    def acked(self, group: str, keys: Any) -> None:
+        """Acks of ``group`` on windows ``keys``: a recently joined key-shared consumer may
+        take its keys now (the window's start passed its mark)."""
+        if self._joined.get(group):
+            for topic in {k[1] for k in keys}:
+                self.pop.hold.wake(group, topic)
+
+    def _wake(self, group: str) -> None:
+        for topic in {t for (g, t, _q) in self.pop.windows if g == group}:
+            self.pop.hold.wake(group, topic)
 
     def _drop_selectors(self, group: str) -> None:
         for k in [k for k in self._selectors if k[0] == group]:
             del self._selectors[k]
 
     # -- pops (from pop_processor.py) --------------------------------------------------------
-    def admit(self, h: PopMessageRequestHeader) -> None:
-        """Refuse a pop its group's type does not allow (at the door)."""
-        group, t = h.consumer_group, h.subscription_type
+    def admit(self, h: PopMessageRequestHeader | NotificationRequestHeader) -> None:
+        """Refuse a pop (or notification) its group's type does not allow (at the door)."""
+        group = h.consumer_group
+        t = getattr(h, "subscription_type", "")  # a notification is a SimpleConsumer's
         have = self.types.get(group)
         if not t:
             if have:
@@ -205,10 +220,11 @@ class SubscriptionTypes:
             raise RequestRejected(
                 _R.INVALID_ARGUMENT, f"subscription type {t!r} is not one of {', '.join(TYPES)}")
         info = self.broker.consumers.group_of(group)
-        if not h.consumer or info is None or h.consumer not in info.members:
+        consumer = getattr(h, "consumer", "")
+        if not consumer or info is None or consumer not in info.members:
             raise RequestRejected(
                 _R.CONSUMER_NOT_ONLINE,
-                f"consumer {h.consumer!r} is not a member of group {group!r} on broker "
+                f"consumer {consumer!r} is not a member of group {group!r} on broker "
                 f"{self.broker.config.broker_name}: send a heartbeat (consume type POP, "
                 f"subscription type {t}) before popping")
         if have != t:

@@ -86,6 +86,7 @@ class RequestCode(IntEnum):
     ACK_MESSAGE = 361  # many receipt handles per frame
     CHANGE_INVISIBLE_TIME = 362
     SEEK_SUBSCRIPTION = 366  # tidemq: move a POP group's queues to an offset or a time
+    NOTIFICATION = 363  # held until something is poppable for the group/topic
 
 
 class ResponseCode(IntEnum):
