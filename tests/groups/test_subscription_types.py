@@ -215,7 +215,9 @@ def test_shared_four_processes_one_killed_under_load_loses_nothing(dev) -> None:
     # was writing (16), revived at once when its connection closed
     assert dups <= 64 + 16, dups
     redelivered = [b for _t, b, a in records if a > 1]
-    assert len(redelivered) == dups  # every second delivery is counted as a redelivery
+    # every second delivery is counted as a redelivery (attempt > 1); some redelivered ones
+    # were never seen before (they waited in the killed consumer's receiver queue)
+    assert dups <= len(redelivered) <= 64 + 16, (dups, len(redelivered))
     assert len(_read(paths[0])) > 0  # the killed consumer did consume before it died
     assert all(_read(p) for p in paths[1:])  # shared: every consumer got messages
 

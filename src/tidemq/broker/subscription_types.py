@@ -233,11 +233,14 @@ class SubscriptionTypes:
                 f"consumer group {group!r} is {_kind(have or '')}; {_kind(t)} cannot pop from it")
 
     def may_pop(self, h: PopMessageRequestHeader) -> bool:
-        """False for a failover standby (its pop finds nothing while the active one lives)."""
-        if h.subscription_type != FAILOVER:
+        """False for a failover standby (its pop finds nothing while the active one lives)
+        and for a consumer that left (a held pop of it must not take messages)."""
+        if not h.subscription_type:
             return True
         members = self.members(h.consumer_group)
-        return bool(members) and members[0] == h.consumer
+        if h.subscription_type == FAILOVER:
+            return bool(members) and members[0] == h.consumer
+        return h.consumer in members
 
     def choose(self, h: PopMessageRequestHeader, w: PopWindow, qid: int, want: int, now: int,
                max_offset: int) -> list[Popped]:
