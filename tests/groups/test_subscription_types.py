@@ -32,6 +32,7 @@ def _send(namesrv: str, topic: str, bodies: list[str], key: str | None = None) -
 def _consumer(dev, topic: str, sub: str, sub_type: str, name: str, **kw) -> aio.Consumer:
     kw.setdefault("initial_position", "earliest")
     kw.setdefault("await_duration", 0.3)
+    kw.setdefault("heartbeat_interval", 1.0)  # the test broker drops a member silent for 3 s
     return aio.Consumer(dev.namesrv, topic, sub, subscription_type=sub_type,
                         consumer_name=name, **kw)
 
@@ -277,3 +278,46 @@ def test_key_shared_order_per_key_through_a_join_and_a_kill9(dev) -> None:
                      if t2 < t and b2.split(":")[0] == k and int(b2.split(":")[1]) > s]
             assert all(x in killed for x in later), (b, later[:3])
         last[k] = max(last.get(k, -1), s)
+
+
+def test_key_shared_joining_consumer_waits_for_what_was_sent_before_it(dev) -> None:
+    """Pulsar's recently-joined-consumer rule, deterministically: B joins while A holds every
+    message sent so far unacked; B gets nothing until A acked them, then the keys that moved
+    to B continue there, in order; A never waits for B."""
+    topic, sub = "st_keys_join", "st_keys_join_s"
+    with tidemq.Admin(dev.namesrv) as admin:
+        admin.create_topic(topic, 1)
+    keys = [f"key{k}" for k in range(40)]
+
+    def send(rnd: int) -> None:
+        with tidemq.Producer(dev.namesrv) as p:
+            p.send_batch([tidemq.Message(topic, f"{k}:{rnd}".encode(), keys=k) for k in keys])
+
+    async def drain(c: aio.Consumer, timeout: float) -> list[aio.ReceivedMessage]:
+        out: list[aio.ReceivedMessage] = []
+        while True:
+            got = await c.batch_receive(100, timeout)
+            if not got:
+                return out
+            out += got
+
+    async def main() -> None:
+        send(0)
+        async with _consumer(dev, topic, sub, "Key_Shared", "ks-a") as a:
+            before = await drain(a, 1.0)
+            assert len(before) == 40  # A alone: every key, nothing acked yet
+            async with _consumer(dev, topic, sub, "Key_Shared", "ks-b") as b:
+                send(1)
+                # A gets its own keys' new messages at once; B waits
+                a_new = await drain(a, 1.0)
+                assert 0 < len(a_new) < 40
+                assert await b.batch_receive(100, 0.8) == []
+                for m in before:
+                    await a.acknowledge(m)
+                b_new = await drain(b, 2.0)
+                assert sorted(m.body for m in a_new + b_new) == sorted(
+                    f"{k}:1".encode() for k in keys)  # every key once, on one consumer
+                assert {m.body.split(b":")[0] for m in a_new}.isdisjoint(
+                    {m.body.split(b":")[0] for m in b_new})
+
+    asyncio.run(main())

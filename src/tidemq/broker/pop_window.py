@@ -192,6 +192,13 @@ class PopWindow:
         e.deadline = now + invisible_ms
         return Popped(offset, e.attempt, now, invisible_ms)
 
+    def deliverable(self, offset: int, now: int) -> bool:
+        """True when :meth:`deliver` may hand out ``offset`` now."""
+        e = self._inflight.get(offset)
+        if e is None:
+            return offset >= self.next
+        return e.deadline <= now
+
     def pass_over(self, end: int) -> None:
         """Offsets from ``next`` up to ``end`` (excluded) were read but given to nobody: they
         stay unacked, revivable with attempt 0 (their first delivery is attempt 1), as a lost

@@ -24,11 +24,10 @@ Shared to all types: a member that leaves has its deliveries in flight ended at 
 failover standby or a key's new owner continues where the dead one stopped, and per-key order
 holds (a key's next owner takes the revived messages first, in offset order).
 
-**Key_Shared dispatch.** A pop of member C walks the queue's revivable offsets (expired, left by
-a member that left, or read earlier but passed over) then new ones, in offset order, and takes
-the ones whose slot C owns; new offsets read but not taken stay in the window unassigned
-(attempt 0, revivable at once, ``PopWindow.pass_over``) with their slot cached here, for their
-owner's next pop. **Recently joined members** (Pulsar's rule): when C joins, the read position
+**Key_Shared dispatch** (``key_shared_dispatch.py``): a pop of member C takes, in offset order,
+the pending offsets routed to C (read earlier, or come back) and then reads new ones, routing
+each to its slot's owner; what C does not take stays in the window unassigned (attempt 0,
+``PopWindow.pass_over``) for its owner's next pop. **Recently joined members** (Pulsar's rule): when C joins, the read position
 of each queue (``PopWindow.next``) is recorded; an offset below it is dispatched as if C were not
 there, and C takes no keyed message until everything below it is acked (the window's
 ``start`` passes it). A key moving to C therefore reaches C only after every earlier message of
@@ -55,13 +54,11 @@ from typing import TYPE_CHECKING, Any
 
 from tidemq.broker.connection import decode_request
 from tidemq.broker.errors import RequestRejected, check_group
-from tidemq.broker.key_shared import KeySharedSelector, key_slot, ordering_key
+from tidemq.broker.key_shared import KeySharedSelector
+from tidemq.broker.key_shared_dispatch import PendingOffsets, choose_key_shared
 from tidemq.broker.pop_window import Popped, PopWindow
-from tidemq.protocol.batch.codec import filter_fields
 from tidemq.protocol.codes import ResponseCode
-from tidemq.protocol.errors import CorruptBatchError
 from tidemq.protocol.pop import ANY_QUEUE, SeekRequestHeader, SeekResponseHeader
-from tidemq.protocol.record import BatchView
 
 if TYPE_CHECKING:
     from tidemq.broker.connection import BrokerConnection
@@ -82,9 +79,6 @@ TYPES = (EXCLUSIVE, FAILOVER, SHARED, KEY_SHARED)
 POP_CONSUME_TYPE = "POP"  # ConsumerData.consume_type of POP members
 
 _R = ResponseCode
-_KEYLESS = -1
-_SCAN_NEW = 4096  # new offsets a key-shared pop reads at most
-_MAX_PASSED = 20_000  # unassigned offsets per queue before key-shared pops stop reading ahead
 
 WindowKey = tuple[str, str, int]  # (group, topic, queue id)
 
@@ -106,7 +100,8 @@ class SubscriptionTypes:
         self._compact_at: dict[tuple[str, str], int] = {}
         # group -> consumer -> (topic, queue) -> read position when it joined (key-shared)
         self._joined: dict[str, dict[str, dict[tuple[str, int], int]]] = {}
-        self._slots: dict[WindowKey, dict[int, int]] = {}  # passed-over offset -> slot
+        self._pending: dict[WindowKey, PendingOffsets] = {}  # key-shared read-ahead
+        self._epoch: dict[str, int] = {}  # group -> membership changes (key-shared routes)
         self._selectors: dict[tuple[str, frozenset[str]], KeySharedSelector] = {}
         self.revived = 0  # deliveries ended early because their consumer left
 
@@ -181,6 +176,9 @@ class SubscriptionTypes:
             if w is not None:
                 n += sum(1 for o in offsets if w.expire(o, pop_time))
         self.revived += n
+        for (g, _t, _q), p in self._pending.items():
+            if g == group:
+                p.scan_at = 0  # its deliveries are revivable: look for them at the next pop
         if n:
             log.info("consumer %s left group %s: %d deliveries revived", client_id, group, n)
         if not self.members(group):
@@ -200,6 +198,8 @@ class SubscriptionTypes:
             self.pop.hold.wake(group, topic)
 
     def _drop_selectors(self, group: str) -> None:
+        """The membership changed: selectors and key-shared routes are out of date."""
+        self._epoch[group] = self._epoch.get(group, 0) + 1
         for k in [k for k in self._selectors if k[0] == group]:
             del self._selectors[k]
 
@@ -299,64 +299,20 @@ class SubscriptionTypes:
                         del joined[c]
                 elif c in members:
                     marks.append((p, c))
-        gated = any(c == me for _p, c in marks)
         full = self._selector(group, members)
-        slots = self._slots.setdefault(key, {})
-        out: list[Popped] = []
-        inv = h.invisible_ms
 
-        def mine(o: int, slot: int) -> bool:
-            if slot == _KEYLESS:
-                return True
-            if not marks:
-                return full.owner(slot) == me
-            excl = frozenset(c for p, c in marks if p > o)
-            if me in excl:
-                return False
-            owner = (self._selector(group, members - excl) if excl else full).owner(slot)
-            return owner == me and not gated
+        def owner_of(o: int, slot: int) -> str | None:
+            excl = frozenset(c for p, c in marks if p > o) if marks else None
+            sel = self._selector(group, members - excl) if excl else full
+            return sel.owner(slot)
 
-        revivable = w.revivable(now)
-        missing = [o for o in revivable if o not in slots]
-        if missing:
-            self._read_slots(topic, qid, missing, slots)
-        for o in revivable:
-            if len(out) >= want:
-                break
-            if mine(o, slots.get(o, _KEYLESS)):
-                slots.pop(o, None)
-                out.append(w.deliver(o, now, inv))
-        scanned = 0
-        chunk = want * max(1, len(members)) + 16
-        while len(out) < want and w.next < max_offset and scanned < _SCAN_NEW \
-                and len(slots) < _MAX_PASSED:
-            end = min(max_offset, w.next + chunk)
-            new = list(range(w.next, end))
-            self._read_slots(topic, qid, new, slots)
-            scanned += len(new)
-            for o in new:
-                if len(out) < want and mine(o, slots[o]):
-                    slots.pop(o)
-                    out.append(w.deliver(o, now, inv))
-            w.pass_over(end)  # the rest wait, unassigned, for their owners
-        return out
-
-    def _read_slots(self, topic: str, qid: int, offsets: list[int], slots: dict[int, int]
-                    ) -> None:
-        """The slot of each offset (keyless, undecodable or gone from the store: _KEYLESS)."""
-        for o in offsets:
-            slots[o] = _KEYLESS
-        for data, base, idx in self.pop._read(topic, qid, sorted(offsets)):
-            try:
-                view = BatchView(data)
-                keys = view.keys()
-                fields = {i: p for i, _t, p in filter_fields(view, idx[0])}
-            except (CorruptBatchError, ValueError):
-                continue
-            for i in idx:
-                k = ordering_key(fields.get(i) or {}, keys.get(i))
-                if k is not None:
-                    slots[base + i] = key_slot(k)
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = PendingOffsets()
+        return choose_key_shared(
+            pending, w, me, any(c == me for _p, c in marks), want, now, h.invisible_ms,
+            max_offset, self._epoch.get(group, 0), owner_of,
+            lambda offsets: self.pop._read(topic, qid, sorted(offsets)))
 
     # -- SEEK_SUBSCRIPTION ---------------------------------------------------------------------
     def handle_seek(self, conn: BrokerConnection, frame: Frame) -> None:
@@ -391,14 +347,15 @@ class SubscriptionTypes:
             off = max(lo, min(off, hi))
             key = (group, h.topic, q)
             self.pop.windows[key] = PopWindow(off)
-            self._slots.pop(key, None)
+            self._pending.pop(key, None)
             for pos in self._joined.get(group, {}).values():
                 pos.pop((h.topic, q), None)
             broker.offsets.commit(group, h.topic, q, off)
             moved[q] = off
         log.info("group %s seeks %s to %s", group, h.topic, moved)
+        self._wake(group)  # held pops: the moved queues may have something now
         conn.respond(frame.opaque, _R.SUCCESS, SeekResponseHeader(offsets=moved))
 
     def stats(self) -> dict[str, Any]:
         return {"types": dict(self.types), "revived": self.revived,
-                "passed_over": sum(len(s) for s in self._slots.values())}
+                "key_shared_pending": sum(len(p.slots) for p in self._pending.values())}

@@ -219,6 +219,9 @@ class Consumer:
             if got and gen == self._generation:
                 self._queue.extend(got)
                 self._arrived.set()
+            elif got:  # popped across a seek: give them back at once (stale ones are moot)
+                for m in got:
+                    self._release(m, 0.001)
 
     async def _rejoin(self) -> None:
         try:
@@ -314,6 +317,9 @@ class Consumer:
         self._forget(msg)
         delay = min(self.nack_delay * 2 ** max(0, msg.delivery_attempt - 1), self.max_nack_delay)
         self.negative_acked += 1
+        self._release(msg, delay)
+
+    def _release(self, msg: ReceivedMessage, delay: float) -> None:
         task = asyncio.get_running_loop().create_task(self._nack(msg, delay))
         self._nacks.add(task)
         task.add_done_callback(self._nacks.discard)
