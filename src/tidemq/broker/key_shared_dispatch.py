@@ -25,7 +25,7 @@ import collections
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tidemq.broker.key_shared import key_slot, ordering_key
+from tidemq.broker.key_shared import SHARDING_KEY, key_slot, ordering_key
 from tidemq.broker.pop_window import Popped, PopWindow
 from tidemq.protocol.batch.codec import filter_fields
 from tidemq.protocol.errors import CorruptBatchError
@@ -36,7 +36,10 @@ __all__ = ["KEYLESS", "PendingOffsets", "choose_key_shared"]
 KEYLESS = -1
 SCAN_NEW = 4096  # new offsets a pop reads at most
 MAX_PENDING = 20_000  # pending offsets per queue before pops stop reading ahead
-_SCAN_MS = 50  # expired deliveries are looked for at most this often per queue
+#: expired deliveries (an ack timeout passed) are looked for at most this often per queue; a
+#: leaving consumer's are looked for at the next pop (``scan_at`` reset)
+_SCAN_MS = 1000
+_SHARDING_BYTES = SHARDING_KEY.encode() + b"\x01"  # a property name as records store it
 
 #: (batch bytes, base offset, member indices) of the batches holding some offsets
 Reader = Callable[[list[int]], Iterator[tuple[Any, int, list[int]]]]
@@ -85,7 +88,11 @@ def read_slots(read: Reader, offsets: list[int]) -> dict[int, int]:
         try:
             view = BatchView(data)
             keys = view.keys()
-            props = {i: p for i, _t, p in filter_fields(view, idx[0])}
+            raw = view.raw_records()
+            # the properties are parsed only in a batch that names a sharding key somewhere
+            # (one search of its records; most batches order by their keys alone)
+            props = ({i: p for i, _t, p in filter_fields(view, idx[0], raw)}
+                     if _SHARDING_BYTES in bytes(raw) else {})
         except (CorruptBatchError, ValueError):
             continue
         for i in idx:
@@ -102,7 +109,7 @@ def choose_key_shared(p: PendingOffsets, w: PopWindow, me: str, gated: bool, wan
     joined consumer whose marks are not passed yet takes keyless messages only)."""
     if now >= p.scan_at:  # deliveries that came back: pending again, in offset order
         p.scan_at = now + _SCAN_MS
-        back = [o for o in w.revivable(now) if o not in p.slots]
+        back = [o for o in w.expired(now) if o not in p.slots]
         if back:
             p.slots.update(read_slots(read, back))
             p.epoch = -1

@@ -192,6 +192,11 @@ class PopWindow:
         e.deadline = now + invisible_ms
         return Popped(offset, e.attempt, now, invisible_ms)
 
+    def expired(self, now: int) -> list[int]:
+        """Deliveries (attempt >= 1) whose deadline passed, unsorted: :meth:`revivable`
+        without the offsets passed over (attempt 0)."""
+        return [o for o, e in self._inflight.items() if e.deadline <= now and e.attempt]
+
     def deliverable(self, offset: int, now: int) -> bool:
         """True when :meth:`deliver` may hand out ``offset`` now."""
         e = self._inflight.get(offset)

@@ -27,10 +27,12 @@ holds (a key's next owner takes the revived messages first, in offset order).
 **Key_Shared dispatch** (``key_shared_dispatch.py``): a pop of member C takes, in offset order,
 the pending offsets routed to C (read earlier, or come back) and then reads new ones, routing
 each to its slot's owner; what C does not take stays in the window unassigned (attempt 0,
-``PopWindow.pass_over``) for its owner's next pop. **Recently joined members** (Pulsar's rule): when C joins, the read position
-of each queue (``PopWindow.next``) is recorded; an offset below it is dispatched as if C were not
-there, and C takes no keyed message until everything below it is acked (the window's
-``start`` passes it). A key moving to C therefore reaches C only after every earlier message of
+``PopWindow.pass_over``) for its owner's next pop.
+
+**Recently joined members** (Pulsar's rule): when C joins, the read position of each queue
+(``PopWindow.next``) is recorded; an offset below it is dispatched as if C were not there, and
+C takes no keyed message until everything below it is acked (the window's ``start`` passes
+it). A key moving to C therefore reaches C only after every earlier message of
 that key was acked by its old owner: per-key order holds through a join, and the others never
 stall.
 
