@@ -200,7 +200,7 @@ class ConsumeConcurrentlyService:
                 log.exception("listener of group %s failed on %d messages of %s; they will "
                               "be retried", group, len(page), mq)
                 status = _RECONSUME_LATER
-            ctx.status = status  # a sync listener answers a status
+            ctx.status = status  # type: ignore[assignment]  # a sync listener answers a status
             if hooks:
                 for h in hooks:
                     h.after(ctx)
