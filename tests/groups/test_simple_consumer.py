@@ -186,3 +186,49 @@ def test_receive_waits_on_every_topic_at_once(dev) -> None:
                 await c.ack(m)
 
     asyncio.run(main())
+
+
+def test_orderly_members_keep_each_message_groups_order_through_an_expiry(dev) -> None:
+    """RocketMQ 5 FIFO: two orderly members, three message groups spread over two queues; each
+    group's messages are received in order, one at a time, and the one message left unacked
+    comes back (attempt 2) before the later messages of its group."""
+    topic, group = "simple_fifo", "simple_fifo_g"
+    groups, per = ["ga", "gb", "gc"], 20
+    with tidemq.Admin(dev.namesrv) as admin:
+        admin.create_topic(topic, 2)
+    with tidemq.Producer(dev.namesrv) as p:
+        for i in range(per):
+            for g in groups:
+                p.send(tidemq.Message(topic, f"{g} {i}".encode(),
+                                      properties={"__SHARDINGKEY": g}), hash_key=g)
+    seen: list[tuple[str, int, int, int]] = []  # (group, seq, attempt, member)
+    dropped: list[tuple[str, int]] = []
+
+    async def member(k: int) -> None:
+        async with aio.SimpleConsumer(dev.namesrv, group, await_duration=0.5,
+                                      init_mode="earliest", orderly=True) as c:
+            c.subscribe(topic)
+            idle = 0
+            while idle < 4:
+                msgs = await c.receive(8, invisible_duration=0.6)
+                idle = 0 if msgs else idle + 1
+                for m in msgs:
+                    g, seq = m.body.decode().split()
+                    seen.append((g, int(seq), m.delivery_attempt, k))
+                    if (g, int(seq)) == ("gb", 5) and m.delivery_attempt == 1:
+                        dropped.append((g, int(seq)))  # "crashed": never acked
+                        continue
+                    await c.ack(m)
+
+    async def main() -> None:
+        await asyncio.gather(member(0), member(1))
+
+    asyncio.run(main())
+    assert dropped == [("gb", 5)]
+    for g in groups:
+        order = [(s, a) for gg, s, a, _k in seen if gg == g]
+        want = [(s, 1) for s in range(per)]
+        if g == "gb":
+            want.insert(6, (5, 2))  # the redelivery, right after the lost one
+        assert order == want, (g, order)
+    assert {k for *_x, k in seen} == {0, 1}  # both members took part

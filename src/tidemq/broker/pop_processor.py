@@ -45,6 +45,7 @@ from tidemq.broker.errors import RequestRejected, check_group
 from tidemq.broker.pop_hold import HeldPop, PopHoldService, WindowKey
 from tidemq.broker.pop_log import PopLog, PopSnapshots
 from tidemq.broker.pop_notification import NotificationHandler
+from tidemq.broker.pop_orderly import pop_orderly, poppable_orderly
 from tidemq.broker.pop_window import Popped, PopWindow
 from tidemq.broker.send_back import store_copy
 from tidemq.broker.sql_select import sql_filter_for
@@ -137,6 +138,7 @@ class PopProcessor:
         self.broker = broker
         self.windows: dict[tuple[str, str, int], PopWindow] = {}
         self.modes: dict[str, str] = {}  # group -> POP or PULL (first use on this broker)
+        self.orderly: dict[str, bool] = {}  # group -> pops orderly (first pop on this broker)
         self._cursor: dict[tuple[str, str], int] = {}
         self.hold = PopHoldService(broker.loop, self._windows_of, self._fail)
         self.notifications = NotificationHandler(self)
@@ -244,6 +246,19 @@ class PopProcessor:
                 _R.NO_PERMISSION, f"topic {h.topic!r} is non-persistent: it cannot be popped")
         _Selector(h)  # a bad subscription is refused at the door
         self.check_mode(group, POP)
+        self.check_order(group, h.order)
+
+    def check_order(self, group: str, order: bool) -> None:
+        """One group pops either orderly or not (an unordered pop would hand out the messages
+        an orderly one holds back)."""
+        have = self.orderly.setdefault(group, order)
+        if have != order:
+            kind = {True: "orderly (FIFO)", False: "unordered"}
+            raise RequestRejected(
+                _R.CONSUME_MODE_CONFLICT,
+                f"consumer group {group!r} pops {kind[have]} on broker "
+                f"{self.broker.config.broker_name}; an {kind[order]} pop cannot join it: "
+                "use another group name")
 
     def _answer(self, conn: BrokerConnection, opaque: int, h: PopMessageRequestHeader) -> bool:
         """Pop and answer SUCCESS when something was popped (True); else nothing sent."""
@@ -298,11 +313,15 @@ class PopProcessor:
     def poppable(self, group: str, topic: str, qid: int, init_mode: str, order: bool) -> bool:
         """Would a pop of queue ``qid`` find something now (filters not applied)?"""
         w = self.window(group, topic, qid, init_mode)
+        if order:
+            return poppable_orderly(self, w, topic, qid, _now_ms())
         return w.poppable(_now_ms(), self.broker.store.max_offset(topic, qid))
 
     def _pop_queue(self, h: PopMessageRequestHeader, qid: int, want: int, now: int,
                    sel: _Selector, bodies: list[Any], batches: list[PoppedBatch]) -> int:
         """Pop up to ``want`` messages of queue ``qid`` into ``bodies``/``batches``; how many."""
+        if h.order:
+            return pop_orderly(self, h, qid, want, now, sel, bodies, batches)
         group, topic = h.consumer_group, h.topic
         w = self.window(group, topic, qid, h.init_mode)
         store = self.broker.store
@@ -490,6 +509,9 @@ class PopProcessor:
                 log.error("ack records of %s not stored (%s): these acks may be lost in a "
                           "restart (the messages are then delivered again)", key, exc)
             self._commit(*key, self.windows[key])
+        if touched and self.orderly.get(group):
+            for topic in {k[1] for k in touched}:
+                self.hold.wake(group, topic)  # an ack may free a message group
         if not frame.is_oneway:
             conn.respond(frame.opaque, _R.SUCCESS, AckMessageResponseHeader(results=results))
 

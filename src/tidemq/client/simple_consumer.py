@@ -23,7 +23,12 @@ round trip. ``ack`` raises :class:`StaleReceiptError` (response NO_MESSAGE) when
 stale: the message was acked already, or delivered again since because its invisible time
 passed -- the work was then done twice, which at-least-once allows.
 
-Members need no rebalance and no heartbeat: any number of them share any number of queues.
+Members need no rebalance: any number of them share any number of queues.
+
+``orderly=True`` (RocketMQ 5 FIFO): the broker hands out at most one message per message group
+at a time (the ``__SHARDINGKEY`` property; messages without one: per queue), the next only after
+it is acked or its invisible time ran out -- so a group's messages are received in order, a
+redelivery before the later ones. One group pops either orderly or not.
 
 Event loop only (``tidemq.SimpleConsumer`` is the blocking facade).
 """
@@ -127,6 +132,7 @@ class SimpleConsumer:
         *,
         await_duration: float = 20.0,
         init_mode: str = "latest",
+        orderly: bool = False,
         ack_batch: int = 1024,
         request_timeout: float = DEFAULT_TIMEOUT,
         route_refresh: float = 30.0,
@@ -142,6 +148,7 @@ class SimpleConsumer:
         self.group = group
         self.await_duration = await_duration
         self.init_mode = init_mode.upper()
+        self.orderly = orderly
         self.ack_batch = ack_batch
         self.request_timeout = request_timeout
         self._own_pool = pool is None
@@ -264,7 +271,7 @@ class SimpleConsumer:
         h = NotificationRequestHeader(
             consumer_group=self.group, topic=topic, poll_ms=poll_ms,
             subscription=sel.expression if sel.filters else None,
-            expression_type=sel.expression_type, init_mode=self.init_mode)
+            expression_type=sel.expression_type, init_mode=self.init_mode, order=self.orderly)
         conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
         frame = raise_for_error(await conn.request(
             RequestCode.NOTIFICATION, h, timeout=poll_ms / 1000 + self.request_timeout))
@@ -275,7 +282,7 @@ class SimpleConsumer:
         h = PopMessageRequestHeader(
             consumer_group=self.group, topic=topic, max_msg_nums=max_messages, invisible_ms=inv,
             poll_ms=poll_ms, subscription=sel.expression if sel.filters else None,
-            expression_type=sel.expression_type, init_mode=self.init_mode)
+            expression_type=sel.expression_type, init_mode=self.init_mode, order=self.orderly)
         conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
         frame = raise_for_error(
             await conn.request(RequestCode.POP_MESSAGE, h,
