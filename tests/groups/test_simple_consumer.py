@@ -21,6 +21,9 @@ from tidemq import aio
 
 from .cluster import wait_until
 
+#: members heartbeat within the test-sized expiry (cluster.EXPIRY_MS), or the broker drops them
+HB = {"heartbeat_interval": 1.0}
+
 
 def _send(namesrv: str, topic: str, bodies: list[str]) -> None:
     with tidemq.Producer(namesrv) as p:
@@ -36,7 +39,7 @@ def test_four_members_share_one_queue_without_duplicates(dev) -> None:
     _send(dev.namesrv, topic, sent)
 
     async def member(got: list[str]) -> None:
-        async with aio.SimpleConsumer(dev.namesrv, group, await_duration=0.3,
+        async with aio.SimpleConsumer(dev.namesrv, group, **HB, await_duration=0.3,
                                       init_mode="earliest") as c:
             c.subscribe(topic)
             idle = 0
@@ -65,9 +68,9 @@ def test_unacked_message_comes_back_to_another_member_with_attempt_plus_one(dev)
     _send(dev.namesrv, topic, ["only"])
 
     async def main() -> None:
-        async with aio.SimpleConsumer(dev.namesrv, group, await_duration=1.0,
+        async with aio.SimpleConsumer(dev.namesrv, group, **HB, await_duration=1.0,
                                       init_mode="earliest") as a, \
-                aio.SimpleConsumer(dev.namesrv, group, await_duration=3.0,
+                aio.SimpleConsumer(dev.namesrv, group, **HB, await_duration=3.0,
                                    init_mode="earliest") as b:
             a.subscribe(topic)
             b.subscribe(topic)
@@ -171,7 +174,7 @@ def test_receive_waits_on_every_topic_at_once(dev) -> None:
             admin.create_topic(t, 2)
 
     async def main() -> None:
-        async with aio.SimpleConsumer(dev.namesrv, group, await_duration=10.0,
+        async with aio.SimpleConsumer(dev.namesrv, group, **HB, await_duration=10.0,
                                       init_mode="earliest") as c:
             for t in topics:
                 c.subscribe(t)
@@ -205,7 +208,7 @@ def test_orderly_members_keep_each_message_groups_order_through_an_expiry(dev) -
     dropped: list[tuple[str, int]] = []
 
     async def member(k: int) -> None:
-        async with aio.SimpleConsumer(dev.namesrv, group, await_duration=0.5,
+        async with aio.SimpleConsumer(dev.namesrv, group, **HB, await_duration=0.5,
                                       init_mode="earliest", orderly=True) as c:
             c.subscribe(topic)
             idle = 0
@@ -232,3 +235,39 @@ def test_orderly_members_keep_each_message_groups_order_through_an_expiry(dev) -
             want.insert(6, (5, 2))  # the redelivery, right after the lost one
         assert order == want, (g, order)
     assert {k for *_x, k in seen} == {0, 1}  # both members took part
+
+
+def test_members_heartbeat_and_one_group_has_one_consumption_mode(dev) -> None:
+    """SimpleConsumers heartbeat (POP): the group lists them; a lite pull consumer joining is
+    refused, and a SimpleConsumer joining a pull group too; close unregisters."""
+    topic, group, pull_group = "simple_hb", "simple_hb_g", "simple_hb_pull_g"
+    with tidemq.Admin(dev.namesrv) as admin:
+        admin.create_topic(topic, 2)
+
+    async def main() -> None:
+        async with aio.SimpleConsumer(dev.namesrv, group, **HB, await_duration=0.1) as a, \
+                aio.SimpleConsumer(dev.namesrv, group, **HB, await_duration=0.1) as b:
+            for c in (a, b):
+                c.subscribe(topic)
+                assert await c.receive(4) == []
+            async with aio.Admin(dev.namesrv) as admin:
+                info = await admin.group_info(group)
+                assert info.members == sorted([a.client_id, b.client_id])
+                assert info.consume_type == "POP"
+            lite = aio.PullConsumer(dev.namesrv, group)
+            lite.subscribe(topic)
+            with pytest.raises(aio.BrokerError, match="one consumption mode"):
+                await lite.start()
+            await lite.close()
+            async with aio.PullConsumer(dev.namesrv, pull_group) as p:
+                p.subscribe(topic)
+                await asyncio.sleep(0.3)  # its heartbeat
+                s = aio.SimpleConsumer(dev.namesrv, pull_group, **HB, await_duration=0.1)
+                s.subscribe(topic)
+                with pytest.raises(aio.BrokerError, match="one consumption mode"):
+                    await s.receive(1)
+                await s.close()
+        async with aio.Admin(dev.namesrv) as admin:
+            assert (await admin.group_info(group)).members == []
+
+    asyncio.run(main())

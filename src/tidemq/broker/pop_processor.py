@@ -43,7 +43,7 @@ from tidemq.broker.connection import decode_request
 from tidemq.broker.consume_switches import check_consume_allowed
 from tidemq.broker.errors import RequestRejected, check_group
 from tidemq.broker.pop_hold import HeldPop, PopHoldService, WindowKey
-from tidemq.broker.pop_log import PopLog, PopSnapshots
+from tidemq.broker.pop_log import POP_LOG_TOPIC, PopLog, PopSnapshots
 from tidemq.broker.pop_notification import NotificationHandler
 from tidemq.broker.pop_orderly import pop_orderly, poppable_orderly
 from tidemq.broker.pop_window import Popped, PopWindow
@@ -151,20 +151,48 @@ class PopProcessor:
             os.path.join(broker.config.config_path, "pop_windows.snapshot"), broker.store)
 
     async def run_snapshots(self) -> None:
-        await self.snapshots.run(lambda: self.windows,
+        await self.snapshots.run(self._snapshot_source,
                                  self.broker.config.offset_persist_interval_ms / 1000)
+
+    def _snapshot_source(self) -> tuple[dict[Any, PopWindow], int]:
+        """The windows and the log offset they cover. A slave's windows follow the log its
+        master streams (:meth:`catch_up`) first: its snapshot is as good as the master's."""
+        if self.broker.ha.is_slave:
+            self.catch_up(commit=False)
+            return self.windows, self.log.replayed_to
+        return self.windows, self.broker.store.max_offset(POP_LOG_TOPIC, 0)
+
+    def _window_for(self, group: str, topic: str, qid: int, first: int) -> PopWindow:
+        """The window a replayed record applies to (a new one starts at the committed offset,
+        else at the first offset the log names)."""
+        key = (group, topic, qid)
+        w = self.windows.get(key)
+        if w is None:
+            start = self.broker.offsets.query(group, topic, qid)
+            w = self.windows[key] = PopWindow(start if start >= 0 else first)
+            self.modes.setdefault(group, POP)
+        return w
+
+    def catch_up(self, *, commit: bool) -> int:
+        """Apply the ``rmq_sys_POP_LOG`` records stored since the last replay: a slave's log
+        grows by replication while its windows stand still. At a promotion (``commit``: the
+        acked prefixes become the committed offsets) the windows are then exactly the old
+        master's, as far as the log reached this slave. A log cut back (a slave's unreplicated
+        tail dropped) rebuilds everything."""
+        if self.broker.store.max_offset(POP_LOG_TOPIC, 0) < self.log.replayed_to:
+            self.windows.clear()
+            return self.recover()
+        n = self.log.replay(self._window_for, self.log.replayed_to)
+        if commit:
+            for (group, topic, qid), w in self.windows.items():
+                self._commit(group, topic, qid, w)
+        if n:
+            log.info("POP state caught up: %d records, %d windows", n, len(self.windows))
+        return n
 
     def recover(self) -> int:
         """Rebuild the windows from ``rmq_sys_POP_LOG`` (at start, before serving)."""
-        def window_for(group: str, topic: str, qid: int, first: int) -> PopWindow:
-            key = (group, topic, qid)
-            w = self.windows.get(key)
-            if w is None:
-                start = self.broker.offsets.query(group, topic, qid)
-                w = self.windows[key] = PopWindow(start if start >= 0 else first)
-                self.modes.setdefault(group, POP)
-            return w
-
+        window_for = self._window_for
         snap = self.snapshots.load()
         start = 0
         if snap is not None:
@@ -188,13 +216,14 @@ class PopProcessor:
         }
 
     # -- consumption mode ----------------------------------------------------------------------
-    def check_mode(self, group: str, mode: str) -> None:
-        """Refuse ``group`` consumed in ``mode`` when it is consumed in the other mode here."""
+    def check_mode(self, group: str, mode: str, client_id: str | None = None) -> None:
+        """Refuse ``group`` consumed in ``mode`` when it is consumed in the other mode here
+        (by pops or pulls, or by heartbeating members other than ``client_id``)."""
         have = self.modes.get(group)
-        if have is None and mode == POP:
+        if have is None:
             info = self.broker.consumers.group_of(group)
-            if info is not None and info.members:
-                have = PULL
+            if info is not None and any(c != client_id for c in info.members):
+                have = POP if info.consume_type == "POP" else PULL
         if have is None:
             self.modes[group] = mode
             return
