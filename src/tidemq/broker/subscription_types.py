@@ -113,30 +113,17 @@ class SubscriptionTypes:
         return sorted(info.members) if info is not None else []
 
     def check_heartbeat(self, client_id: str, cd: ConsumerData) -> None:
-        """Refuse a heartbeat that would break the group's one mode or its exclusivity."""
-        group = cd.group
-        info = self.broker.consumers.group_of(group)
-        others = [c for c in info.members if c != client_id] if info is not None else []
-        pop_group = info is not None and info.consume_type == POP_CONSUME_TYPE
+        """Refuse a POP member whose type breaks the group's one type or its exclusivity (the
+        consumption mode itself -- POP or pull -- is ``PopProcessor.check_mode``'s)."""
         if cd.consume_type != POP_CONSUME_TYPE:
-            if others and pop_group:
-                raise RequestRejected(
-                    _R.CONSUME_MODE_CONFLICT,
-                    f"consumer group {group!r} is consumed by "
-                    f"{_kind(self.types.get(group, ''))} (POP); a {cd.consume_type.lower()} "
-                    "consumer cannot join it: one group name has one consumption mode")
             return
-        t = cd.subscription_type
+        group, t = cd.group, cd.subscription_type
         if t and t not in TYPES:
             raise RequestRejected(
                 _R.INVALID_ARGUMENT,
                 f"subscription type {t!r} is not one of {', '.join(TYPES)}")
-        if others and not pop_group:
-            raise RequestRejected(
-                _R.CONSUME_MODE_CONFLICT,
-                f"consumer group {group!r} is consumed by pull/push consumers; "
-                f"{_kind(t)} cannot join it: one group name has one consumption mode")
-        self.pop.check_mode(group, POP_CONSUME_TYPE)  # pop_processor.POP is the same word
+        info = self.broker.consumers.group_of(group)
+        others = [c for c in info.members if c != client_id] if info is not None else []
         have = self.types.get(group) if others else None
         if have is not None and have != t:
             raise RequestRejected(
@@ -221,6 +208,11 @@ class SubscriptionTypes:
         if t not in TYPES:
             raise RequestRejected(
                 _R.INVALID_ARGUMENT, f"subscription type {t!r} is not one of {', '.join(TYPES)}")
+        if getattr(h, "order", False):
+            raise RequestRejected(
+                _R.INVALID_ARGUMENT,
+                "an orderly pop is a SimpleConsumer's (orderly=True); a Pulsar-style consumer "
+                "orders by key with a Key_Shared subscription")
         info = self.broker.consumers.group_of(group)
         consumer = getattr(h, "consumer", "")
         if not consumer or info is None or consumer not in info.members:

@@ -10,6 +10,8 @@ consumers -- all read queues of the topic, the member ids the broker answers -- 
 ``rebalance_interval`` and at once when a broker says the membership changed
 (NOTIFY_CONSUMER_IDS_CHANGED), and unregisters at close so the others take its queues at once.
 A consumer that uses ``assign()`` is no member: its queues are its own choice.
+A SimpleConsumer heartbeats the same way with ``consume_type="POP"`` (listed, never
+rebalanced: the broker dispatches).
 
 Threads: the consumer's event loop only.
 """
@@ -46,10 +48,6 @@ __all__ = ["GroupMembership", "make_client_id"]
 
 log = logging.getLogger(__name__)
 
-#: heartbeat answers that no retry cures: raised, not logged
-_REFUSALS = frozenset({ResponseCode.SUBSCRIPTION_PARSE_FAILED, ResponseCode.CONSUMER_BUSY,
-                       ResponseCode.CONSUME_MODE_CONFLICT, ResponseCode.INVALID_ARGUMENT})
-
 
 def make_client_id(instance_name: str | None = None) -> str:
     """``ip@pid@instance``, as push consumers name themselves (unique per consumer object)."""
@@ -76,8 +74,8 @@ class GroupMembership:
         consume_type: str = "PULL",
         subscription_type: str = "",
     ) -> None:
-        """``consume_type`` "POP" with a ``subscription_type``: a Pulsar-style consumer
-        (``subscription_consumer.py``), which uses the heartbeats and not the allocation."""
+        """``subscription_type``: of a Pulsar-style consumer (``subscription_consumer.py``,
+        consume type POP)."""
         self.group = group
         self.client_id = client_id
         self.pool = pool
@@ -85,7 +83,7 @@ class GroupMembership:
         self.consume_from = consume_from
         self.strategy = AllocateStrategy(strategy)
         self.request_timeout = request_timeout
-        self.consume_type = consume_type
+        self.consume_type = consume_type  # PULL (lite pull) or POP (SimpleConsumer)
         self.subscription_type = subscription_type
         #: set when a broker says the group's membership changed: rebalance now
         self.changed = asyncio.Event()
@@ -121,12 +119,8 @@ class GroupMembership:
             try:
                 f = await self.pool.request(addr, RequestCode.HEART_BEAT, header,
                                             timeout=self.request_timeout)
-            except BrokerError as exc:
-                if exc.response_code in _REFUSALS:
-                    raise  # the broker will not take this member: the caller must know
-                log.warning("heartbeat of %s to broker %s (%s) failed: %s", self.group, name,
-                            addr, exc)
-                continue
+            except BrokerError:
+                raise  # refused (a subscription, the group's consumption mode): the caller's
             except TidemqError as exc:
                 log.warning("heartbeat of %s to broker %s (%s) failed: %s", self.group, name,
                             addr, exc)

@@ -45,7 +45,7 @@ from typing import Any
 
 from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
 from tidemq.client.errors import ClientClosedError
-from tidemq.client.membership import GroupMembership, make_client_id
+from tidemq.client.membership import make_client_id
 from tidemq.client.simple_consumer import ReceivedMessage, SimpleConsumer, StaleReceiptError
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import BrokerError, TidemqError
@@ -109,16 +109,15 @@ class Consumer:
         self.nack_delay = negative_ack_redelivery_delay
         self.max_nack_delay = max_negative_ack_delay
         self.heartbeat_interval = heartbeat_interval
+        # pops, acks, heartbeats (consume type POP, with the subscription type) and the
+        # unregister at close are the SimpleConsumer's; this class adds the receiver queue
+        # and the Pulsar vocabulary
         self._sc = SimpleConsumer(
             namesrv, subscription, await_duration=await_duration, init_mode=initial_position,
-            request_timeout=request_timeout, pool=pool, consumer_name=self.consumer_name,
-            subscription_type=subscription_type)
+            request_timeout=request_timeout, heartbeat_interval=heartbeat_interval, pool=pool,
+            consumer_name=self.consumer_name, subscription_type=subscription_type)
         for t in self.topics:
             self._sc.subscribe(t, expression, sql=sql)
-        self._members = GroupMembership(
-            subscription, self.consumer_name, self._sc.pool, self._sc.routes,
-            consume_from=initial_position, request_timeout=request_timeout,
-            consume_type="POP", subscription_type=subscription_type)
         self._queue: collections.deque[ReceivedMessage] = collections.deque()
         self._arrived = asyncio.Event()  # the queue got messages (or an error)
         self._room = asyncio.Event()  # receive() made room: the fetcher may ask for more
@@ -142,11 +141,10 @@ class Consumer:
         if self._started:
             return self
         await self._sc.start()
-        await self._members.heartbeat(self._sc._subs)
+        await self._sc._heartbeat()  # a refusal raises here
         self._started = True
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._fetch(), name="consumer-fetch"),
-                       loop.create_task(self._beat(), name="consumer-heartbeat")]
+        self._tasks = [asyncio.get_running_loop().create_task(self._fetch(),
+                                                              name="consumer-fetch")]
         return self
 
     async def close(self) -> None:
@@ -160,12 +158,7 @@ class Consumer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._nacks:
             await asyncio.gather(*self._nacks, return_exceptions=True)
-        if self._started:
-            for addr, buf in list(self._sc._acks.items()):
-                if buf.handles:
-                    await self._sc._flush(addr)
-            await self._members.unregister(self.topics)
-        await self._sc.close()
+        await self._sc.close()  # pending acks first, then it leaves the subscription
 
     async def __aenter__(self) -> Consumer:
         return await self.start()
@@ -173,17 +166,7 @@ class Consumer:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # -- background: heartbeats and the receiver queue -------------------------------------------
-    async def _beat(self) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_interval)
-            try:
-                await self._members.heartbeat(self._sc._subs)
-            except BrokerError as exc:
-                self._fail(exc)
-            except TidemqError as exc:
-                log.warning("heartbeat of consumer %s failed: %s", self.consumer_name, exc)
-
+    # -- background: the receiver queue -----------------------------------------------------------
     def _fail(self, exc: BaseException) -> None:
         self._error = exc
         self._arrived.set()
@@ -225,7 +208,7 @@ class Consumer:
 
     async def _rejoin(self) -> None:
         try:
-            await self._members.heartbeat(self._sc._subs)
+            await self._sc._heartbeat()
         except BrokerError as exc:
             self._fail(exc)
         except TidemqError as exc:
