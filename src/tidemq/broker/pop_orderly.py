@@ -67,7 +67,10 @@ class OrderScan:
 
     def __iter__(self) -> Iterator[tuple[ReadBatch, int, int, str | None,
                                          dict[str, str] | None, str]]:
-        w, now, blocked = self.w, self.now, self.blocked
+        w, blocked = self.w, self.blocked
+        # in flight with the invisible time run out: expired, or passed over (a skipped
+        # offset is in flight with no delivery, PopWindow.pass_over)
+        due = set(w.revivable(self.now))
         off = w.start
         end = min(self.store.max_offset(self.topic, self.qid), off + ORDER_SCAN)
         while off < end:
@@ -76,13 +79,14 @@ class OrderScan:
                 nxt = min(r.next_begin_offset, end)
                 if nxt <= off:
                     return
-                self.gone += [o for o in range(off, nxt) if w.state(o) != "acked"]
+                self.gone += [o for o in range(off, nxt) if o in due or w.state(o) == "new"]
                 off = nxt
                 continue
             for b in r.batches:
                 base = b.queue_offset - b.first_index
                 if b.queue_offset > off:  # not in the store any more
-                    self.gone += [o for o in range(off, b.queue_offset) if w.state(o) != "acked"]
+                    self.gone += [o for o in range(off, b.queue_offset)
+                                  if o in due or w.state(o) == "new"]
                 try:
                     fields: Any = filter_fields(BatchView(b.data), b.first_index)
                     fields = list(fields)
@@ -99,7 +103,7 @@ class OrderScan:
                     g = (props.get(SHARDING_KEY) if props else None) or ""  # "": the queue
                     if g in blocked:
                         continue
-                    if st == "in_flight" and not w.revivable(o, now):
+                    if st == "in_flight" and o not in due:
                         blocked.add(g)
                         continue
                     yield b, i, o, tag, props, g
