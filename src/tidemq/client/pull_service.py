@@ -17,9 +17,10 @@ Before a pull (flow control, logged every 1000th time):
   a queue held back by one of these is *parked*: it pulls again as soon as the consume service
   has consumed enough of it to be under every limit (:meth:`PullService.space_freed`, called
   after each commit), or after 50 ms at the latest, as RocketMQ retries. (RocketMQ only
-  retries after 50 ms; a backlog drained by a fast listener then waits up to 50 ms per queue
-  for nothing, which under CPU contention -- the listener's threads scheduled late -- cost a
-  third of the push consumer's rate.)
+  retries after 50 ms: a queue whose listener frees space in 1 ms then sits idle for 49. With
+  ``pull_threshold_for_queue=100`` a 100,000-message backlog drained at 22 k msgs/s that way,
+  and at 130-165 k msgs/s resumed by the consumption; at the default 1,000 a backlog drained
+  by a no-op listener is not held back at all.)
 - orderly consumption: the queue is not locked by this client on the broker (retry in 3 s);
 - the consumer is paused (retry in 1 s, or at once when it is resumed).
 
