@@ -44,10 +44,11 @@ class PopModel(RuleBasedStateMachine):
     @rule(n=st.integers(1, 6), invisible=st.integers(1, 2000))
     def pop(self, n, invisible):
         got = self.w.pop(n, self.now, invisible, self.end)
-        # model: revived (passed-over ones included) first, in offset order, then new ones
+        # model: revived and skipped ones first, in offset order, then new ones
         new_from = max([o for o in self.model] + [self.start - 1]) + 1
-        revived = sorted(o for o, s in self.model.items()
-                         if s[0] == "flight" and s[2] <= self.now)[:n]
+        revived = sorted([o for o, s in self.model.items()
+                          if s[0] == "flight" and s[2] <= self.now]
+                         + [o for o in range(self.start, new_from) if o not in self.model])[:n]
         fresh = list(range(new_from, self.end))[: n - len(revived)]
         assert [p.offset for p in got] == revived + fresh
         for p in got:
@@ -59,20 +60,14 @@ class PopModel(RuleBasedStateMachine):
     @precondition(lambda self: self.end > self.start)
     @rule(data=st.data(), invisible=st.integers(1, 2000))
     def deliver(self, data, invisible):
-        """Orderly POP's (and key-shared's) move: hand out one chosen offset, revivable or
-        never popped; the never-popped ones before it are passed over (in flight with no
-        delivery, attempt 0, revivable at once)."""
+        """Orderly POP's move: hand out one chosen offset that is not acked."""
         off = data.draw(st.integers(self.start, self.end - 1))
         s = self.model.get(off)
-        if off < self.start or s == ("acked",) or (s is not None and s[2] > self.now):
+        if s == ("acked",):
             with pytest.raises(ValueError):
                 self.w.deliver(off, self.now, invisible)
             return
         p = self.w.deliver(off, self.now, invisible)
-        if s is None:  # never popped: the ones between are passed over
-            new_from = max([o for o in self.model] + [self.start - 1]) + 1
-            for o in range(new_from, off):
-                self.model[o] = ("flight", 0, 0, 0)
         attempt = s[3] + 1 if s is not None else 1
         assert (p.offset, p.attempt, p.pop_time) == (off, attempt, self.now)
         self.model[off] = ("flight", self.now, self.now + invisible, attempt)
@@ -125,7 +120,7 @@ class PopModel(RuleBasedStateMachine):
         assert self.w.earliest_deadline(self.now) == (min(flights) if flights else None)
         new_from = max([o for o in self.model] + [self.start - 1]) + 1
         assert self.w.poppable(self.now, self.end) == (
-            new_from < self.end
+            new_from < self.end or any(o not in self.model for o in range(self.start, new_from))
             or any(s[0] == "flight" and s[2] <= self.now for s in self.model.values()))
 
 
@@ -175,22 +170,22 @@ def test_state_round_trip_and_restore():
 
 
 def test_deliver_chosen_offsets_pass_over_and_expire() -> None:
-    """Key-shared's use of a window: chosen offsets delivered, the skipped ones left unassigned
-    (attempt 0, revivable at once), a leaving consumer's delivery ended early."""
+    """Key-shared's use of a window: chosen offsets delivered, the skipped ones left as gaps
+    (never delivered, not acked), a leaving consumer's delivery ended early."""
     w = PopWindow(10)
     p = w.deliver(12, 1000, 500)
     assert (p.offset, p.attempt, w.next) == (12, 1, 13)
-    assert w.revivable(1000) == [10, 11]  # passed over: waiting for their owner
+    assert w.deliverable(10, 1000) and w.deliverable(11, 1000)  # gaps wait for their owner
+    assert not w.deliverable(12, 1000) and w.deliverable(13, 1000)
     assert w.deliver(11, 1001, 500).attempt == 1  # a first delivery, not a redelivery
     assert w.redelivered == 0
-    with pytest.raises(ValueError):
-        w.deliver(12, 1002, 500)  # in flight
     assert w.holds(12, 1000) and not w.holds(12, 999)
     assert w.expire(12, 1000) and not w.expire(12, 999)
-    assert w.revivable(1002) == [10, 12]
+    assert sorted(w.expired(1002)) == [12]  # gaps are not in flight
     again = w.deliver(12, 1003, 500)
     assert (again.attempt, w.redelivered) == (2, 1)
     assert w.ack(12, 1003) and w.ack(11, 1001)
     assert w.start == 10 and w.unacked(13) == 1  # the hole at 10
     w.pass_over(15)
-    assert w.revivable(1004) == [10, 13, 14] and w.unacked(15) == 3
+    assert w.next == 15 and w.unacked(15) == 3
+    assert PopWindow.from_state(w.to_state()).unacked(15) == 3  # gaps survive a snapshot

@@ -67,10 +67,7 @@ class OrderScan:
 
     def __iter__(self) -> Iterator[tuple[ReadBatch, int, int, str | None,
                                          dict[str, str] | None, str]]:
-        w, blocked = self.w, self.blocked
-        # in flight with the invisible time run out: expired, or passed over (a skipped
-        # offset is in flight with no delivery, PopWindow.pass_over)
-        due = set(w.revivable(self.now))
+        w, now, blocked = self.w, self.now, self.blocked
         off = w.start
         end = min(self.store.max_offset(self.topic, self.qid), off + ORDER_SCAN)
         while off < end:
@@ -79,14 +76,13 @@ class OrderScan:
                 nxt = min(r.next_begin_offset, end)
                 if nxt <= off:
                     return
-                self.gone += [o for o in range(off, nxt) if o in due or w.state(o) == "new"]
+                self.gone += [o for o in range(off, nxt) if w.state(o) != "acked"]
                 off = nxt
                 continue
             for b in r.batches:
                 base = b.queue_offset - b.first_index
                 if b.queue_offset > off:  # not in the store any more
-                    self.gone += [o for o in range(off, b.queue_offset)
-                                  if o in due or w.state(o) == "new"]
+                    self.gone += [o for o in range(off, b.queue_offset) if w.state(o) != "acked"]
                 try:
                     fields: Any = filter_fields(BatchView(b.data), b.first_index)
                     fields = list(fields)
@@ -103,7 +99,7 @@ class OrderScan:
                     g = (props.get(SHARDING_KEY) if props else None) or ""  # "": the queue
                     if g in blocked:
                         continue
-                    if st == "in_flight" and o not in due:
+                    if st == "in_flight" and not w.revivable(o, now):
                         blocked.add(g)
                         continue
                     yield b, i, o, tag, props, g
