@@ -43,6 +43,7 @@ from typing import Any
 from tidemq.client.errors import MessageRejectedError, ProducerQueueFullError, RequestTimeoutError
 from tidemq.client.message import Message, MessageQueue, SendResult
 from tidemq.client.retry_policy import CONTENT_CODES
+from tidemq.client.send_future import SendFuture
 from tidemq.protocol.errors import BrokerError
 
 __all__ = ["Accumulator", "BatchSend", "split_result"]
@@ -263,6 +264,30 @@ class Accumulator:
             else:
                 b.loop.call_soon(self.flush_open)
         return result
+
+    def add_async(self, msg: Message) -> SendFuture:
+        """:meth:`add` of a ``send_async`` message to its topic's bucket (no key, no deadline,
+        no sink), answered through a :class:`SendFuture` (resolved per batch, no asyncio
+        future nor SendResult per message unless asked for)."""
+        b = self._buckets.get(msg.topic)
+        if b is None:
+            k = msg.topic
+            b = self._buckets[k] = _Bucket(k, k, None, asyncio.get_running_loop())
+        fut = SendFuture(b.loop)
+        msgs = b.msgs
+        msgs.append(msg)
+        b.futs.append(fut)  # type: ignore[arg-type]
+        b.deadlines.append(0.0)
+        size = b.size = b.size + len(msg.body)
+        if len(msgs) >= self.batch_max_messages or size >= self.batch_max_bytes:
+            self._dispatch(b)  # an unpinned bucket: never held back by a batch in flight
+        elif not self._flush_scheduled:
+            self._flush_scheduled = True
+            if self.batch_max_delay > 0:
+                b.loop.call_later(self.batch_max_delay, self.flush_open)
+            else:
+                b.loop.call_soon(self.flush_open)
+        return fut
 
     def _expire(self, b: _Bucket) -> None:
         """Fail the messages of ``b`` whose callers' deadlines passed while they waited."""
@@ -544,8 +569,10 @@ def _waited_too_long(topic: str) -> RequestTimeoutError:
         "the wait in the batch container behind the batch in flight)")
 
 
-def split_result(r: SendResult, futs: list[asyncio.Future[SendResult]]) -> None:
-    """Give each message of a batch its own SendResult (message i: offset and sequence + i)."""
+def split_result(r: SendResult, futs: list[Any]) -> None:
+    """Give each message of a batch its own SendResult (message i: offset and sequence + i);
+    a ``send_async`` SendFuture gets the batch's result and its index, and builds its
+    SendResult when read."""
     if len(futs) == 1:
         f = futs[0]
         if not f.done():
@@ -558,7 +585,9 @@ def split_result(r: SendResult, futs: list[asyncio.Future[SendResult]]) -> None:
     step = 1 if qoff >= 0 else 0  # a DUPLICATE batch has no offsets: -1 for each
     try:
         for i, f in enumerate(futs):
-            if not f.done():
+            if type(f) is SendFuture:  # send_async's: its SendResult is built when read
+                f.in_batch(r, i)
+            elif not f.done():
                 seq = base + i
                 f.set_result(SendResult(status, f"{prefix}{seq:016X}", topic, qid,
                                         qoff + i * step, 1, bname, pid, seq))
