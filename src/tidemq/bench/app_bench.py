@@ -1,7 +1,7 @@
 """`tidemq bench app`: what applications really write, against Redis Streams through redis-py in
 the same run.
 
-The five workloads (varied messages, ``app_messages.py``), each run against tidemq and then
+The six workloads (varied messages, ``app_messages.py``), each run against tidemq and then
 against Redis before the next one starts, so both see the same machine load:
 
 ==================  ===============================================  ============================

@@ -263,6 +263,10 @@ class AdminProcessor:
                 committed = self.offsets.query(group, topic, qid)
                 consumer_offset = max(committed, 0)
                 lag = max(0, broker_offset - consumer_offset)
+                pop = self.broker.pop
+                w = pop.windows.get((group, topic, qid)) if pop is not None else None
+                if w is not None:  # a POP group: what is not acked, holes included
+                    lag = w.unacked(broker_offset)
                 total += lag
                 queues.append(
                     QueueConsumeStats(
