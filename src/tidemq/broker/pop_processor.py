@@ -196,6 +196,11 @@ class PopProcessor:
         """Rebuild the windows from ``rmq_sys_POP_LOG`` (at start, before serving)."""
         window_for = self._window_for
         snap = self.snapshots.load()
+        if snap is not None and snap[0] > self.broker.store.max_offset(POP_LOG_TOPIC, 0):
+            # the log was cut back below it (a slave's tail the new master never had)
+            log.warning("POP snapshot covers log offset %d, past the log's end: replaying "
+                        "the whole log", snap[0])
+            snap = None
         start = 0
         if snap is not None:
             start, saved = snap

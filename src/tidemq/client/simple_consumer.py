@@ -47,7 +47,12 @@ from typing import Any
 
 from tidemq.client.codec import decode_pull_body
 from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
-from tidemq.client.errors import ClientClosedError, NoRouteError
+from tidemq.client.errors import (
+    ClientClosedError,
+    ConnectError,
+    ConnectionLostError,
+    NoRouteError,
+)
 from tidemq.client.membership import GroupMembership, make_client_id
 from tidemq.client.message import MessageExt
 from tidemq.client.route import RouteCache
@@ -419,6 +424,12 @@ class SimpleConsumer:
                 AckMessageRequestHeader(consumer_group=self.group, handles=handles),
                 timeout=self.request_timeout))
             results = frame.header.results
+        except (ConnectError, ConnectionLostError) as exc:
+            if not await self._reroute(addr, handles, futures, exc):
+                for f in futures:
+                    if not f.done():
+                        f.set_exception(exc)
+            return
         except Exception as exc:  # every waiter learns it
             for f in futures:
                 if not f.done():
@@ -437,6 +448,26 @@ class SimpleConsumer:
                     response_code=code))
             else:
                 f.set_exception(BrokerError.from_response(code, f"ack of {h!r} refused"))
+
+    async def _reroute(self, addr: str, handles: list[str],
+                       futures: list[asyncio.Future[None]], exc: BaseException) -> bool:
+        """The broker that delivered these is unreachable: a receipt handle names its broker
+        group, and a promoted slave serves the group's POP state (docs/cluster.md), so the acks
+        go to the group's master now, if it is another address. True when sent on."""
+        try:
+            name, topic = handles[0].split(" ")[1:3]
+            new = (await self.routes.get(topic, refresh=True)).broker_addrs.get(name)
+        except (TidemqError, ValueError):
+            return False
+        if new is None or new == addr:
+            return False
+        log.info("acks for broker %s: %s is unreachable (%s); sending them to %s", name, addr,
+                 exc, new)
+        buf = self._acks.setdefault(new, _AckBuffer())
+        buf.handles += handles
+        buf.futures += futures
+        await self._flush(new)
+        return True
 
     async def change_invisible_duration(self, msg: ReceivedMessage, duration: float) -> None:
         """Make ``msg`` invisible for ``duration`` seconds from now; its receipt handle is
