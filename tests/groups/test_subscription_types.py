@@ -108,6 +108,13 @@ def test_cumulative_ack_and_negative_ack_with_backoff(dev) -> None:
             await c.seek(timestamp=0)
             bodies = sorted([(await c.receive(5.0)).body for _ in range(10)])
             assert bodies == sorted(f"m{i}".encode() for i in range(10))
+        # `tidemq group reset-offset` moves a POP subscription too (its window, not only the
+        # committed offset the window would overwrite)
+        async with aio.Admin(dev.namesrv) as admin:
+            await admin.reset_group_offsets(sub, topic, offset=8)
+        async with _consumer(dev, topic, sub, "Shared", "c3") as c:
+            assert sorted([(await c.receive(5.0)).body for _ in range(2)]) == [b"m8", b"m9"]
+            assert await c.receive(0.5) is None
 
     asyncio.run(main())
 
