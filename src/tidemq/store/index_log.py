@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import mmap
 import os
 import shutil
 import struct
@@ -387,7 +388,13 @@ class LogQueue:
 
 
 class _Segment:
-    __slots__ = ("start", "path", "fd", "size", "max_phys")
+    """One log file. Readers copy units out of ``mm``, a read-only mapping of the file's
+    first ``len(mm)`` bytes (mapped again, larger, when a read needs bytes written since):
+    a pread per read was a syscall per queue, a fifth of the broker's time serving a
+    PULL_MULTI_QUEUE of thousands of queues. Units are copied out, never viewed, so no
+    reader pins a mapping and a file can be closed at any time."""
+
+    __slots__ = ("start", "path", "fd", "size", "max_phys", "mm")
 
     def __init__(self, start: int, path: str, fd: int, size: int, max_phys: int) -> None:
         self.start = start
@@ -395,6 +402,23 @@ class _Segment:
         self.fd = fd
         self.size = size
         self.max_phys = max_phys
+        self.mm: mmap.mmap | None = None
+
+    def read(self, rel: int, n: int) -> bytes:
+        """``n`` bytes at ``rel`` (fewer past the written end); lock held."""
+        end = min(rel + n, self.size)
+        mm = self.mm
+        if mm is None or end > len(mm):
+            if end <= rel:
+                return b""
+            mm = self.mm = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_READ)
+        return mm[rel:end]
+
+    def close(self) -> None:
+        if self.mm is not None:
+            self.mm.close()
+            self.mm = None
+        os.close(self.fd)
 
 
 class IndexLog:
@@ -454,6 +478,9 @@ class IndexLog:
             if good < size:
                 if start + good < trusted_end:
                     self._problem(f"{path}: damaged block at byte {good} below the checkpoint")
+                if seg.mm is not None:  # never map past the end of a file
+                    seg.mm.close()
+                    seg.mm = None
                 os.ftruncate(fd, good)
                 seg.size = good
                 stop = True
@@ -687,7 +714,7 @@ class IndexLog:
             self._queues.clear()
             self._by_id.clear()
             for seg in self._segments:
-                os.close(seg.fd)
+                seg.close()
             self._segments = []
             if self._names_fd >= 0:
                 os.close(self._names_fd)
@@ -705,11 +732,13 @@ class IndexLog:
 
     def _pread(self, pos: int, n: int) -> bytes:
         segs = self._segments
-        i = bisect.bisect_right([s.start for s in segs], pos) - 1
-        if i < 0:
-            return b""
-        seg = segs[i]
-        return os.pread(seg.fd, n, pos - seg.start)
+        seg = segs[-1] if segs else None
+        if seg is None or pos < seg.start:
+            i = bisect.bisect_right([s.start for s in segs], pos) - 1
+            if i < 0:
+                return b""
+            seg = segs[i]
+        return seg.read(pos - seg.start, n)
 
     def flush(self) -> int:
         """Write every pending unit (and truncation, start, deletion) as one block and make
@@ -859,7 +888,7 @@ class IndexLog:
             self._segments = self._segments[n:]
             self._min_pos = self._segments[0].start
             for seg in doomed:
-                os.close(seg.fd)
+                seg.close()
                 try:
                     os.unlink(seg.path)
                 except FileNotFoundError:
