@@ -61,7 +61,7 @@ from tidemq.client import chunking, offsets
 from tidemq.client.chunking import ChunkAssembler
 from tidemq.client.codec import decode_pull_body
 from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
-from tidemq.client.errors import ClientClosedError, NoRouteError
+from tidemq.client.errors import ClientClosedError
 from tidemq.client.membership import GroupMembership, make_client_id
 from tidemq.client.message import ConsumeFrom, MessageExt, MessageQueue
 from tidemq.client.multi_pull import MultiPullUnsupported, PullBatcher
@@ -220,6 +220,7 @@ class PullConsumer:
         self._assigned: list[MessageQueue] | None = None
         self._queues: dict[MessageQueue, _Queue] = {}
         self._order: list[_Queue] = []  # the assigned queues, sorted
+        self._topic_queues: dict[str, int] = {}  # topic -> assigned queues (by _apply)
         self._rr = 0
         # poll's round robin: only the queues holding pulled chunks (a poll's work follows what
         # arrived, not the number of assigned queues)
@@ -505,16 +506,18 @@ class PullConsumer:
     async def _rebalance(self) -> None:
         if self._assigned is not None or self._closed:
             return
-        want: set[MessageQueue] = set()
-        for topic in list(self._subs):
-            try:
-                want |= await self.membership.share(topic, set(self._queues), self._subs)
-            except NoRouteError as exc:
-                if topic not in self._warned:  # once: the loop retries every second
-                    self._warned.add(topic)
-                    log.warning("subscription to %r: %s", topic, exc.message)
-                # Keep the queues we have: the name server may be briefly unreachable.
-                want |= {mq for mq in self._queues if mq.topic == topic}
+        have: dict[str, set[MessageQueue]] = {}
+        for mq in self._queues:
+            have.setdefault(mq.topic, set()).add(mq)
+        # Topics without a route keep the queues we have: the name server may be briefly
+        # unreachable.
+        want, missing = await self.membership.share_all(list(self._subs), have, self._subs)
+        for topic, exc in missing.items():
+            if topic not in self._warned:  # once: the loop retries every second
+                self._warned.add(topic)
+                log.warning("subscription to %r: %s", topic, exc.message)
+        if self._closed:
+            return
         self._apply(want)
 
     async def _rebalance_quietly(self, *, heartbeat: bool = False) -> None:
@@ -540,8 +543,8 @@ class PullConsumer:
                 pass
             woken = changed.is_set()
             changed.clear()
-            have = {mq.topic for mq in self._queues}
-            missing = any(t not in have for t in self._subs)
+            # (the topics that have queues are kept by _apply: no walk over every queue here)
+            missing = any(t not in self._topic_queues for t in self._subs)
             every = min(self.route_refresh, self.rebalance_interval)
             if woken or missing or loop.time() - last >= every:
                 last = loop.time()
@@ -561,6 +564,9 @@ class PullConsumer:
 
     def _apply(self, want: set[MessageQueue]) -> None:
         loop = asyncio.get_running_loop()
+        if want == self._queues.keys() and not any(
+                q.failed is not None for q in self._queues.values()):
+            return  # nothing changed (the usual periodic rebalance): no sorting of every queue
         for mq in [m for m in self._queues if m not in want]:
             q = self._queues.pop(mq)
             if q.task is not None:
@@ -578,6 +584,9 @@ class PullConsumer:
                 have.task = loop.create_task(self._pull_loop(have))
         self._order = [self._queues[mq] for mq in sorted(self._queues)]
         self._rr = 0
+        self._topic_queues = {}
+        for mq in self._queues:
+            self._topic_queues[mq.topic] = self._topic_queues.get(mq.topic, 0) + 1
 
     async def _commit_quietly(self, q: _Queue) -> None:
         try:
