@@ -160,3 +160,29 @@ def test_sigkill_of_a_member_under_load_loses_nothing(dev) -> None:
         attempts.setdefault(b, []).append(a)
     assert all(max(a) >= 2 for a in attempts.values() if len(a) > 1)
     assert len(_read(paths[0])) > 0  # the killed member did consume before it died
+
+
+def test_receive_waits_on_every_topic_at_once(dev) -> None:
+    """Two subscribed topics: receive() waits on both (NOTIFICATION), so a message sent to
+    either is received at once, not after the wait on the other ends."""
+    topics, group = ["simple_any_a", "simple_any_b"], "simple_any_g"
+    with tidemq.Admin(dev.namesrv) as admin:
+        for t in topics:
+            admin.create_topic(t, 2)
+
+    async def main() -> None:
+        async with aio.SimpleConsumer(dev.namesrv, group, await_duration=10.0,
+                                      init_mode="earliest") as c:
+            for t in topics:
+                c.subscribe(t)
+            for t in topics + topics:  # whichever the receive tries first
+                task = asyncio.create_task(c.receive(4, invisible_duration=30.0))
+                await asyncio.sleep(0.3)
+                assert not task.done()
+                t0 = time.monotonic()
+                await asyncio.to_thread(_send, dev.namesrv, t, [f"to-{t}"])
+                [m] = await asyncio.wait_for(task, 5)
+                assert m.topic == t and time.monotonic() - t0 < 1.0
+                await c.ack(m)
+
+    asyncio.run(main())

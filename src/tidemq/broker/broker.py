@@ -235,6 +235,7 @@ class Broker:
         self.send_back = SendBackProcessor(self)
         self.pop = PopProcessor(self)
         self.pop.recover()  # POP windows from rmq_sys_POP_LOG, before serving
+        self.store.add_dispatch_listener(self.pop.hold.on_message_arrival)  # held pops wake
         self._handlers = {
             RequestCode.SEND_MESSAGE: self.send_processor.handle,
             RequestCode.SEND_BATCH: self.send_processor.handle,
@@ -322,6 +323,8 @@ class Broker:
         await self.ha.stop()
         if self._hold is not None:
             self._hold.close()
+        if self.pop is not None:
+            self.pop.hold.close()
         self.frames.close()
         if self._topics_persist is not None:
             await asyncio.gather(self._topics_persist, return_exceptions=True)
@@ -711,6 +714,8 @@ class Broker:
             **{f"txn_{k}": n for k, n in self.transactions.stats.items()},
         })
         info.update(self.non_persistent.stats())
+        if self.pop is not None:
+            info.update(self.pop.stats())
         # "Tolerate on the way out": records readers skipped as undecodable, per reader, and
         # batches the store quarantined (CRC or framing damage found by recovery or a read).
         corrupt = store.corrupt.counts

@@ -12,8 +12,10 @@ around it:
   (tag or SQL92) does not select are acked on the spot, never delivered. A revived delivery
   past the group's ``retry_max_times`` attempts is copied into ``%DLQ%<group>`` (as a push
   consumer's message is, ``send_back.py``) and acked instead of delivered.
-- **long polling**: an empty pop with ``poll_ms`` is re-tried every ``_POLL_STEP_S`` until it
-  finds something or its time is up (then PULL_NOT_FOUND).
+- **long polling**: an empty pop with ``poll_ms`` is held (``pop_hold.py``) and tried again
+  when a message arrives for its topic, when an in-flight message's invisible time runs out
+  (one timer per window) or after an ack of its (group, topic) in orderly mode; PULL_NOT_FOUND
+  when its time is up.
 - **ack**: many handles per frame; per handle SUCCESS, NO_MESSAGE (stale) or
   INVALID_ARGUMENT. The acked prefix of a queue (``PopWindow.start``) is the group's consumer
   offset, committed to the offset table (so ``tidemq group`` shows the lag).
@@ -31,16 +33,18 @@ Threads: the broker's event loop only.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from tidemq.broker.connection import decode_request
 from tidemq.broker.consume_switches import check_consume_allowed
 from tidemq.broker.errors import RequestRejected, check_group
+from tidemq.broker.pop_hold import HeldPop, PopHoldService, WindowKey
 from tidemq.broker.pop_log import PopLog, PopSnapshots
+from tidemq.broker.pop_notification import NotificationHandler
 from tidemq.broker.pop_window import Popped, PopWindow
 from tidemq.broker.send_back import store_copy
 from tidemq.broker.sql_select import sql_filter_for
@@ -56,6 +60,7 @@ from tidemq.protocol.pop import (
     AckMessageResponseHeader,
     ChangeInvisibleRequestHeader,
     ChangeInvisibleResponseHeader,
+    NotificationRequestHeader,
     PopMessageRequestHeader,
     PopMessageResponseHeader,
     PoppedBatch,
@@ -75,7 +80,6 @@ log = logging.getLogger(__name__)
 
 POP = "POP"
 PULL = "PULL"
-_POLL_STEP_S = 0.02
 _R = ResponseCode
 _SCAN = 256  # offsets read per store call when gathering popped batches
 
@@ -89,23 +93,12 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-class _Held:
-    __slots__ = ("conn", "opaque", "header", "deadline")
-
-    def __init__(self, conn: BrokerConnection, opaque: int, header: PopMessageRequestHeader,
-                 deadline: float) -> None:
-        self.conn = conn
-        self.opaque = opaque
-        self.header = header
-        self.deadline = deadline
-
-
 class _Selector:
     """A pop's subscription: None = every message; else matches(tag, props)."""
 
     __slots__ = ("tags", "sql")
 
-    def __init__(self, h: PopMessageRequestHeader) -> None:
+    def __init__(self, h: PopMessageRequestHeader | NotificationRequestHeader) -> None:
         self.tags: frozenset[str] | None = None
         self.sql = None
         kind = (h.expression_type or "TAG").upper()
@@ -145,8 +138,8 @@ class PopProcessor:
         self.windows: dict[tuple[str, str, int], PopWindow] = {}
         self.modes: dict[str, str] = {}  # group -> POP or PULL (first use on this broker)
         self._cursor: dict[tuple[str, str], int] = {}
-        self._held: list[_Held] = []
-        self._timer: asyncio.TimerHandle | None = None
+        self.hold = PopHoldService(broker.loop, self._windows_of, self._fail)
+        self.notifications = NotificationHandler(self)
         self.popped = 0
         self.acked = 0
         self.stale = 0
@@ -189,6 +182,7 @@ class PopProcessor:
             RequestCode.POP_MESSAGE: self.handle_pop,
             RequestCode.ACK_MESSAGE: self.handle_ack,
             RequestCode.CHANGE_INVISIBLE_TIME: self.handle_change,
+            RequestCode.NOTIFICATION: self.notifications.handle,
         }
 
     # -- consumption mode ----------------------------------------------------------------------
@@ -219,13 +213,12 @@ class PopProcessor:
         if self._answer(conn, frame.opaque, h):
             return
         if h.poll_ms > 0:
-            self._held.append(_Held(conn, frame.opaque, h,
-                                    time.monotonic() + h.poll_ms / 1000.0))
-            self._arm()
+            self.hold.hold(HeldPop(conn, frame.opaque, h, self._attempt_pop, self._expire_pop,
+                                   h.poll_ms / 1000.0, self.broker.loop.time()))
         else:
             self._empty(conn, frame.opaque, h)
 
-    def _admit(self, h: PopMessageRequestHeader) -> None:
+    def _admit(self, h: PopMessageRequestHeader | NotificationRequestHeader) -> None:
         group = h.consumer_group
         check_group(group)
         check_consume_allowed(self.broker, group)
@@ -302,6 +295,11 @@ class PopProcessor:
             w = self.windows[key] = PopWindow(max(start, store.min_offset(topic, qid)))
         return w
 
+    def poppable(self, group: str, topic: str, qid: int, init_mode: str, order: bool) -> bool:
+        """Would a pop of queue ``qid`` find something now (filters not applied)?"""
+        w = self.window(group, topic, qid, init_mode)
+        return w.poppable(_now_ms(), self.broker.store.max_offset(topic, qid))
+
     def _pop_queue(self, h: PopMessageRequestHeader, qid: int, want: int, now: int,
                    sel: _Selector, bodies: list[Any], batches: list[PoppedBatch]) -> int:
         """Pop up to ``want`` messages of queue ``qid`` into ``bodies``/``batches``; how many."""
@@ -357,6 +355,8 @@ class PopProcessor:
             if got >= want:
                 break
         self.log.append(group, topic, qid, logged, acks)  # durable before the answer leaves
+        if logged:  # a held pop of the group waits for these deadlines too
+            self.hold.deadline_set((group, topic, qid), now + h.invisible_ms)
         self.popped += got
         self._commit(group, topic, qid, w)
         return got
@@ -407,31 +407,37 @@ class PopProcessor:
     def _commit(self, group: str, topic: str, qid: int, w: PopWindow) -> None:
         self.broker.offsets.commit(group, topic, qid, w.start)
 
-    # -- long polling ----------------------------------------------------------------------------
-    def _arm(self) -> None:
-        if self._timer is None and self._held:
-            self._timer = self.broker.loop.call_later(_POLL_STEP_S, self._retry_held)
+    # -- long polling (pop_hold.py) ------------------------------------------------------------
+    def _attempt_pop(self, held: HeldPop) -> bool:
+        return self._answer(held.conn, held.opaque, held.header)
 
-    def _retry_held(self) -> None:
-        self._timer = None
-        held, self._held = self._held, []
-        now = time.monotonic()
-        for x in held:
-            if x.conn.closed:
-                continue
-            try:
-                if self._answer(x.conn, x.opaque, x.header):
-                    continue
-                if now >= x.deadline:
-                    self._empty(x.conn, x.opaque, x.header)
-                else:
-                    self._held.append(x)
-            except Exception as exc:  # answer, never leave the client waiting
-                self.broker.answer_failure(x.conn, x.opaque, "POP_MESSAGE", exc)
-        self._arm()
+    def _expire_pop(self, held: HeldPop) -> None:
+        self._empty(held.conn, held.opaque, held.header)
+
+    def _fail(self, held: HeldPop, exc: BaseException) -> None:
+        self.broker.answer_failure(held.conn, held.opaque, "POP_MESSAGE", exc)
+
+    def _windows_of(self, group: str, topic: str, queue_id: int
+                    ) -> Iterator[tuple[WindowKey, PopWindow]]:
+        """The existing windows a held request of ``queue_id`` (-1: any) covers."""
+        if queue_id != ANY_QUEUE:
+            qids: Any = (queue_id,)
+        else:
+            tc = self.broker.topics.get(topic)
+            qids = range(tc.read_queue_nums if tc is not None else 0)
+        windows = self.windows
+        for q in qids:
+            key = (group, topic, q)
+            w = windows.get(key)
+            if w is not None:
+                yield key, w
 
     def drop_connection(self, conn: BrokerConnection) -> None:
-        self._held = [x for x in self._held if x.conn is not conn]
+        self.hold.drop_connection(conn)
+
+    def stats(self) -> dict[str, int]:
+        return {"pop_popped": self.popped, "pop_acked": self.acked, "pop_stale": self.stale,
+                "pop_dead": self.dead, "pop_windows": len(self.windows), **self.hold.stats()}
 
     # -- ACK_MESSAGE -----------------------------------------------------------------------------
     def _handle_of(self, text: str) -> ReceiptHandle:
@@ -506,6 +512,8 @@ class PopProcessor:
                 f"receipt handle of {rh.topic} queue {rh.queue_id} offset {rh.offset} is "
                 "stale: acked already, or delivered again since")
         self.log.append(h.consumer_group, rh.topic, rh.queue_id, [p], [])
+        self.hold.deadline_set((h.consumer_group, rh.topic, rh.queue_id),
+                               p.pop_time + p.invisible_ms)
         new = ReceiptHandle(rh.broker, rh.topic, rh.queue_id, rh.offset, p.pop_time,
                             p.invisible_ms, rh.revive_queue_id, p.attempt)
         conn.respond(frame.opaque, _R.SUCCESS,

@@ -78,6 +78,17 @@ class PopWindow:
         included."""
         return len(self._inflight) + max(0, max_offset - self.next)
 
+    def earliest_deadline(self, now: int) -> int | None:
+        """The earliest invisible deadline after ``now`` (ms) among the in-flight deliveries:
+        when the next one becomes poppable again (None: none in flight, or all passed)."""
+        return min((e.deadline for e in self._inflight.values() if e.deadline > now),
+                   default=None)
+
+    def poppable(self, now: int, max_offset: int) -> bool:
+        """Would :meth:`pop` hand out something now (the queue ends at ``max_offset``)?"""
+        return self.next < max_offset or any(
+            e.deadline <= now for e in self._inflight.values())
+
     def state(self, offset: int) -> str:
         """"acked", "in_flight" or "new" (never popped)."""
         if offset < self.start or offset in self._acked:

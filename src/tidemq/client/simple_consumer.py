@@ -10,7 +10,8 @@
 
 The broker hands each message of the subscribed topics to one member of the group at a time:
 ``receive`` pops up to ``max_messages`` from any queue (POP_MESSAGE, long polling up to
-``await_duration``); each received message is invisible to the group for
+``await_duration``; with several topics or brokers it waits on all of them at once with
+NOTIFICATION, then pops where something is); each received message is invisible to the group for
 ``invisible_duration`` seconds; ``ack`` removes it for good; what is not acked in time is
 delivered again -- to this or another member -- with ``delivery_attempt`` + 1, and after the
 group's ``retry_max_times`` (16) deliveries goes to ``%DLQ%<group>``.
@@ -51,6 +52,7 @@ from tidemq.protocol.pop import (
     MAX_POP_MESSAGES,
     AckMessageRequestHeader,
     ChangeInvisibleRequestHeader,
+    NotificationRequestHeader,
     PopMessageRequestHeader,
     receipt_strings,
 )
@@ -221,11 +223,52 @@ class SimpleConsumer:
             got = await self._pop(topic, addr, sel, max_messages, inv, 0)
             if got:
                 return got
-        topic, addr, sel = order[0]
-        poll_ms = max(0, min(int(self.await_duration * 1000 / n), 60_000))
+        poll_ms = max(0, min(int(self.await_duration * 1000), 60_000))
         if poll_ms == 0:
             return []
-        return await self._pop(topic, addr, sel, max_messages, inv, poll_ms)
+        if n == 1:
+            topic, addr, sel = order[0]
+            return await self._pop(topic, addr, sel, max_messages, inv, poll_ms)
+        return await self._await_any(order, max_messages, inv, poll_ms)
+
+    async def _await_any(self, targets: list[tuple[str, str, Selection]], max_messages: int,
+                         inv: int, poll_ms: int) -> list[ReceivedMessage]:
+        """Wait on every (topic, broker) at once with NOTIFICATION (a held pop would take
+        messages from one only), then pop where something is; [] after ``poll_ms``."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + poll_ms / 1000
+        waits = {loop.create_task(self._notified(t, poll_ms)): t for t in targets}
+        try:
+            while waits:
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for d in done:
+                    t = waits.pop(d)
+                    if d.exception() is not None:
+                        log.debug("notification of %s at %s failed: %s", t[0], t[1],
+                                  d.exception())
+                        continue
+                    left = int((end - loop.time()) * 1000)
+                    if d.result():
+                        got = await self._pop(t[0], t[1], t[2], max_messages, inv, 0)
+                        if got:
+                            return got
+                    if left > 0:  # taken by another member, or a filtered-out message
+                        waits[loop.create_task(self._notified(t, left))] = t
+            return []
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def _notified(self, target: tuple[str, str, Selection], poll_ms: int) -> bool:
+        topic, addr, sel = target
+        h = NotificationRequestHeader(
+            consumer_group=self.group, topic=topic, poll_ms=poll_ms,
+            subscription=sel.expression if sel.filters else None,
+            expression_type=sel.expression_type, init_mode=self.init_mode)
+        conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
+        frame = raise_for_error(await conn.request(
+            RequestCode.NOTIFICATION, h, timeout=poll_ms / 1000 + self.request_timeout))
+        return bool(frame.header.has_msg)
 
     async def _pop(self, topic: str, addr: str, sel: Selection, max_messages: int, inv: int,
                    poll_ms: int) -> list[ReceivedMessage]:

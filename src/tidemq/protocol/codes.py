@@ -85,6 +85,7 @@ class RequestCode(IntEnum):
     POP_MESSAGE = 360
     ACK_MESSAGE = 361  # many receipt handles per frame
     CHANGE_INVISIBLE_TIME = 362
+    NOTIFICATION = 363  # held until something is poppable for the group/topic
 
 
 class ResponseCode(IntEnum):

@@ -937,4 +937,6 @@ REQUEST_HEADER_TYPES[RequestCode.CHANGE_INVISIBLE_TIME] = _pop.ChangeInvisibleRe
 RESPONSE_HEADER_TYPES[RequestCode.POP_MESSAGE] = _pop.PopMessageResponseHeader
 RESPONSE_HEADER_TYPES[RequestCode.ACK_MESSAGE] = _pop.AckMessageResponseHeader
 RESPONSE_HEADER_TYPES[RequestCode.CHANGE_INVISIBLE_TIME] = _pop.ChangeInvisibleResponseHeader
+REQUEST_HEADER_TYPES[RequestCode.NOTIFICATION] = _pop.NotificationRequestHeader
+RESPONSE_HEADER_TYPES[RequestCode.NOTIFICATION] = _pop.NotificationResponseHeader
 _OUTCOMES[RequestCode.POP_MESSAGE] = frozenset({ResponseCode.SUCCESS, ResponseCode.PULL_NOT_FOUND})

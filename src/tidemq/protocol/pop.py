@@ -6,6 +6,7 @@ Three requests, each a msgspec map like every header (``headers.py``)::
                                                            body: whole stored batches
     ACK_MESSAGE            AckMessageRequestHeader      -> AckMessageResponseHeader
     CHANGE_INVISIBLE_TIME  ChangeInvisibleRequestHeader -> ChangeInvisibleResponseHeader
+    NOTIFICATION           NotificationRequestHeader    -> NotificationResponseHeader
 
 A pop answer's body holds whole stored batches, exactly as stored (never re-encoded), from one
 topic and possibly several queues; ``batches[j]`` says which messages of body batch ``j`` are
@@ -41,6 +42,8 @@ __all__ = [
     "AckMessageResponseHeader",
     "ChangeInvisibleRequestHeader",
     "ChangeInvisibleResponseHeader",
+    "NotificationRequestHeader",
+    "NotificationResponseHeader",
     "receipt_handles",
     "receipt_strings",
     "MAX_POP_MESSAGES",
@@ -81,6 +84,9 @@ class PopMessageRequestHeader(Header):
     subscription: str | None = None  # "*", "TagA || TagB" or an SQL92 expression
     expression_type: str = "TAG"  # TAG or SQL92
     init_mode: str = INIT_LATEST
+    #: orderly POP (RocketMQ 5 FIFO): one message per message group (the ``__SHARDINGKEY``
+    #: property, else the queue) in flight at a time, in queue order
+    order: bool = False
 
 
 class PoppedBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -125,6 +131,26 @@ class ChangeInvisibleResponseHeader(Header):
     """The new receipt handle; the old one is stale from now on."""
 
     handle: str
+
+
+class NotificationRequestHeader(Header):
+    """NOTIFICATION: answer ``has_msg`` as soon as something of ``topic`` (queue ``queue_id``,
+    or any: -1) is poppable for ``consumer_group`` -- held up to ``poll_ms`` like a pop, but
+    nothing is popped. A hint: the subscription's filter is not applied, so a pop after
+    ``has_msg`` may still find nothing."""
+
+    consumer_group: str
+    topic: str
+    queue_id: _QueueId = ANY_QUEUE
+    poll_ms: _Poll = 0
+    subscription: str | None = None  # checked at the door as a pop's
+    expression_type: str = "TAG"
+    init_mode: str = INIT_LATEST
+    order: bool = False
+
+
+class NotificationResponseHeader(Header):
+    has_msg: bool = False
 
 
 def receipt_handles(h: PopMessageResponseHeader, topic: str, j: int, base_offset: int

@@ -96,6 +96,7 @@ _WRITES = {
     RequestCode.POP_MESSAGE: "pops",
     RequestCode.ACK_MESSAGE: "pop acks",
     RequestCode.CHANGE_INVISIBLE_TIME: "pop invisible-time changes",
+    RequestCode.NOTIFICATION: "pop notifications",  # the windows are the master's
 }
 _TICK_S = 1.0
 
