@@ -493,18 +493,18 @@ class MessageStore:
 
     def put_many(
         self, batches: list[tuple[bytes | bytearray | memoryview, BatchView]],
-    ) -> list[PutResult | StoreError]:
+    ) -> list[PutResult | StoreError | CorruptBatchError]:
         """``put`` of several batches (each as a producer encoded it, with the view the
         caller parsed; the queue is the one its header names) under one acquisition of the
         put lock, in order: a SEND_MULTI_QUEUE frame of many small batches pays the lock,
         the checks that hold for all of them and the bookkeeping once, not once per batch.
         Each batch keeps its own queue offsets and store header, exactly as ``put`` writes
-        it; a batch that cannot be stored gets its StoreError in its slot and the others
+        it; a batch that cannot be stored gets its StoreError (CorruptBatchError: damaged) in its slot and the others
         are stored. ASYNC_FLUSH only (under SYNC_FLUSH each batch needs its own durability
         callback: call ``put``)."""
         if self._sync_flush:
             raise StoreError("put_many is for ASYNC_FLUSH stores; use put under SYNC_FLUSH")
-        out: list[PutResult | StoreError] = []
+        out: list[PutResult | StoreError | CorruptBatchError] = []
         if self._closed:
             return [StoreClosedError("the store is closed")] * len(batches)
         if self.disk_full:
@@ -530,7 +530,7 @@ class MessageStore:
                 topic = v.topic
                 todo.append((i, data, v, size, topic,
                              self._index_hashes(v, topic) if index else None))
-            except StoreError as exc:
+            except (StoreError, CorruptBatchError) as exc:
                 out[i] = exc
         n_msgs = n_bytes = 0
         with self._put_lock:
@@ -538,7 +538,7 @@ class MessageStore:
                 qid = v.queue_id
                 try:
                     phys, qoff, now = self._append_locked(data, v, size, topic, qid, hashes)
-                except StoreError as exc:
+                except (StoreError, CorruptBatchError) as exc:
                     out[i] = exc
                     continue
                 count = v.count
