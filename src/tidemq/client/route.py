@@ -331,10 +331,16 @@ class RouteCache:
     async def _refresh_loop(self) -> None:
         while True:
             await asyncio.sleep(self.refresh_interval)
-            for topic in list(self._routes):
-                try:
-                    await self.get(topic, refresh=True)
-                except NoRouteError as exc:
-                    log.info("route of %r is gone: %s", topic, exc.message)
-                except Exception as exc:  # keep refreshing the others; the old route stays
-                    log.warning("refreshing the route of %r failed: %s", topic, exc)
+            # 64 fetches in flight, not one after the other: a client of 12,500 topics would
+            # otherwise spend the whole interval (and more) in sequential round trips.
+            todo = iter(list(self._routes))
+            await asyncio.gather(*(self._refresh_some(todo) for _ in range(64)))
+
+    async def _refresh_some(self, topics: Any) -> None:
+        for topic in topics:
+            try:
+                await self.get(topic, refresh=True)
+            except NoRouteError as exc:
+                log.info("route of %r is gone: %s", topic, exc.message)
+            except Exception as exc:  # keep refreshing the others; the old route stays
+                log.warning("refreshing the route of %r failed: %s", topic, exc)
