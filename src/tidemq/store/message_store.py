@@ -500,8 +500,8 @@ class MessageStore:
         the checks that hold for all of them and the bookkeeping once, not once per batch.
         Each batch keeps its own queue offsets and store header, exactly as ``put`` writes
         it; a batch that cannot be stored gets its StoreError (CorruptBatchError: damaged)
-        in its slot and the others are stored. ASYNC_FLUSH only (under SYNC_FLUSH each batch needs its own durability
-        callback: call ``put``)."""
+        in its slot and the others are stored. ASYNC_FLUSH only (under SYNC_FLUSH each
+        batch needs its own durability callback: call ``put``)."""
         if self._sync_flush:
             raise StoreError("put_many is for ASYNC_FLUSH stores; use put under SYNC_FLUSH")
         out: list[PutResult | StoreError | CorruptBatchError] = []
