@@ -119,8 +119,9 @@ class _Queue:
         self.buffered = 0
         self.task: asyncio.Task[None] | None = None
         self.paused = False
-        self.space = asyncio.Event()
-        self.space.set()
+        # set when the queue may pull again; made the first time it must wait (a consumer of
+        # 100,000 queues creates them all at once: every object per queue shows)
+        self.space: asyncio.Event | None = None
         self.ready: asyncio.Future[None] | None = None  # resolved once the start offset is known
         self.assembler: ChunkAssembler | None = None  # created at the first chunk seen
         self.broker_id = MASTER_ID  # which broker of the group to pull from (the suggestion)
@@ -381,7 +382,7 @@ class PullConsumer:
             if chunks:  # the rest next time, after the others (round robin)
                 q.in_ready = True
                 ready.append(q)
-            if q.buffered < self.pull_threshold and not q.space.is_set():
+            if q.buffered < self.pull_threshold and q.space is not None:
                 q.space.set()
         return out
 
@@ -437,7 +438,8 @@ class PullConsumer:
                 await q.task
         q.chunks.clear()
         q.buffered = 0
-        q.space.set()
+        if q.space is not None:
+            q.space.set()
         q.pull_offset = q.consume_offset = offset
         q.task = asyncio.get_running_loop().create_task(self._pull_loop(q))
 
@@ -459,7 +461,8 @@ class PullConsumer:
         for mq in queues:
             q = self._state(mq)
             q.paused = False
-            q.space.set()
+            if q.space is not None:
+                q.space.set()
 
     # -- commits -------------------------------------------------------------------------------
     async def commit(self, offsets_: dict[MessageQueue, int] | None = None) -> None:
@@ -619,6 +622,7 @@ class PullConsumer:
         flags = PullSysFlag.SUSPEND | (PullSysFlag.SUBSCRIPTION if sel.filters else 0)
         suspend_ms = int(self.suspend_timeout * 1000)
         timeout = self.suspend_timeout + max(self.request_timeout, 10.0)
+        subscription = sel.expression if sel.filters else None
         while True:
             addr = ""
             try:
@@ -635,19 +639,14 @@ class PullConsumer:
                     # the first poll does not skip what arrived in between.
                     q.committed = off if committed else None
                 if q.paused or q.buffered >= self.pull_threshold:
+                    if q.space is None:
+                        q.space = asyncio.Event()
                     q.space.clear()
                     await q.space.wait()
                     continue
                 addr, _slave = await self.routes.addr_for_read(mq, q.broker_id)
                 conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
                 offset = q.pull_offset if q.pull_offset is not None else 0
-                header = PullMessageRequestHeader(
-                    consumer_group=self.group, topic=mq.topic, queue_id=mq.queue_id,
-                    queue_offset=offset, max_msg_nums=self.pull_batch_size, sys_flag=flags,
-                    suspend_timeout_millis=suspend_ms,
-                    subscription=sel.expression if sel.filters else None,
-                    expression_type=sel.expression_type,
-                )
                 batcher = self._batcher(addr, suspend_ms, timeout)
                 if resolve and (batcher is None or _slave):
                     self._no_resolve = True  # look the start up the usual way
@@ -657,8 +656,8 @@ class PullConsumer:
                     try:
                         h, body = await batcher.pull(MultiQueuePull(
                             mq.topic, mq.queue_id, offset, self.pull_batch_size,
-                            flags & ~PullSysFlag.SUSPEND, 0, header.subscription,
-                            header.expression_type, resolve, self.consume_timestamp))
+                            flags & ~PullSysFlag.SUSPEND, 0, subscription,
+                            sel.expression_type, resolve, self.consume_timestamp))
                     except MultiPullUnsupported:
                         continue  # pulled one by one from now on
                     if resolve:
@@ -674,6 +673,12 @@ class PullConsumer:
                         raise BrokerError(h.message or f"pull refused ({h.code})",
                                           response_code=h.code)
                 else:
+                    header = PullMessageRequestHeader(
+                        consumer_group=self.group, topic=mq.topic, queue_id=mq.queue_id,
+                        queue_offset=offset, max_msg_nums=self.pull_batch_size, sys_flag=flags,
+                        suspend_timeout_millis=suspend_ms, subscription=subscription,
+                        expression_type=sel.expression_type,
+                    )
                     frame = await conn.request(RequestCode.PULL_MESSAGE, header, timeout=timeout)
                     status = pull_status(frame.code)
                     if status is None:
