@@ -12,8 +12,10 @@ Workloads (each message one ``XADD key * d <body> tag <tag> key <key> region <..
 - ``await_send_64``: 64 coroutines share one ``redis.asyncio.Redis``, each ``await xadd``.
 - ``send_async``: pipelines (non-transactional) of 1000 ``XADD``, one ``execute()`` each, into
   the stream ``push_consume`` then reads.
-- ``push_consume``: a consumer group drains that stream from the start: ``XREADGROUP COUNT
-  100``, the listener called once per entry, then ``XACK`` of the page's ids.
+- ``push_consume`` and ``poll_consume`` (tidemq's push consumer and ``poll()`` loop; one Redis
+  counterpart for both): a new consumer group drains that stream from the start:
+  ``XREADGROUP COUNT 100``, the listener called once per entry, then ``XACK`` of the page's
+  ids.
 
 The keys printed: ``msgs_per_s``, ``us_per_call``, ``client_cpu_us_per_msg`` (this process's CPU
 time per message), ``count``, ``seconds``.
@@ -127,7 +129,7 @@ def consume(port: int, count: int, page: int = 100) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("workload", choices=("send_1_thread", "send_16_threads", "await_send_64",
-                                         "send_async", "push_consume"))
+                                         "send_async", "push_consume", "poll_consume"))
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--count", type=int, default=10_000)
     a = p.parse_args()
@@ -135,7 +137,8 @@ def main() -> None:
            "send_16_threads": lambda: blocking(a.port, a.count, 16),
            "await_send_64": lambda: coroutines(a.port, a.count, 64),
            "send_async": lambda: pipelines(a.port, a.count),
-           "push_consume": lambda: consume(a.port, a.count)}[a.workload]
+           "push_consume": lambda: consume(a.port, a.count),
+           "poll_consume": lambda: consume(a.port, a.count)}[a.workload]
     print(json.dumps({"peer": "redis-streams", "client": f"redis-py {redis.__version__}",
                       "workload": a.workload, **run()}), flush=True)
 

@@ -1,6 +1,7 @@
 """PopWindow (broker/pop_window.py) against a model: a plain dict of offset -> state, driven
-by a hypothesis state machine of pops, acks (current and stale), invisible-time changes, clock
-steps and queue growth. Nothing is lost (every offset below the queue's end is acked, in flight
+by a hypothesis state machine of pops, orderly deliveries of chosen offsets (which may skip
+offsets), acks (current and stale), invisible-time changes, clock steps, queue growth and
+snapshot round trips. Nothing is lost (every offset below the queue's end is acked, in flight
 or new), nothing acked comes back, stale answers change nothing, and start is the acked
 prefix."""
 
@@ -43,17 +44,38 @@ class PopModel(RuleBasedStateMachine):
     @rule(n=st.integers(1, 6), invisible=st.integers(1, 2000))
     def pop(self, n, invisible):
         got = self.w.pop(n, self.now, invisible, self.end)
-        # model: revived first, in offset order, then new ones
-        revived = sorted(o for o, s in self.model.items()
-                         if s[0] == "flight" and s[2] <= self.now)[:n]
+        # model: revived and skipped ones first, in offset order, then new ones
         new_from = max([o for o in self.model] + [self.start - 1]) + 1
+        revived = sorted([o for o, s in self.model.items()
+                          if s[0] == "flight" and s[2] <= self.now]
+                         + [o for o in range(self.start, new_from) if o not in self.model])[:n]
         fresh = list(range(new_from, self.end))[: n - len(revived)]
         assert [p.offset for p in got] == revived + fresh
         for p in got:
-            attempt = self.model[p.offset][3] + 1 if p.offset in revived else 1
+            attempt = self.model[p.offset][3] + 1 if p.offset in self.model else 1
             assert (p.attempt, p.pop_time, p.invisible_ms) == (attempt, self.now, invisible)
             self.model[p.offset] = ("flight", self.now, self.now + invisible, attempt)
             self.handles.append((p.offset, p.pop_time))
+
+    @precondition(lambda self: self.end > self.start)
+    @rule(data=st.data(), invisible=st.integers(1, 2000))
+    def deliver(self, data, invisible):
+        """Orderly POP's move: hand out one chosen offset that is not acked."""
+        off = data.draw(st.integers(self.start, self.end - 1))
+        s = self.model.get(off)
+        if s == ("acked",):
+            with pytest.raises(ValueError):
+                self.w.deliver(off, self.now, invisible)
+            return
+        p = self.w.deliver(off, self.now, invisible)
+        attempt = s[3] + 1 if s is not None else 1
+        assert (p.offset, p.attempt, p.pop_time) == (off, attempt, self.now)
+        self.model[off] = ("flight", self.now, self.now + invisible, attempt)
+        self.handles.append((off, self.now))
+
+    @rule()
+    def snapshot_round_trip(self):
+        self.w = PopWindow.from_state(self.w.to_state())
 
     @precondition(lambda self: self.handles)
     @rule(data=st.data())
@@ -94,6 +116,12 @@ class PopModel(RuleBasedStateMachine):
         assert self.w.in_flight() == sum(1 for s in self.model.values() if s[0] == "flight")
         assert self.w.unacked(self.end) == sum(
             1 for o in range(self.start, self.end) if self.model.get(o) != ("acked",))
+        flights = [s[2] for s in self.model.values() if s[0] == "flight" and s[2] > self.now]
+        assert self.w.earliest_deadline(self.now) == (min(flights) if flights else None)
+        new_from = max([o for o in self.model] + [self.start - 1]) + 1
+        assert self.w.poppable(self.now, self.end) == (
+            new_from < self.end or any(o not in self.model for o in range(self.start, new_from))
+            or any(s[0] == "flight" and s[2] <= self.now for s in self.model.values()))
 
 
 # A test function, not PopModel.TestCase: hypothesis digests the

@@ -55,20 +55,22 @@ def test_encode_matches_reference_and_decode_matches_batchview(msgs, start):
     st.sampled_from(["topic-a", "t", "tøpic-ü", "x" * 300]),
     st.integers(0, 2**32 - 1),
     st.builds(
-        lambda body, tags, props: Message("ignored", body, tags, None, props),
-        st.binary(max_size=300), st.none() | TEXT, st.none() | st.dictionaries(TEXT, TEXT,
-                                                                               max_size=3),
+        lambda body, tags, keys, props: Message("ignored", body, tags, keys, props),
+        st.binary(max_size=300), st.none() | TEXT,
+        st.none() | TEXT | st.lists(TEXT, min_size=1, max_size=3),
+        st.none() | st.dictionaries(TEXT, TEXT, max_size=3),
     ),
     st.integers(0, 2**63 - 1),
     st.integers(0, 2**64 - 1),
 )
 def test_single_message_fast_path_matches_reference(topic, queue_id, msg, pid, seq):
     """What Producer.send(msg) encodes: the one-message path (store header cached per queue,
-    one pack and one CRC) must give record.encode_batch's bytes, for any topic and queue."""
+    one pack and one CRC; keys in their section between the index and the record) must give
+    record.encode_batch's bytes, for any topic and queue."""
     for _ in range(2):  # the second encode of a queue uses the cached store header
         got = encode_messages(topic, [msg], queue_id=queue_id, producer_id=pid, base_seq=seq,
                               born_ts=1234, born_host=pack_host("10.0.0.7"), born_port=4321)
-        data = [MessageData(msg.body, msg.tags, None, msg.properties, 0, 1234)]
+        data = [MessageData(msg.body, msg.tags, msg.keys_string, msg.properties, 0, 1234)]
         ref = encode_batch(topic, data, queue_id=queue_id, producer_id=pid, base_seq=seq,
                            born_host="10.0.0.7", born_port=4321)
         assert got == ref
@@ -83,6 +85,9 @@ def test_single_message_fast_path_refuses_what_the_format_cannot_hold():
     with pytest.raises(ValueError):
         encode_messages("", [Message("t", b"x")], queue_id=0, producer_id=1, base_seq=0,
                         born_ts=1)
+    with pytest.raises(ValueError, match="keys"):
+        encode_messages("t", [Message("t", b"x", keys="k" * 70_000)], queue_id=0,
+                        producer_id=1, base_seq=0, born_ts=1)
     with pytest.raises(ValueError):
         encode_messages("t", [Message("t", b"x", properties={"a": "b\x01"})], queue_id=0,
                         producer_id=1, base_seq=0, born_ts=1)

@@ -161,7 +161,8 @@ def test_bench_app_runs_every_workload_and_prints_one_json_object():
     assert out["redis"] == "--no-redis"
     w = out["workloads"]
     assert list(w) == ["send_1_thread", "send_16_threads", "await_send_64", "send_async",
-                       "push_consume"]
+                       "push_consume", "poll_consume"]
     assert w["send_16_threads"]["tidemq"]["count"] == 320
-    assert w["send_async"]["tidemq"]["count"] == w["push_consume"]["tidemq"]["count"] == 2000
+    assert (w["send_async"]["tidemq"]["count"] == w["push_consume"]["tidemq"]["count"]
+            == w["poll_consume"]["tidemq"]["count"] == 2000)
     assert all(row["tidemq"]["msgs_per_s"] > 0 for row in w.values())

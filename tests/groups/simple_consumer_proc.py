@@ -18,7 +18,8 @@ def main() -> None:
     out = open(out_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
-    with tidemq.SimpleConsumer(namesrv, group, await_duration=0.5, init_mode="earliest") as c:
+    with tidemq.SimpleConsumer(namesrv, group, await_duration=0.5, init_mode="earliest",
+                               heartbeat_interval=1.0) as c:
         c.subscribe(topic)
         print("ready", flush=True)
         while not done.is_set():

@@ -21,6 +21,9 @@ from tidemq import aio
 
 from .cluster import wait_until
 
+#: members heartbeat within the test-sized expiry (cluster.EXPIRY_MS), or the broker drops them
+HB = {"heartbeat_interval": 1.0}
+
 
 def _send(namesrv: str, topic: str, bodies: list[str]) -> None:
     with tidemq.Producer(namesrv) as p:
@@ -36,7 +39,7 @@ def test_four_members_share_one_queue_without_duplicates(dev) -> None:
     _send(dev.namesrv, topic, sent)
 
     async def member(got: list[str]) -> None:
-        async with aio.SimpleConsumer(dev.namesrv, group, await_duration=0.3,
+        async with aio.SimpleConsumer(dev.namesrv, group, **HB, await_duration=0.3,
                                       init_mode="earliest") as c:
             c.subscribe(topic)
             idle = 0
@@ -65,9 +68,9 @@ def test_unacked_message_comes_back_to_another_member_with_attempt_plus_one(dev)
     _send(dev.namesrv, topic, ["only"])
 
     async def main() -> None:
-        async with aio.SimpleConsumer(dev.namesrv, group, await_duration=1.0,
+        async with aio.SimpleConsumer(dev.namesrv, group, **HB, await_duration=1.0,
                                       init_mode="earliest") as a, \
-                aio.SimpleConsumer(dev.namesrv, group, await_duration=3.0,
+                aio.SimpleConsumer(dev.namesrv, group, **HB, await_duration=3.0,
                                    init_mode="earliest") as b:
             a.subscribe(topic)
             b.subscribe(topic)
@@ -171,7 +174,7 @@ def test_receive_waits_on_every_topic_at_once(dev) -> None:
             admin.create_topic(t, 2)
 
     async def main() -> None:
-        async with aio.SimpleConsumer(dev.namesrv, group, await_duration=10.0,
+        async with aio.SimpleConsumer(dev.namesrv, group, **HB, await_duration=10.0,
                                       init_mode="earliest") as c:
             for t in topics:
                 c.subscribe(t)
@@ -184,5 +187,87 @@ def test_receive_waits_on_every_topic_at_once(dev) -> None:
                 [m] = await asyncio.wait_for(task, 5)
                 assert m.topic == t and time.monotonic() - t0 < 1.0
                 await c.ack(m)
+
+    asyncio.run(main())
+
+
+def test_orderly_members_keep_each_message_groups_order_through_an_expiry(dev) -> None:
+    """RocketMQ 5 FIFO: two orderly members, three message groups spread over two queues; each
+    group's messages are received in order, one at a time, and the one message left unacked
+    comes back (attempt 2) before the later messages of its group."""
+    topic, group = "simple_fifo", "simple_fifo_g"
+    groups, per = ["ga", "gb", "gc"], 20
+    with tidemq.Admin(dev.namesrv) as admin:
+        admin.create_topic(topic, 2)
+    with tidemq.Producer(dev.namesrv) as p:
+        for i in range(per):
+            for g in groups:
+                p.send(tidemq.Message(topic, f"{g} {i}".encode(),
+                                      properties={"__SHARDINGKEY": g}), hash_key=g)
+    seen: list[tuple[str, int, int, int]] = []  # (group, seq, attempt, member)
+    dropped: list[tuple[str, int]] = []
+
+    async def member(k: int) -> None:
+        async with aio.SimpleConsumer(dev.namesrv, group, **HB, await_duration=0.5,
+                                      init_mode="earliest", orderly=True) as c:
+            c.subscribe(topic)
+            idle = 0
+            while idle < 4:
+                msgs = await c.receive(8, invisible_duration=0.6)
+                idle = 0 if msgs else idle + 1
+                for m in msgs:
+                    g, seq = m.body.decode().split()
+                    seen.append((g, int(seq), m.delivery_attempt, k))
+                    if (g, int(seq)) == ("gb", 5) and m.delivery_attempt == 1:
+                        dropped.append((g, int(seq)))  # "crashed": never acked
+                        continue
+                    await c.ack(m)
+
+    async def main() -> None:
+        await asyncio.gather(member(0), member(1))
+
+    asyncio.run(main())
+    assert dropped == [("gb", 5)]
+    for g in groups:
+        order = [(s, a) for gg, s, a, _k in seen if gg == g]
+        want = [(s, 1) for s in range(per)]
+        if g == "gb":
+            want.insert(6, (5, 2))  # the redelivery, right after the lost one
+        assert order == want, (g, order)
+    assert {k for *_x, k in seen} == {0, 1}  # both members took part
+
+
+def test_members_heartbeat_and_one_group_has_one_consumption_mode(dev) -> None:
+    """SimpleConsumers heartbeat (POP): the group lists them; a lite pull consumer joining is
+    refused, and a SimpleConsumer joining a pull group too; close unregisters."""
+    topic, group, pull_group = "simple_hb", "simple_hb_g", "simple_hb_pull_g"
+    with tidemq.Admin(dev.namesrv) as admin:
+        admin.create_topic(topic, 2)
+
+    async def main() -> None:
+        async with aio.SimpleConsumer(dev.namesrv, group, **HB, await_duration=0.1) as a, \
+                aio.SimpleConsumer(dev.namesrv, group, **HB, await_duration=0.1) as b:
+            for c in (a, b):
+                c.subscribe(topic)
+                assert await c.receive(4) == []
+            async with aio.Admin(dev.namesrv) as admin:
+                info = await admin.group_info(group)
+                assert info.members == sorted([a.client_id, b.client_id])
+                assert info.consume_type == "POP"
+            lite = aio.PullConsumer(dev.namesrv, group)
+            lite.subscribe(topic)
+            with pytest.raises(aio.BrokerError, match="one consumption mode"):
+                await lite.start()
+            await lite.close()
+            async with aio.PullConsumer(dev.namesrv, pull_group) as p:
+                p.subscribe(topic)
+                await asyncio.sleep(0.3)  # its heartbeat
+                s = aio.SimpleConsumer(dev.namesrv, pull_group, **HB, await_duration=0.1)
+                s.subscribe(topic)
+                with pytest.raises(aio.BrokerError, match="one consumption mode"):
+                    await s.receive(1)
+                await s.close()
+        async with aio.Admin(dev.namesrv) as admin:
+            assert (await admin.group_info(group)).members == []
 
     asyncio.run(main())

@@ -166,3 +166,25 @@ def test_cli_consume_prints_a_chunked_message_whole_and_filters_by_sql(cluster):
     assert [x["properties"] for x in lines] == [{"kind": "big"}]
     r = CliRunner().invoke(cli, [*base, "--group", "g-cli-bad", "--sql", "kind ="])
     assert r.exit_code != 0 and "ends too early" in r.output
+
+
+def test_a_chunk_after_a_batch_of_several_messages_is_found_in_one_pull():
+    """The pre-check looks at each batch once: a multi-message batch (never a chunk, even with
+    properties) and the chunk after it in the same pull -- the chunk is still found, both by
+    the push consumer's ProcessQueue and by may_hold_chunks itself."""
+    from tidemq.client.process_queue import ProcessQueue
+
+    batch = [aio.Message("t", b"b%d" % i, properties={"p": "v"}) for i in range(3)]
+    b = encode_messages("t", batch, queue_id=0, producer_id=1, base_seq=0, born_ts=1)
+    STORE_FIELDS.pack_into(b, STORE_FIELDS_OFFSET, 0, 50, 2)
+    seal_store_header(b, 0, 72 + 1)
+    several = decode_pull_body(bytes(b), from_offset=50)[0]
+    assert not chunking.may_hold_chunks(several)
+    parts = chunking.split(aio.Message("t", b"z" * 3000), "u-1", 2000)
+    msgs = several + received(parts, 53)
+    assert chunking.may_hold_chunks(msgs)
+    assert not chunking.may_hold_chunks(msgs[:3] + received([aio.Message("t", b"x")], 53))
+    pq = ProcessQueue()
+    out = pq.assemble(msgs, 60.0)
+    assert [m.body for m in out] == [b"b0", b"b1", b"b2", b"z" * 3000]
+    assert pq.assembler is not None and pq.assembler.assembled == 1

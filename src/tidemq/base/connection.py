@@ -296,7 +296,10 @@ class ServerConnection(asyncio.BufferedProtocol):
             self._send(out)
 
     def _send(self, parts: list[Any]) -> None:
-        if self._views or len(parts) == 1:
+        if len(parts) == 1:  # one response (the common case): no list for the transport
+            self._views = False
+            self.transport.write(parts[0])  # type: ignore[union-attr]
+        elif self._views:
             self._views = False
             self.transport.writelines(parts)  # type: ignore[union-attr]
         else:

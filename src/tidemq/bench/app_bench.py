@@ -18,6 +18,9 @@ workload            tidemq                                           redis-py / 
 ``push_consume``    a blocking ``PushConsumer`` (thread pool, one    ``XREADGROUP COUNT 100``,
                     message per listener call) drains the            the listener per entry,
                     ``send_async`` backlog                           then ``XACK`` of the page
+``poll_consume``    a blocking ``PullConsumer`` (new group, auto     the same as for
+                    commit) drains the same backlog: ``poll()`` in   ``push_consume`` (a new
+                    a loop, a function called per message            consumer group)
 ==================  ===============================================  ============================
 
 Per side: ``msgs_per_s``, ``us_per_call`` (wall time per message of one sender),
@@ -53,9 +56,12 @@ __all__ = ["WORKLOADS", "bench_app", "peers_dir"]
 
 Progress = Callable[[int], None]
 
-WORKLOADS = ("send_1_thread", "send_16_threads", "await_send_64", "send_async", "push_consume")
+WORKLOADS = ("send_1_thread", "send_16_threads", "await_send_64", "send_async", "push_consume",
+             "poll_consume")
 DEFAULT_COUNTS = {"send_1_thread": 10_000, "send_16_threads": 32_000, "await_send_64": 64_000,
-                  "send_async": 200_000, "push_consume": 200_000}
+                  "send_async": 200_000, "push_consume": 200_000, "poll_consume": 200_000}
+#: the workloads that drain the send_async backlog
+_CONSUMERS = ("push_consume", "poll_consume")
 _TOPIC_QUEUES = 8
 
 
@@ -194,6 +200,39 @@ def _push_consume(namesrv: str, topic: str, count: int, progress: Progress | Non
     return _side(count, seconds, cpu)
 
 
+def _poll_consume(namesrv: str, topic: str, count: int, progress: Progress | None
+                  ) -> dict[str, Any]:
+    import tidemq
+
+    got = 0
+    step = max(1, count // 20)
+    ticked = 0
+
+    def handle(m: Any) -> None:  # what the application does with a message
+        nonlocal got
+        got += 1
+
+    group = f"app-poll-{uuid.uuid4().hex[:8]}"
+    with tidemq.PullConsumer(namesrv, group, consume_from="first") as c:
+        c.subscribe(topic)
+        t0, c0 = time.perf_counter(), time.process_time()
+        deadline = time.monotonic() + 300
+        while got < count:
+            msgs = c.poll(timeout=1.0)
+            for m in msgs:
+                handle(m)
+                if got >= count:  # the backlog also holds send_async's warm-up message
+                    break
+            if got - ticked >= step:
+                _tick(progress, got - ticked)
+                ticked = got
+            if not msgs and time.monotonic() > deadline:
+                raise RuntimeError(f"pull consumer got {got} of {count} in 300 s")
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    _tick(progress, min(got, count) - ticked)
+    return _side(got, seconds, cpu)
+
+
 def _tidemq(workload: str, namesrv: str, topics: dict[str, str], count: int,
             progress: Progress | None) -> dict[str, Any]:
     if workload == "send_1_thread":
@@ -204,6 +243,8 @@ def _tidemq(workload: str, namesrv: str, topics: dict[str, str], count: int,
         return _await_sends(namesrv, topics["send"], count, 64, progress)
     if workload == "send_async":
         return _send_async(namesrv, topics["backlog"], count, progress)
+    if workload == "poll_consume":
+        return _poll_consume(namesrv, topics["backlog"], count, progress)
     return _push_consume(namesrv, topics["backlog"], count, progress)
 
 
@@ -247,8 +288,9 @@ def bench_app(*, workloads: tuple[str, ...] = WORKLOADS, counts: dict[str, int] 
     """Run ``workloads`` against a fresh ``tidemq dev`` and (``redis``) a fresh redis-server;
     one dict for the CLI to print."""
     n = {**DEFAULT_COUNTS, **(counts or {})}
-    if "push_consume" in workloads and "send_async" not in workloads:
-        raise ValueError("push_consume drains the send_async backlog: run both")
+    for w in _CONSUMERS:
+        if w in workloads and "send_async" not in workloads:
+            raise ValueError(f"{w} drains the send_async backlog: run send_async too")
     result: dict[str, Any] = {
         "bench": "app",
         "message": {"body_bytes": "100..2000", "mean_body_bytes": round(mean_size()),

@@ -22,6 +22,12 @@ The first heartbeat of a clustering group creates its retry topic ``%RETRY%<grou
 (RocketMQ does this in its heartbeat handler too), so the retry topic has a route before the
 first message is sent back.
 
+SimpleConsumers heartbeat with ``consume_type="POP"`` (server-side dispatch,
+``pop_processor.py``): they are listed as members, but get no retry topic and no
+NOTIFY_CONSUMER_IDS_CHANGED (nothing to rebalance). One group name has one consumption mode:
+a heartbeat of POP members into a group consumed by pulls (or of push/lite pull members into a
+POP group) is refused whole with CONSUME_MODE_CONFLICT (``PopProcessor.check_mode``).
+
 Threads: the broker's event loop only.
 """
 
@@ -61,6 +67,11 @@ _EMPTY = EmptyHeader()
 
 def retry_topic(group: str) -> str:
     return RETRY_PREFIX + group
+
+
+def pop_mode(consume_type: str) -> str:
+    """The consumption mode (``pop_processor.POP`` or ``PULL``) of a heartbeat's consume type."""
+    return "POP" if consume_type == "POP" else "PULL"
 
 
 class _Member:
@@ -110,10 +121,13 @@ class ConsumerManager:
         if not h.client_id:
             raise RequestRejected(ResponseCode.INVALID_ARGUMENT, "heartbeat without client_id")
         now = time.monotonic()
+        pop = self.broker.pop
         for cd in h.consumers:
             self._check_group(cd.group)
             for sd in cd.subscriptions:
                 check_subscription(sd.expression_type, sd.expression, sd.topic)
+            if pop is not None:
+                pop.check_mode(cd.group, pop_mode(cd.consume_type), client_id=h.client_id)
         for cd in h.consumers:
             self.register(conn, h.client_id, cd, now)
         if not frame.is_oneway:
@@ -143,6 +157,7 @@ class ConsumerManager:
                 consumer_ids=info.ids(), message_model=info.message_model,
                 consume_from=info.consume_from,
                 subscriptions=list(info.subscriptions.values()), config=sg,
+                consume_type=info.consume_type,
             )
         conn.respond(frame.opaque, ResponseCode.SUCCESS, header)
 
@@ -174,10 +189,12 @@ class ConsumerManager:
             m.last_seen = now
             return False
         info.members[client_id] = _Member(client_id, conn, now)
-        if cd.message_model == "CLUSTERING":
+        pops = cd.consume_type == "POP"
+        if cd.message_model == "CLUSTERING" and not pops:
             self.broker.ensure_retry_topic(group)
         log.info("consumer %s joined group %s (%d members)", client_id, group, len(info.members))
-        self._notify(info)
+        if not pops:  # POP members do not rebalance
+            self._notify(info)
         return True
 
     def unregister(self, group: str, client_id: str, why: str) -> None:

@@ -62,6 +62,7 @@ class PopLog:
         self.appended = 0
         self.replayed = 0
         self.skipped = 0
+        self.replayed_to = 0  # the log offset the last replay reached
 
     def append(self, group: str, topic: str, qid: int, pops: list[Popped],
                acks: list[tuple[int, int]]) -> None:
@@ -104,7 +105,8 @@ class PopLog:
                     self.skipped += 1
                     log.warning("%s record at offset %d skipped: %s", POP_LOG_TOPIC,
                                 rb.queue_offset, exc)
-        self.replayed = n
+        self.replayed += n
+        self.replayed_to = max(off, start)
         return n
 
 
@@ -121,10 +123,11 @@ class PopSnapshots:
         self._pending: tuple[int, bytes] | None = None  # (phys offset it needs flushed, bytes)
         self.written = 0
 
-    def take(self, windows: dict[Any, Any]) -> tuple[int, bytes]:
-        """The windows now, with the log offset replay continues from."""
+    def take(self, windows: dict[Any, Any], log_offset: int) -> tuple[int, bytes]:
+        """The windows now, with the log offset replay continues from (every record below
+        ``log_offset`` is in them)."""
         data = _snap_encoder.encode({
-            "log": self.store.max_offset(POP_LOG_TOPIC, 0),
+            "log": log_offset,
             "windows": [[g, t, q, w.to_state()] for (g, t, q), w in windows.items()],
         })
         return self.store.max_phys_offset, data
@@ -144,9 +147,10 @@ class PopSnapshots:
                         self.path, exc)
             return None
 
-    async def run(self, windows_of: Callable[[], Any], interval_s: float) -> None:
+    async def run(self, windows_of: Callable[[], tuple[Any, int]], interval_s: float) -> None:
         """Every ``interval_s``: write the previous copy if the CommitLog is durable past what
-        it covers, then take a new one (a copy never claims more than the log holds)."""
+        it covers, then take a new one (a copy never claims more than the log holds).
+        ``windows_of()``: (the windows, the log offset they cover)."""
         while True:
             await asyncio.sleep(interval_s)
             try:
@@ -156,6 +160,6 @@ class PopSnapshots:
                     await asyncio.to_thread(write_atomic, self.path, pending[1])
                     self.written += 1
                 if self._pending is None:
-                    self._pending = self.take(windows_of())
+                    self._pending = self.take(*windows_of())
             except OSError as exc:
                 log.error("writing the POP snapshot %s failed: %s", self.path, exc)

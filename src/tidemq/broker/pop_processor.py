@@ -43,8 +43,9 @@ from tidemq.broker.connection import decode_request
 from tidemq.broker.consume_switches import check_consume_allowed
 from tidemq.broker.errors import RequestRejected, check_group
 from tidemq.broker.pop_hold import HeldPop, PopHoldService, WindowKey
-from tidemq.broker.pop_log import PopLog, PopSnapshots
+from tidemq.broker.pop_log import POP_LOG_TOPIC, PopLog, PopSnapshots
 from tidemq.broker.pop_notification import NotificationHandler
+from tidemq.broker.pop_orderly import pop_orderly, poppable_orderly
 from tidemq.broker.pop_window import Popped, PopWindow
 from tidemq.broker.send_back import store_copy
 from tidemq.broker.sql_select import sql_filter_for
@@ -137,6 +138,7 @@ class PopProcessor:
         self.broker = broker
         self.windows: dict[tuple[str, str, int], PopWindow] = {}
         self.modes: dict[str, str] = {}  # group -> POP or PULL (first use on this broker)
+        self.orderly: dict[str, bool] = {}  # group -> pops orderly (first pop on this broker)
         self._cursor: dict[tuple[str, str], int] = {}
         self.hold = PopHoldService(broker.loop, self._windows_of, self._fail)
         self.notifications = NotificationHandler(self)
@@ -149,20 +151,48 @@ class PopProcessor:
             os.path.join(broker.config.config_path, "pop_windows.snapshot"), broker.store)
 
     async def run_snapshots(self) -> None:
-        await self.snapshots.run(lambda: self.windows,
+        await self.snapshots.run(self._snapshot_source,
                                  self.broker.config.offset_persist_interval_ms / 1000)
+
+    def _snapshot_source(self) -> tuple[dict[Any, PopWindow], int]:
+        """The windows and the log offset they cover. A slave's windows follow the log its
+        master streams (:meth:`catch_up`) first: its snapshot is as good as the master's."""
+        if self.broker.ha.is_slave:
+            self.catch_up(commit=False)
+            return self.windows, self.log.replayed_to
+        return self.windows, self.broker.store.max_offset(POP_LOG_TOPIC, 0)
+
+    def _window_for(self, group: str, topic: str, qid: int, first: int) -> PopWindow:
+        """The window a replayed record applies to (a new one starts at the committed offset,
+        else at the first offset the log names)."""
+        key = (group, topic, qid)
+        w = self.windows.get(key)
+        if w is None:
+            start = self.broker.offsets.query(group, topic, qid)
+            w = self.windows[key] = PopWindow(start if start >= 0 else first)
+            self.modes.setdefault(group, POP)
+        return w
+
+    def catch_up(self, *, commit: bool) -> int:
+        """Apply the ``rmq_sys_POP_LOG`` records stored since the last replay: a slave's log
+        grows by replication while its windows stand still. At a promotion (``commit``: the
+        acked prefixes become the committed offsets) the windows are then exactly the old
+        master's, as far as the log reached this slave. A log cut back (a slave's unreplicated
+        tail dropped) rebuilds everything."""
+        if self.broker.store.max_offset(POP_LOG_TOPIC, 0) < self.log.replayed_to:
+            self.windows.clear()
+            return self.recover()
+        n = self.log.replay(self._window_for, self.log.replayed_to)
+        if commit:
+            for (group, topic, qid), w in self.windows.items():
+                self._commit(group, topic, qid, w)
+        if n:
+            log.info("POP state caught up: %d records, %d windows", n, len(self.windows))
+        return n
 
     def recover(self) -> int:
         """Rebuild the windows from ``rmq_sys_POP_LOG`` (at start, before serving)."""
-        def window_for(group: str, topic: str, qid: int, first: int) -> PopWindow:
-            key = (group, topic, qid)
-            w = self.windows.get(key)
-            if w is None:
-                start = self.broker.offsets.query(group, topic, qid)
-                w = self.windows[key] = PopWindow(start if start >= 0 else first)
-                self.modes.setdefault(group, POP)
-            return w
-
+        window_for = self._window_for
         snap = self.snapshots.load()
         start = 0
         if snap is not None:
@@ -186,13 +216,14 @@ class PopProcessor:
         }
 
     # -- consumption mode ----------------------------------------------------------------------
-    def check_mode(self, group: str, mode: str) -> None:
-        """Refuse ``group`` consumed in ``mode`` when it is consumed in the other mode here."""
+    def check_mode(self, group: str, mode: str, client_id: str | None = None) -> None:
+        """Refuse ``group`` consumed in ``mode`` when it is consumed in the other mode here
+        (by pops or pulls, or by heartbeating members other than ``client_id``)."""
         have = self.modes.get(group)
-        if have is None and mode == POP:
+        if have is None:
             info = self.broker.consumers.group_of(group)
-            if info is not None and info.members:
-                have = PULL
+            if info is not None and any(c != client_id for c in info.members):
+                have = POP if info.consume_type == "POP" else PULL
         if have is None:
             self.modes[group] = mode
             return
@@ -244,6 +275,19 @@ class PopProcessor:
                 _R.NO_PERMISSION, f"topic {h.topic!r} is non-persistent: it cannot be popped")
         _Selector(h)  # a bad subscription is refused at the door
         self.check_mode(group, POP)
+        self.check_order(group, h.order)
+
+    def check_order(self, group: str, order: bool) -> None:
+        """One group pops either orderly or not (an unordered pop would hand out the messages
+        an orderly one holds back)."""
+        have = self.orderly.setdefault(group, order)
+        if have != order:
+            kind = {True: "orderly (FIFO)", False: "unordered"}
+            raise RequestRejected(
+                _R.CONSUME_MODE_CONFLICT,
+                f"consumer group {group!r} pops {kind[have]} on broker "
+                f"{self.broker.config.broker_name}; an {kind[order]} pop cannot join it: "
+                "use another group name")
 
     def _answer(self, conn: BrokerConnection, opaque: int, h: PopMessageRequestHeader) -> bool:
         """Pop and answer SUCCESS when something was popped (True); else nothing sent."""
@@ -298,11 +342,15 @@ class PopProcessor:
     def poppable(self, group: str, topic: str, qid: int, init_mode: str, order: bool) -> bool:
         """Would a pop of queue ``qid`` find something now (filters not applied)?"""
         w = self.window(group, topic, qid, init_mode)
+        if order:
+            return poppable_orderly(self, w, topic, qid, _now_ms())
         return w.poppable(_now_ms(), self.broker.store.max_offset(topic, qid))
 
     def _pop_queue(self, h: PopMessageRequestHeader, qid: int, want: int, now: int,
                    sel: _Selector, bodies: list[Any], batches: list[PoppedBatch]) -> int:
         """Pop up to ``want`` messages of queue ``qid`` into ``bodies``/``batches``; how many."""
+        if h.order:
+            return pop_orderly(self, h, qid, want, now, sel, bodies, batches)
         group, topic = h.consumer_group, h.topic
         w = self.window(group, topic, qid, h.init_mode)
         store = self.broker.store
@@ -490,6 +538,9 @@ class PopProcessor:
                 log.error("ack records of %s not stored (%s): these acks may be lost in a "
                           "restart (the messages are then delivered again)", key, exc)
             self._commit(*key, self.windows[key])
+        if touched and self.orderly.get(group):
+            for topic in {k[1] for k in touched}:
+                self.hold.wake(group, topic)  # an ack may free a message group
         if not frame.is_oneway:
             conn.respond(frame.opaque, _R.SUCCESS, AckMessageResponseHeader(results=results))
 

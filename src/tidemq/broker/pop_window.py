@@ -12,7 +12,10 @@ the tests drive it alike:
   deadline and delivery ``attempt``.
 
 :meth:`pop` hands out first the offsets whose deadline passed (revived, attempt + 1, in offset
-order), then new ones from ``next``; :meth:`ack` and :meth:`change_invisible` take the
+order) and the skipped ones (below), then new ones from ``next``; orderly POP
+(``pop_orderly.py``) picks offsets itself and hands each out with :meth:`deliver`, which may
+skip offsets (of a message group that has a message in flight): they stay *new* in
+``[start, next)`` (``gaps``) until delivered; :meth:`ack` and :meth:`change_invisible` take the
 ``pop_time`` of the delivery they answer (it is in the receipt handle, ``protocol/receipt.py``):
 an answer to an older delivery of the same offset is *stale* and changes nothing, so a consumer
 that was too slow cannot ack the message another consumer now holds. Acks move ``start`` over
@@ -67,6 +70,7 @@ class PopWindow:
         self.next = start
         self._inflight: dict[int, _InFlight] = {}
         self._acked: set[int] = set()  # acked offsets in [start, next)
+        self._gaps: set[int] = set()  # never delivered offsets in [start, next) (orderly skips)
         self.redelivered = 0  # deliveries with attempt > 1
 
     # -- queries -----------------------------------------------------------------------------
@@ -76,7 +80,7 @@ class PopWindow:
     def unacked(self, max_offset: int) -> int:
         """Messages of the queue (up to ``max_offset``) not acked yet: the group's lag, holes
         included."""
-        return len(self._inflight) + max(0, max_offset - self.next)
+        return len(self._inflight) + len(self._gaps) + max(0, max_offset - self.next)
 
     def earliest_deadline(self, now: int) -> int | None:
         """The earliest invisible deadline after ``now`` (ms) among the in-flight deliveries:
@@ -86,11 +90,16 @@ class PopWindow:
 
     def poppable(self, now: int, max_offset: int) -> bool:
         """Would :meth:`pop` hand out something now (the queue ends at ``max_offset``)?"""
-        return self.next < max_offset or any(
+        return self.next < max_offset or bool(self._gaps) or any(
             e.deadline <= now for e in self._inflight.values())
 
+    def revivable(self, offset: int, now: int) -> bool:
+        """Is ``offset`` in flight with its invisible time run out?"""
+        e = self._inflight.get(offset)
+        return e is not None and e.deadline <= now
+
     def state(self, offset: int) -> str:
-        """"acked", "in_flight" or "new" (never popped)."""
+        """"acked", "in_flight" or "new" (never popped, or skipped)."""
         if offset < self.start or offset in self._acked:
             return "acked"
         if offset in self._inflight:
@@ -106,21 +115,40 @@ class PopWindow:
             raise ValueError("max_messages and invisible_ms must be >= 1")
         out: list[Popped] = []
         deadline = now + invisible_ms
-        for off in sorted(o for o, e in self._inflight.items() if e.deadline <= now):
+        old = [o for o, e in self._inflight.items() if e.deadline <= now]
+        if self._gaps:
+            old += self._gaps
+        for off in sorted(old):
             if len(out) >= max_messages:
                 break
-            e = self._inflight[off]
-            e.attempt += 1
-            e.pop_time = now
-            e.deadline = deadline
-            self.redelivered += 1
-            out.append(Popped(off, e.attempt, now, invisible_ms))
+            out.append(self.deliver(off, now, invisible_ms))
         while len(out) < max_messages and self.next < max_offset:
             off = self.next
             self.next += 1
             self._inflight[off] = _InFlight(now, deadline, 1)
             out.append(Popped(off, 1, now, invisible_ms))
         return out
+
+    def deliver(self, offset: int, now: int, invisible_ms: int) -> Popped:
+        """Hand out ``offset`` (not acked) now: a delivery again (attempt + 1) when it is in
+        flight, else its first; offsets between ``next`` and it are skipped (gaps)."""
+        e = self._inflight.get(offset)
+        deadline = now + invisible_ms
+        if e is not None:
+            e.attempt += 1
+            e.pop_time = now
+            e.deadline = deadline
+            self.redelivered += 1
+            return Popped(offset, e.attempt, now, invisible_ms)
+        if offset < self.start or offset in self._acked:
+            raise ValueError(f"offset {offset} is acked: it cannot be delivered")
+        if offset < self.next:
+            self._gaps.discard(offset)
+        else:
+            self._gaps.update(range(self.next, offset))
+            self.next = offset + 1
+        self._inflight[offset] = _InFlight(now, deadline, 1)
+        return Popped(offset, 1, now, invisible_ms)
 
     def ack(self, offset: int, pop_time: int) -> bool:
         """Ack the delivery of ``offset`` popped at ``pop_time``; False when it is stale
@@ -159,6 +187,7 @@ class PopWindow:
             self.next += 1
         if offset == self.next:
             self.next += 1
+        self._gaps.discard(offset)
         e = self._inflight.get(offset)
         if e is None:
             self._inflight[offset] = _InFlight(pop_time, pop_time + invisible_ms, attempt)
@@ -178,6 +207,8 @@ class PopWindow:
         w.next = nxt
         w._inflight = {o: _InFlight(pt, dl, a) for o, pt, dl, a in inflight}
         w._acked = set(acked)
+        if nxt - start != len(w._inflight) + len(w._acked):  # orderly skips: never delivered
+            w._gaps = set(range(start, nxt)) - w._inflight.keys() - w._acked
         return w
 
     def _advance(self) -> None:

@@ -328,6 +328,9 @@ class SendProcessor:
         )
         self._topic_bytes: dict[str, bytes] = {}
         self._groups_ok: set[str] = set()  # producer group names already checked
+        #: topics any connection may send to (not system, dead-letter nor retry topics): the
+        #: door's name checks run once per topic, not per frame
+        self._plain_topics: set[str] = set()
         self.limits = BatchLimits(
             max_batch_bytes=self.max_batch, max_properties_size=cfg.max_properties_size
         )
@@ -444,7 +447,8 @@ class SendProcessor:
                 raise RequestRejected(ResponseCode.INVALID_ARGUMENT, problem)
             if len(self._groups_ok) < 4096:
                 self._groups_ok.add(producer_group)
-        self._check_reserved_topic(getattr(conn, "real", conn), topic)
+        if topic not in self._plain_topics:
+            self._check_reserved_topic(getattr(conn, "real", conn), topic)
         tc = self.topics.get(topic)
         if tc is None:
             problem = topic_name_problem(topic)
@@ -600,7 +604,11 @@ class SendProcessor:
                 "the broker writes it (a consumer's send-back after the last retry)",
             )
         group = retry_group(topic)
-        if group is not None and not self.broker.consumers.is_member(group, conn):
+        if group is None:
+            if len(self._plain_topics) < 4096:
+                self._plain_topics.add(topic)
+            return
+        if not self.broker.consumers.is_member(group, conn):
             raise RequestRejected(
                 ResponseCode.NO_PERMISSION,
                 f"topic {topic!r} is the retry topic of consumer group {group!r}; only a "

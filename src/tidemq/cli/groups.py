@@ -61,6 +61,9 @@ def _text(body: bytes) -> str:
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
+_KIND = {"PUSH": "push consumers", "PULL": "lite pull consumers",
+         "POP": "SimpleConsumers (server-side dispatch)"}
+
 
 def register(cli: click.Group, group_group: click.Group, namesrv_option: Decorator,
              friendly: Decorator) -> None:
@@ -85,13 +88,16 @@ def register(cli: click.Group, group_group: click.Group, namesrv_option: Decorat
             click.echo(json.dumps({
                 "group": group, "members": info.members, "brokers": info.brokers,
                 "message_model": info.message_model, "consume_from": info.consume_from,
+                "consume_type": info.consume_type,
                 "subscriptions": subs, "config": cfg, "lag": per_topic,
                 "total_lag": lag.total_lag,
             }))
             return
         click.echo(f"group {group}: {len(info.members)} members"
                    + (f", {info.message_model.lower()}, consume from {info.consume_from}"
-                      if info.members else ""))
+                      if info.members else "")
+                   + (f", {_KIND.get(info.consume_type, info.consume_type)}"
+                      if info.consume_type else ""))
         for m in info.members:
             on = [b for b, ids in info.brokers.items() if m in ids]
             click.echo(f"  member {m} (on {', '.join(on)})")

@@ -156,6 +156,10 @@ class Accumulator:
         self.finish_one: Callable[[Any, str, Any], SendResult | None] | None = None
         self.resume_one: Callable[[str, MessageQueue | None, list[Message], Any],
                                   Awaitable[SendResult]] | None = None
+        #: while a caller hands over several messages and then calls :meth:`kick` (the
+        #: blocking facade's inbox, :meth:`handing_over`): the buckets to send at the kick,
+        #: instead of a ``call_soon`` each
+        self._kicking: list[_Bucket] | None = None
         #: batches sent from buckets so far, and the messages in them
         self.batches = 0
         self.batched_messages = 0
@@ -246,7 +250,10 @@ class Accumulator:
             if not b.inflight:
                 if not b.scheduled:
                     b.scheduled = True
-                    b.loop.call_soon(self._leave, b)
+                    if self._kicking is not None:
+                        self._kicking.append(b)
+                    else:
+                        b.loop.call_soon(self._leave, b)
             elif b.timer is None:  # it waits for the batch in flight: not past its deadline
                 b.timer = b.loop.call_at(deadline, self._expire, b)
         elif not self._flush_scheduled:
@@ -287,10 +294,17 @@ class Accumulator:
     def _uncool(b: _Bucket) -> None:
         b.cool = False
 
+    def handing_over(self) -> None:
+        """The caller adds several messages now and then calls :meth:`kick` (on the loop, in
+        the same callback): the buckets they open leave at the kick, with no ``call_soon``
+        each."""
+        self._kicking = []
+
     def kick(self) -> None:
         """Send now the buckets that would leave at the end of this loop iteration (a caller
         that added everything it had, the blocking facade's inbox: no further wait)."""
-        for b in self._buckets.values():
+        kicking, self._kicking = self._kicking, None
+        for b in self._buckets.values() if kicking is None else kicking:
             if b.scheduled:
                 self._leave(b)
 

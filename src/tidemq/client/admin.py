@@ -114,6 +114,7 @@ class GroupInfo(msgspec.Struct, frozen=True):
     subscriptions: list[SubscriptionData]
     config: SubscriptionGroupConfig | None
     brokers: dict[str, list[str]]  # broker name -> the member ids that broker knows
+    consume_type: str = ""  # PUSH, PULL (lite pull) or POP (SimpleConsumer); "" = no member
 
 
 def _header(frame: Frame, kind: type) -> Any:
@@ -400,7 +401,8 @@ class Admin:
         first = live[0] if live else GroupInfoResponseHeader()
         config = next((h.config for h in heads if h.config is not None), None)
         return GroupInfo(group, members, first.message_model, first.consume_from,
-                         list(first.subscriptions), config, dict(sorted(seen.items())))
+                         list(first.subscriptions), config, dict(sorted(seen.items())),
+                         first.consume_type if members else "")
 
     async def update_group(self, group: str, **changes: Any) -> SubscriptionGroupConfig:
         """Create or change ``group``'s config on every master broker (e.g.

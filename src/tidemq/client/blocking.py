@@ -196,13 +196,22 @@ class _Inbox:
             self._loop.call_soon_threadsafe(self._drain)
 
     def _drain(self) -> None:
+        # One loop callback from the hand-over to the write: the batches leave at the kick
+        # (no call_soon per bucket) and their frames are written at once (not at the end of
+        # the loop iteration), so a lone blocking send costs two loop iterations, not four.
         self._armed = False
         items = self._items
-        hand_over = self._aio._hand_over
-        while items:
-            msg, options, sink, wait = items.popleft()
-            hand_over(msg, options, sink, wait)
-        self._aio.accumulator.kick()
+        aio = self._aio
+        hand_over = aio._hand_over
+        acc = aio.accumulator
+        acc.handing_over()
+        try:
+            while items:
+                msg, options, sink, wait = items.popleft()
+                hand_over(msg, options, sink, wait)
+        finally:
+            acc.kick()
+        aio.pool.flush_now()
 
 
 # Bumped in a child after fork(): a facade built before it rebuilds its asyncio twin there

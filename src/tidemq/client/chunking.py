@@ -46,6 +46,7 @@ __all__ = [
     "CHUNK_SIZE",
     "chunk_body_size",
     "may_be_chunk",
+    "may_hold_chunks",
     "first_chunk_offset",
 ]
 
@@ -206,6 +207,21 @@ async def send_chunks(msg: Message, uuid: str, chunk_size: int, base_seq: int,
 def may_be_chunk(m: MessageExt) -> bool:
     """Cheap pre-check: chunks travel as batches of one message that have properties."""
     return m._b.count == 1 and m._b.record(m._i)[4] > 0
+
+
+def may_hold_chunks(msgs: list[MessageExt]) -> bool:
+    """Whether any of ``msgs`` (as a pull decodes them) is a chunk: looked at once per batch
+    (messages of one batch are adjacent and share its metadata), since only a batch of one
+    message can be a chunk."""
+    prev = None
+    for m in msgs:
+        b = m._b
+        if b is prev:
+            continue
+        prev = b
+        if b.count == 1 and b.record(m._i)[4] > 0 and CHUNK_UUID in m.properties:
+            return True
+    return False
 
 
 class _Assembled(MessageExt, array_like=True, gc=False):

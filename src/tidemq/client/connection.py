@@ -258,6 +258,13 @@ class Connection(asyncio.Protocol):
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 
+    def flush_now(self) -> None:
+        """Write the frames queued in this loop iteration now, not at its end: for a caller
+        that knows nothing more will be queued (the blocking facade after handing over what
+        its inbox held), it saves the loop iteration between the request and its write."""
+        if self._wbuf:
+            self._flush()
+
     def _flush(self) -> None:
         self._flush_scheduled = False
         buf, self._wbuf = self._wbuf, []
@@ -426,6 +433,12 @@ class ConnectionPool:
         self._conns: dict[str, Connection] = {}
         self._connecting: dict[str, asyncio.Future[Connection]] = {}
         self._closed = False
+
+    def flush_now(self) -> None:
+        """:meth:`Connection.flush_now` of every connection of the pool."""
+        for c in self._conns.values():
+            if c._wbuf:
+                c.flush_now()
 
     def get_nowait(self, address: str) -> Connection | None:
         """The open connection to ``address``, or None (no await: the hot path's fast check)."""

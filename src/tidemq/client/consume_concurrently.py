@@ -46,7 +46,7 @@ import logging
 import math
 import time
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from tidemq.client.listener import ConsumeContext, ConsumeStatus
 from tidemq.client.message import MessageExt, MessageQueue
@@ -115,7 +115,12 @@ class ConsumeConcurrentlyService:
     def submit(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue,
                dispatch: bool) -> None:
         bs = self.c.consume_message_batch_max_size
-        pages = [msgs] if len(msgs) <= bs else [msgs[i : i + bs] for i in range(0, len(msgs), bs)]
+        if len(msgs) <= bs:
+            pages = [msgs]
+        elif bs == 1:  # RocketMQ's default: one message per call
+            pages = [[m] for m in msgs]
+        else:
+            pages = [msgs[i : i + bs] for i in range(0, len(msgs), bs)]
         if self.is_async:
             self._spawn(self._run_async(pages, pq, mq))
             return
@@ -186,17 +191,19 @@ class ConsumeConcurrentlyService:
             if pq.dropped:
                 break
             ctx = ConsumeContext(group, mq, page)
-            for h in hooks:
-                h.before(ctx)
+            if hooks:
+                for h in hooks:
+                    h.before(ctx)
             try:
                 status = listener(page, ctx)
             except Exception:
                 log.exception("listener of group %s failed on %d messages of %s; they will "
                               "be retried", group, len(page), mq)
                 status = _RECONSUME_LATER
-            ctx.status = cast("str | None", status)  # a sync listener answers a status
-            for h in hooks:
-                h.after(ctx)
+            ctx.status = status  # type: ignore[assignment]  # a sync listener answers a status
+            if hooks:
+                for h in hooks:
+                    h.after(ctx)
             append((page, status is _SUCCESS or status == _SUCCESS, ctx.ack_index))
 
     async def _run_async(self, pages: list[list[MessageExt]], pq: ProcessQueue,
@@ -232,13 +239,13 @@ class ConsumeConcurrentlyService:
         c = self.c
         done: list[MessageExt] = []
         failed: list[MessageExt] = []
+        extend = done.extend
         for page, ok, ack in results:
-            if ok:
-                if 0 <= ack < len(page) - 1:
-                    done += page[: ack + 1]
-                    failed += page[ack + 1 :]
-                else:
-                    done += page
+            if ok and (ack < 0 or ack >= len(page) - 1):
+                extend(page)
+            elif ok:
+                done += page[: ack + 1]
+                failed += page[ack + 1 :]
             else:
                 failed += page
         self.consumed += len(done)

@@ -783,12 +783,9 @@ class PullConsumer:
         """Chunks (PR5) replaced by the messages they complete."""
         a = q.assembler
         if a is None:
-            for m in msgs:
-                if chunking.may_be_chunk(m) and chunking.CHUNK_UUID in m.properties:
-                    a = q.assembler = ChunkAssembler(expire_s=self.chunk_expire)
-                    break
-            else:
+            if not chunking.may_hold_chunks(msgs):
                 return msgs
+            a = q.assembler = ChunkAssembler(expire_s=self.chunk_expire)
         return a.feed(msgs)
 
     def _push(self, q: _Queue, msgs: list[MessageExt], nxt: int) -> None:

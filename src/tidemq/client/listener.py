@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tidemq.client.message import MessageExt, MessageQueue
@@ -52,22 +51,44 @@ class MessageModel(enum.StrEnum):
     BROADCASTING = "broadcasting"  # every member gets every message
 
 
-@dataclass
 class ConsumeContext:
-    """Given to every listener call (and to hooks)."""
+    """Given to every listener call (and to hooks).
 
-    group: str
-    message_queue: MessageQueue
-    msgs: list[MessageExt] = field(default_factory=list)
-    orderly: bool = False
-    #: Concurrent: index of the last consumed message when the status is SUCCESS (default all).
-    ack_index: int = -1
-    #: Orderly: how long a SUSPEND_CURRENT_QUEUE_A_MOMENT waits.
-    suspend_seconds: float = 1.0
-    #: Set after the call: the status (for ``ConsumeHook.after``).
-    status: str | None = None
-    #: Free for hooks to pass data from ``before`` to ``after``.
-    props: dict[str, Any] = field(default_factory=dict)
+    A plain class with slots rather than a dataclass: one is built per listener call (per
+    message, by default), and ``props`` is only made when a hook asks for it."""
+
+    __slots__ = ("group", "message_queue", "msgs", "orderly", "ack_index", "suspend_seconds",
+                 "status", "_props")
+
+    def __init__(self, group: str, message_queue: MessageQueue,
+                 msgs: list[MessageExt] | None = None, orderly: bool = False,
+                 ack_index: int = -1, suspend_seconds: float = 1.0, status: str | None = None,
+                 props: dict[str, Any] | None = None) -> None:
+        self.group = group
+        self.message_queue = message_queue
+        self.msgs: list[MessageExt] = msgs if msgs is not None else []
+        self.orderly = orderly
+        #: Concurrent: index of the last consumed message when the status is SUCCESS (default
+        #: all).
+        self.ack_index = ack_index
+        #: Orderly: how long a SUSPEND_CURRENT_QUEUE_A_MOMENT waits.
+        self.suspend_seconds = suspend_seconds
+        #: Set after the call: the status (for ``ConsumeHook.after``).
+        self.status = status
+        self._props = props
+
+    @property
+    def props(self) -> dict[str, Any]:
+        """Free for hooks to pass data from ``before`` to ``after``."""
+        p = self._props
+        if p is None:
+            p = self._props = {}
+        return p
+
+    def __repr__(self) -> str:
+        return (f"ConsumeContext(group={self.group!r}, message_queue={self.message_queue!r}, "
+                f"msgs=<{len(self.msgs)}>, orderly={self.orderly}, ack_index={self.ack_index}, "
+                f"status={self.status!r})")
 
 
 class ConsumeHook(Protocol):

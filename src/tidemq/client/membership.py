@@ -10,6 +10,8 @@ consumers -- all read queues of the topic, the member ids the broker answers -- 
 ``rebalance_interval`` and at once when a broker says the membership changed
 (NOTIFY_CONSUMER_IDS_CHANGED), and unregisters at close so the others take its queues at once.
 A consumer that uses ``assign()`` is no member: its queues are its own choice.
+A SimpleConsumer heartbeats the same way with ``consume_type="POP"`` (listed, never
+rebalanced: the broker dispatches).
 
 Threads: the consumer's event loop only.
 """
@@ -28,7 +30,7 @@ from tidemq.client.errors import NoRouteError
 from tidemq.client.message import MessageQueue
 from tidemq.client.rebalance import AllocateStrategy, allocate, find_consumer_ids
 from tidemq.protocol.codes import RequestCode, ResponseCode
-from tidemq.protocol.errors import TidemqError
+from tidemq.protocol.errors import BrokerError, TidemqError
 from tidemq.protocol.headers import (
     ConsumerData,
     HeartbeatRequestHeader,
@@ -69,6 +71,7 @@ class GroupMembership:
         consume_from: str,
         strategy: AllocateStrategy = AllocateStrategy.AVG,
         request_timeout: float = 3.0,
+        consume_type: str = "PULL",
     ) -> None:
         self.group = group
         self.client_id = client_id
@@ -77,6 +80,7 @@ class GroupMembership:
         self.consume_from = consume_from
         self.strategy = AllocateStrategy(strategy)
         self.request_timeout = request_timeout
+        self.consume_type = consume_type  # PULL (lite pull) or POP (SimpleConsumer)
         #: set when a broker says the group's membership changed: rebalance now
         self.changed = asyncio.Event()
         self.heartbeats = 0
@@ -99,7 +103,7 @@ class GroupMembership:
         """One HEART_BEAT to every broker of the subscribed topics. A refusal (a subscription
         the broker cannot parse) raises; an unreachable broker is logged and skipped."""
         cd = ConsumerData(
-            group=self.group, consume_type="PULL", message_model="CLUSTERING",
+            group=self.group, consume_type=self.consume_type, message_model="CLUSTERING",
             consume_from=self.consume_from,
             subscriptions=[SubscriptionData(topic=t, expression=s.expression,
                                             expression_type=s.expression_type)
@@ -110,6 +114,8 @@ class GroupMembership:
             try:
                 f = await self.pool.request(addr, RequestCode.HEART_BEAT, header,
                                             timeout=self.request_timeout)
+            except BrokerError:
+                raise  # refused (a subscription, the group's consumption mode): the caller's
             except TidemqError as exc:
                 log.warning("heartbeat of %s to broker %s (%s) failed: %s", self.group, name,
                             addr, exc)

@@ -30,7 +30,7 @@ import asyncio
 import time
 from collections import deque
 
-from tidemq.client.chunking import CHUNK_UUID, ChunkAssembler, first_chunk_offset, may_be_chunk
+from tidemq.client.chunking import ChunkAssembler, first_chunk_offset, may_hold_chunks
 from tidemq.client.message import MessageExt
 
 __all__ = ["ProcessQueue", "LOCK_MAX_LIVE", "PULL_MAX_IDLE"]
@@ -74,7 +74,7 @@ class ProcessQueue:
         """``msgs`` with chunks replaced by the whole messages they complete."""
         a = self.assembler
         if a is None:
-            if not any(may_be_chunk(m) and CHUNK_UUID in m.properties for m in msgs):
+            if not may_hold_chunks(msgs):
                 return msgs
             a = self.assembler = ChunkAssembler(expire_s=expire_s)
         return a.feed(msgs)
@@ -95,15 +95,23 @@ class ProcessQueue:
         d = self.msgs
         size = 0
         new = 0
-        for m in msgs:
-            off = m.queue_offset
-            if off not in d:
-                d[off] = m
-                new += 1
-                size += len(m.body)
-                first = first_chunk_offset(m)
-                if first is not None:
-                    self.chunk_starts[off] = first
+        if self.assembler is None:  # no chunks seen on this queue: no reassembled messages
+            for m in msgs:
+                off = m.queue_offset
+                if off not in d:
+                    d[off] = m
+                    new += 1
+                    size += len(m.body)
+        else:
+            for m in msgs:
+                off = m.queue_offset
+                if off not in d:
+                    d[off] = m
+                    new += 1
+                    size += len(m.body)
+                    first = first_chunk_offset(m)
+                    if first is not None:
+                        self.chunk_starts[off] = first
         if new:
             self.msg_count += new
             self.msg_size += size

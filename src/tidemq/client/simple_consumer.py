@@ -23,7 +23,16 @@ round trip. ``ack`` raises :class:`StaleReceiptError` (response NO_MESSAGE) when
 stale: the message was acked already, or delivered again since because its invisible time
 passed -- the work was then done twice, which at-least-once allows.
 
-Members need no rebalance and no heartbeat: any number of them share any number of queues.
+Members need no rebalance: any number of them share any number of queues. They heartbeat
+(``consume_type="POP"``, ``membership.py``) to every broker of their topics at the first
+``receive`` after a subscription change and every ``heartbeat_interval``, so ``tidemq group
+describe`` lists them and the broker refuses a push or lite pull consumer in the same group
+(CONSUME_MODE_CONFLICT, raised by ``receive``); ``close`` unregisters.
+
+``orderly=True`` (RocketMQ 5 FIFO): the broker hands out at most one message per message group
+at a time (the ``__SHARDINGKEY`` property; messages without one: per queue), the next only after
+it is acked or its invisible time ran out -- so a group's messages are received in order, a
+redelivery before the later ones. One group pops either orderly or not.
 
 Event loop only (``tidemq.SimpleConsumer`` is the blocking facade).
 """
@@ -39,13 +48,14 @@ from typing import Any
 from tidemq.client.codec import decode_pull_body
 from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
 from tidemq.client.errors import ClientClosedError, NoRouteError
+from tidemq.client.membership import GroupMembership, make_client_id
 from tidemq.client.message import MessageExt
 from tidemq.client.route import RouteCache
 from tidemq.client.selection import Selection
 from tidemq.protocol.batch.codec import read_total_size_magic
 from tidemq.protocol.batch.fields import queue_offset_at
 from tidemq.protocol.codes import RequestCode, ResponseCode
-from tidemq.protocol.errors import BrokerError
+from tidemq.protocol.errors import BrokerError, TidemqError
 from tidemq.protocol.names import group_name_problem
 from tidemq.protocol.pop import (
     MAX_ACKS_PER_FRAME,
@@ -127,9 +137,12 @@ class SimpleConsumer:
         *,
         await_duration: float = 20.0,
         init_mode: str = "latest",
+        orderly: bool = False,
         ack_batch: int = 1024,
         request_timeout: float = DEFAULT_TIMEOUT,
         route_refresh: float = 30.0,
+        heartbeat_interval: float = 30.0,
+        instance_name: str | None = None,
         pool: ConnectionPool | None = None,
     ) -> None:
         problem = group_name_problem(group)
@@ -142,12 +155,20 @@ class SimpleConsumer:
         self.group = group
         self.await_duration = await_duration
         self.init_mode = init_mode.upper()
+        self.orderly = orderly
         self.ack_batch = ack_batch
         self.request_timeout = request_timeout
         self._own_pool = pool is None
         self.pool = pool if pool is not None else ConnectionPool(connect_timeout=request_timeout)
         self.routes = RouteCache(self.pool, namesrv, refresh_interval=route_refresh,
                                  timeout=request_timeout)
+        self.client_id = make_client_id(instance_name)
+        self.heartbeat_interval = heartbeat_interval
+        self.membership = GroupMembership(
+            group, self.client_id, self.pool, self.routes, consume_from=self.init_mode.lower(),
+            request_timeout=request_timeout, consume_type="POP")
+        self._beat: dict[str, str] | None = None  # the subscriptions of the last heartbeat
+        self._beat_task: asyncio.Task[None] | None = None
         self._subs: dict[str, Selection] = {}
         self._rr = itertools.count()
         self._acks: dict[str, _AckBuffer] = {}
@@ -175,7 +196,23 @@ class SimpleConsumer:
         if not self._started:
             self._started = True
             self.routes.start()
+            self._beat_task = asyncio.get_running_loop().create_task(self._heartbeat_loop())
         return self
+
+    async def _heartbeat(self) -> None:
+        """Heartbeat now (a refusal raises: CONSUME_MODE_CONFLICT, a bad subscription)."""
+        subs = self.subscription()
+        await self.membership.heartbeat(dict(self._subs))
+        self._beat = subs
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            if self._subs:
+                try:
+                    await self._heartbeat()
+                except TidemqError as exc:
+                    log.warning("heartbeat of group %s failed: %s", self.group, exc)
 
     async def close(self) -> None:
         """Flush pending acks, then close. Unacked received messages come back to the group
@@ -186,6 +223,11 @@ class SimpleConsumer:
             if buf.handles:
                 await self._flush(addr)
         self._closed = True
+        if self._beat_task is not None:
+            self._beat_task.cancel()
+            await asyncio.gather(self._beat_task, return_exceptions=True)
+        if self._beat is not None:
+            await self.membership.unregister(list(self._beat))
         await self.routes.close()
         if self._own_pool:
             self.pool.close()
@@ -209,6 +251,8 @@ class SimpleConsumer:
         if not 1 <= max_messages <= MAX_POP_MESSAGES:
             raise ValueError(f"max_messages must be between 1 and {MAX_POP_MESSAGES}")
         inv = _ms(invisible_duration, "invisible_duration")
+        if self._beat != self.subscription():  # joined, or subscriptions changed
+            await self._heartbeat()
         targets: list[tuple[str, str, Selection]] = []
         for topic, sel in self._subs.items():
             route = await self.routes.get(topic)
@@ -264,7 +308,7 @@ class SimpleConsumer:
         h = NotificationRequestHeader(
             consumer_group=self.group, topic=topic, poll_ms=poll_ms,
             subscription=sel.expression if sel.filters else None,
-            expression_type=sel.expression_type, init_mode=self.init_mode)
+            expression_type=sel.expression_type, init_mode=self.init_mode, order=self.orderly)
         conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
         frame = raise_for_error(await conn.request(
             RequestCode.NOTIFICATION, h, timeout=poll_ms / 1000 + self.request_timeout))
@@ -275,7 +319,7 @@ class SimpleConsumer:
         h = PopMessageRequestHeader(
             consumer_group=self.group, topic=topic, max_msg_nums=max_messages, invisible_ms=inv,
             poll_ms=poll_ms, subscription=sel.expression if sel.filters else None,
-            expression_type=sel.expression_type, init_mode=self.init_mode)
+            expression_type=sel.expression_type, init_mode=self.init_mode, order=self.orderly)
         conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
         frame = raise_for_error(
             await conn.request(RequestCode.POP_MESSAGE, h,

@@ -597,7 +597,7 @@ class ConsumerData(Header):
     """What a push consumer tells the broker about its group in every heartbeat."""
 
     group: str
-    consume_type: str = "PUSH"  # "PUSH" or "PULL"
+    consume_type: str = "PUSH"  # "PUSH", "PULL" (lite pull) or "POP" (SimpleConsumer)
     message_model: str = "CLUSTERING"  # or "BROADCASTING"
     consume_from: str = "last"
     subscriptions: list[SubscriptionData] = []
@@ -686,6 +686,7 @@ class GroupInfoResponseHeader(Header):
     consume_from: str = ""
     subscriptions: list[SubscriptionData] = []
     config: SubscriptionGroupConfig | None = None
+    consume_type: str = ""  # of the last heartbeat: PUSH, PULL or POP
 
 
 class LastSequenceRequestHeader(Header):

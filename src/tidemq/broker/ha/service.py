@@ -615,6 +615,8 @@ class HAService:
                 t.cancel()
         b.dedup.catch_up(store)
         b.dedup.follow_store = False
+        if b.pop is not None:  # the POP windows: what the old master's log says
+            b.pop.catch_up(commit=True)
         store.warm_ahead(True)
         self._topics_from_queues()
         self.role = role or learned_role or ASYNC_MASTER
