@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tidemq.protocol.record import INDEX_ENTRY, crc32c
-from tidemq.store.consume_queue import ConsumeQueue
 from tidemq.store import index_log
+from tidemq.store.consume_queue import ConsumeQueue
 from tidemq.store.index_log import BLOCK_HEADER, BLOCK_MAGIC, UNIT, IndexLog
 
 from .helpers import batch, open_store, read_all

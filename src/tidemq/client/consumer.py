@@ -644,7 +644,8 @@ class PullConsumer:
                     q.space.clear()
                     await q.space.wait()
                     continue
-                addr, _slave = await self.routes.addr_for_read(mq, q.broker_id)
+                known = self.routes.addr_for_read_now(mq, q.broker_id)
+                addr, _slave = known or await self.routes.addr_for_read(mq, q.broker_id)
                 conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
                 offset = q.pull_offset if q.pull_offset is not None else 0
                 batcher = self._batcher(addr, suspend_ms, timeout)

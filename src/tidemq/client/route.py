@@ -287,6 +287,17 @@ class RouteCache:
         addr = _pick(addrs, broker_id)
         return addr, addrs.get(MASTER_ID) != addr
 
+    def addr_for_read_now(self, mq: MessageQueue, broker_id: int = MASTER_ID
+                          ) -> tuple[str, bool] | None:
+        """:meth:`addr_for_read` without a coroutine when the answer is known now (the group
+        is in a route, nobody is marked down); None: call :meth:`addr_for_read`. A consumer
+        of thousands of queues asks once per queue and pull."""
+        addrs = self._group_addrs.get(mq.broker_name)
+        if not addrs or self._down:
+            return None
+        addr = _pick(addrs, broker_id)
+        return addr, addrs.get(MASTER_ID) != addr
+
     async def addr_for_admin(self, mq: MessageQueue) -> str:
         """Where ``mq``'s offsets are read and committed: the master, else a slave (RocketMQ's
         findBrokerAddressInAdmin; a slave's offsets flow back to the master later)."""
