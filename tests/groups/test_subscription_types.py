@@ -328,3 +328,41 @@ def test_key_shared_joining_consumer_waits_for_what_was_sent_before_it(dev) -> N
                     {m.body.split(b":")[0] for m in b_new})
 
     asyncio.run(main())
+
+
+def test_key_shared_orders_by_sharding_key_before_keys_and_spreads_keyless(dev) -> None:
+    """The ordering key is the sharding key (``__SHARDINGKEY``) when there is one, else the
+    first key; keyless messages go to any consumer."""
+    topic, sub = "st_keys_sharding", "st_keys_sharding_s"
+    with tidemq.Admin(dev.namesrv) as admin:
+        admin.create_topic(topic, 1)
+    groups = [f"g{i}" for i in range(12)]
+
+    async def main() -> None:
+        async with _consumer(dev, topic, sub, "Key_Shared", "ksg-a") as a, \
+                _consumer(dev, topic, sub, "Key_Shared", "ksg-b") as b:
+            async with aio.Producer(dev.namesrv) as p:  # both are members before any message
+                await p.send_batch(
+                    [aio.Message(topic, f"{g}:{n}".encode(), keys=f"unique-{g}-{n}",
+                                 properties={"__SHARDINGKEY": g})
+                     for n in range(4) for g in groups]
+                    + [aio.Message(topic, f"none:{n}".encode()) for n in range(40)])
+            got: dict[str, list[bytes]] = {"a": [], "b": []}
+            for name, c in (("a", a), ("b", b)):
+                while m := await c.receive(1.0):
+                    got[name].append(m.body)
+                    await c.acknowledge(m)
+            assert len(got["a"]) + len(got["b"]) == 88
+            owner = {}
+            for name, bodies in got.items():
+                for body in bodies:
+                    g = body.split(b":")[0]
+                    if g != b"none":
+                        assert owner.setdefault(g, name) == name  # one consumer per group
+                # in order per group on its consumer
+                for g in groups:
+                    seq = [x for x in bodies if x.startswith(f"{g}:".encode())]
+                    assert seq == sorted(seq)
+            assert set(owner.values()) == {"a", "b"}  # 12 groups spread over both
+
+    asyncio.run(main())
