@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -154,11 +153,11 @@ def _stop(procs: list[subprocess.Popen[str]]) -> None:
             p.wait()
 
 
-def test_failover_standby_takes_over_after_kill9(dev) -> None:
+def test_failover_standby_takes_over_after_kill9(dev, tmp_path) -> None:
     topic, sub = "st_failover", "st_failover_s"
     with tidemq.Admin(dev.namesrv) as admin:
         admin.create_topic(topic, 2)
-    tmp = tempfile.mkdtemp(prefix="tidemq-failover-")
+    tmp = str(tmp_path)
     pa, pb = os.path.join(tmp, "a.txt"), os.path.join(tmp, "b.txt")
     active = _spawn(dev, topic, sub, "Failover", "fo-a", pa)  # first by name: active
     standby = _spawn(dev, topic, sub, "Failover", "fo-b", pb)
@@ -180,11 +179,11 @@ def test_failover_standby_takes_over_after_kill9(dev) -> None:
     assert {b for _t, b, _a in _read(pa)} == {f"a{i}" for i in range(50)}
 
 
-def test_shared_four_processes_one_killed_under_load_loses_nothing(dev) -> None:
+def test_shared_four_processes_one_killed_under_load_loses_nothing(dev, tmp_path) -> None:
     topic, sub = "st_shared", "st_shared_s"
     with tidemq.Admin(dev.namesrv) as admin:
         admin.create_topic(topic, 4)
-    tmp = tempfile.mkdtemp(prefix="tidemq-shared-kill-")
+    tmp = str(tmp_path)
     paths = [os.path.join(tmp, f"c{i}.txt") for i in range(4)]
     procs = [_spawn(dev, topic, sub, "Shared", f"sh-{i}", p) for i, p in enumerate(paths)]
     sent: list[str] = []
@@ -230,11 +229,11 @@ def test_shared_four_processes_one_killed_under_load_loses_nothing(dev) -> None:
     assert all(_read(p) for p in paths[1:])  # shared: every consumer got messages
 
 
-def test_key_shared_order_per_key_through_a_join_and_a_kill9(dev) -> None:
+def test_key_shared_order_per_key_through_a_join_and_a_kill9(dev, tmp_path) -> None:
     topic, sub = "st_keys", "st_keys_s"
     with tidemq.Admin(dev.namesrv) as admin:
         admin.create_topic(topic, 2)
-    tmp = tempfile.mkdtemp(prefix="tidemq-key-shared-")
+    tmp = str(tmp_path)
     paths = [os.path.join(tmp, f"c{i}.txt") for i in range(3)]
     # slow consumers: their receiver queues are full when the third joins and when one dies
     procs = [_spawn(dev, topic, sub, "Key_Shared", f"ks-{i}", paths[i], 0.05) for i in range(2)]
