@@ -22,6 +22,7 @@ Threads: the broker's event loop only.
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -80,20 +81,50 @@ class PendingOffsets:
             q = self.routes[who] = collections.deque()
         q.append(o)
 
+    def add_all(self, new: dict[int, int], table: list[str]) -> None:
+        """Newly read offsets (increasing, above every pending one) routed by a slot -> owner
+        ``table`` (no joiner marks apply): one list index per message."""
+        self.slots.update(new)
+        routes = self.routes
+        for o, s in new.items():
+            who = None if s == KEYLESS else table[s]
+            q = routes.get(who)
+            if q is None:
+                q = routes[who] = collections.deque()
+            q.append(o)
+
+
+@functools.lru_cache(maxsize=65_536)  # a keys string repeats as often as its key does
+def _keys_slot(keys: str) -> int:
+    """The slot of a message's keys string without a sharding key (its first key)."""
+    first = keys.split(" ", 1)[0]
+    return key_slot(first) if first else KEYLESS
+
 
 def read_slots(read: Reader, offsets: list[int]) -> dict[int, int]:
-    """The slot of each offset (keyless, undecodable or gone from the store: KEYLESS)."""
+    """The slot of each offset (keyless, undecodable or gone from the store: KEYLESS).
+
+    Per stored batch at once: its keys section is parsed once, and in a batch that names no
+    sharding key (the common case; one search of its records) each message's slot is one
+    cached lookup of its keys string."""
     out = dict.fromkeys(offsets, KEYLESS)
     for data, base, idx in read(offsets):
         try:
             view = BatchView(data)
             keys = view.keys()
             raw = view.raw_records()
+            sharded = _SHARDING_BYTES in bytes(raw)
             # the properties are parsed only in a batch that names a sharding key somewhere
-            # (one search of its records; most batches order by their keys alone)
             props = ({i: p for i, _t, p in filter_fields(view, idx[0], raw)}
-                     if _SHARDING_BYTES in bytes(raw) else {})
+                     if sharded else {})
         except (CorruptBatchError, ValueError):
+            continue
+        if not sharded:
+            get = keys.get
+            for i in idx:
+                k = get(i)
+                if k:
+                    out[base + i] = _keys_slot(k)
             continue
         for i in idx:
             k = ordering_key(props.get(i) or {}, keys.get(i))
@@ -104,9 +135,12 @@ def read_slots(read: Reader, offsets: list[int]) -> dict[int, int]:
 
 def choose_key_shared(p: PendingOffsets, w: PopWindow, me: str, gated: bool, want: int,
                       now: int, invisible_ms: int, max_offset: int, epoch: int,
-                      owner_of: OwnerOf, read: Reader) -> list[Popped]:
+                      owner_of: OwnerOf, read: Reader,
+                      table: list[str] | None = None) -> list[Popped]:
     """Up to ``want`` deliveries of window ``w`` for consumer ``me`` (``gated``: a recently
-    joined consumer whose marks are not passed yet takes keyless messages only)."""
+    joined consumer whose marks are not passed yet takes keyless messages only). ``table``,
+    when no joiner mark applies: slot -> owner, the same answer as ``owner_of`` read off a
+    list."""
     if now >= p.scan_at:  # deliveries that came back: pending again, in offset order
         p.scan_at = now + _SCAN_MS
         back = [o for o in w.expired(now) if o not in p.slots]
@@ -122,8 +156,12 @@ def choose_key_shared(p: PendingOffsets, w: PopWindow, me: str, gated: bool, wan
             and len(p.slots) < MAX_PENDING:
         end = min(max_offset, w.next + 1024)
         new = list(range(w.next, end))
-        for o, s in read_slots(read, new).items():
-            p.add(o, s, owner_of)
+        slots = read_slots(read, new)
+        if table is not None:
+            p.add_all(slots, table)
+        else:
+            for o, s in slots.items():
+                p.add(o, s, owner_of)
         w.pass_over(end)
         scanned += len(new)
         _take(p, w, me, gated, want, now, invisible_ms, out)
@@ -138,7 +176,16 @@ def _take(p: PendingOffsets, w: PopWindow, me: str, gated: bool, want: int, now:
     b = p.routes.get(None, empty)
     slots = p.slots
     while len(out) < want and (a or b):
-        o = b.popleft() if b and (not a or b[0] < a[0]) else a.popleft()
-        slots.pop(o, None)
-        if w.deliverable(o, now):  # not acked meanwhile by the consumer that left
-            out.append(w.deliver(o, now, invisible_ms))
+        n = want - len(out)
+        if not b:  # one owner's offsets only (no keyless pending): take them in one go
+            take = [a.popleft() for _ in range(min(n, len(a)))]
+        elif not a:
+            take = [b.popleft() for _ in range(min(n, len(b)))]
+        else:
+            take = []
+            while len(take) < n and (a or b):
+                take.append(b.popleft() if b and (not a or b[0] < a[0]) else a.popleft())
+        for o in take:
+            slots.pop(o, None)
+        # those acked meanwhile (by a consumer that left) are skipped
+        out += w.deliver_many(take, now, invisible_ms)

@@ -307,7 +307,8 @@ class SubscriptionTypes:
         return choose_key_shared(
             pending, w, me, any(c == me for _p, c in marks), want, now, h.invisible_ms,
             max_offset, self._epoch.get(group, 0), owner_of,
-            lambda offsets: self.pop._read(topic, qid, sorted(offsets)))
+            lambda offsets: self.pop._read(topic, qid, sorted(offsets)),
+            None if marks else full.table())
 
     # -- SEEK_SUBSCRIPTION ---------------------------------------------------------------------
     def handle_seek(self, conn: BrokerConnection, frame: Frame) -> None:
