@@ -51,9 +51,12 @@ OwnerOf = Callable[[int, int], str | None]
 class PendingOffsets:
     """The read-but-unassigned offsets of one window (see the module doc)."""
 
-    __slots__ = ("slots", "routes", "epoch", "scan_at")
+    __slots__ = ("slots", "routes", "epoch", "scan_at", "batch")
 
     def __init__(self) -> None:
+        #: (base offset, slot of each message) of the last stored batch read: read-ahead steps
+        #: of 1024 offsets straddle stored batches, and the next step reads the rest of it
+        self.batch: tuple[int, list[int]] = (-1, [])
         self.slots: dict[int, int] = {}
         self.routes: dict[str | None, collections.deque[int]] = {}
         self.epoch = -1
@@ -101,14 +104,21 @@ def _keys_slot(keys: str) -> int:
     return key_slot(first) if first else KEYLESS
 
 
-def read_slots(read: Reader, offsets: list[int]) -> dict[int, int]:
+def read_slots(read: Reader, offsets: list[int], p: PendingOffsets | None = None
+               ) -> dict[int, int]:
     """The slot of each offset (keyless, undecodable or gone from the store: KEYLESS).
 
     Per stored batch at once: its keys section is parsed once, and in a batch that names no
     sharding key (the common case; one search of its records) each message's slot is one
-    cached lookup of its keys string."""
+    cached lookup of its keys string. With ``p``, the slots of the last batch read are kept
+    there (a stored batch at an offset never changes) for the next read of its rest."""
     out = dict.fromkeys(offsets, KEYLESS)
     for data, base, idx in read(offsets):
+        if p is not None and p.batch[0] == base:
+            cached = p.batch[1]
+            for i in idx:
+                out[base + i] = cached[i]
+            continue
         try:
             view = BatchView(data)
             keys = view.keys()
@@ -118,6 +128,13 @@ def read_slots(read: Reader, offsets: list[int]) -> dict[int, int]:
             props = ({i: p for i, _t, p in filter_fields(view, idx[0], raw)}
                      if sharded else {})
         except (CorruptBatchError, ValueError):
+            continue
+        if not sharded and p is not None:  # the whole batch, kept for its next read
+            get = keys.get
+            every = [_keys_slot(k) if (k := get(i)) else KEYLESS for i in range(view.count)]
+            p.batch = (base, every)
+            for i in idx:
+                out[base + i] = every[i]
             continue
         if not sharded:
             get = keys.get
@@ -156,7 +173,7 @@ def choose_key_shared(p: PendingOffsets, w: PopWindow, me: str, gated: bool, wan
             and len(p.slots) < MAX_PENDING:
         end = min(max_offset, w.next + 1024)
         new = list(range(w.next, end))
-        slots = read_slots(read, new)
+        slots = read_slots(read, new, p)
         if table is not None:
             p.add_all(slots, table)
         else:
