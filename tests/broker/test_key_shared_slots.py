@@ -61,3 +61,35 @@ def test_slots_match_the_ordering_key_model_read_whole_or_in_parts(msgs, cut, ba
     first = read_slots(read, list(range(base, base + cut)), p)
     rest = read_slots(read, list(range(base + cut, base + n + 3)), p)  # past the end: KEYLESS
     assert {**first, **rest} == {**want, **dict.fromkeys(range(base + n, base + n + 3), KEYLESS)}
+
+
+def test_a_key_shared_pop_ends_at_a_stored_batch_start():
+    """A pop that would end inside a stored batch ends before it instead (the batch would
+    travel to the consumer twice); the rest comes first in its next pop, in offset order; a
+    pop that would be left empty is not cut."""
+    from tidemq.broker.key_shared import SLOTS
+    from tidemq.broker.key_shared_dispatch import choose_key_shared
+    from tidemq.broker.pop_window import PopWindow
+
+    batches = {base: encode_messages("t", [_Msg(f"k{base + i}") for i in range(8)],
+                                     queue_id=0, producer_id=1, base_seq=base, born_ts=1)
+               for base in (0, 8, 16)}
+
+    def read(offsets: list[int]):
+        for base, data in batches.items():
+            idx = [o - base for o in offsets if base <= o < base + 8]
+            if idx:
+                yield memoryview(data), base, idx
+
+    table = ["me"] * SLOTS
+    p, w = PendingOffsets(), PopWindow(0)
+
+    def pop(want: int, now: int) -> list[int]:
+        got = choose_key_shared(p, w, "me", False, want, now, 60_000, 24, 0,
+                                lambda o, s: "me", read, table)
+        return [x.offset for x in got]
+
+    assert pop(10, 1) == list(range(8)) and p.trimmed  # not 0..9: 8, 9 are batch 8's
+    assert pop(10, 2) == list(range(8, 16))
+    assert pop(5, 3) == list(range(16, 21)) and not p.trimmed  # cutting would leave nothing
+    assert pop(10, 4) == [21, 22, 23]
