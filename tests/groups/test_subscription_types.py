@@ -87,6 +87,10 @@ def test_cumulative_ack_and_negative_ack_with_backoff(dev) -> None:
                              negative_ack_redelivery_delay=0.4) as c:
             again = [await c.receive(5.0) for _ in range(3)]
             assert [m.body for m in again] == [b"m6", b"m7", b"m9"]
+            # as in Pulsar: no cumulative ack on a Shared subscription (nothing acked by it)
+            with pytest.raises(aio.ClientError, match="not allowed on a Shared") as ce:
+                await c.acknowledge_cumulative(again[2])
+            assert ce.value.code == "INVALID_CONFIGURATION"
             for m in again[1:]:
                 await c.acknowledge(m)
             m6 = again[0]

@@ -25,8 +25,9 @@ half the queue was taken by :meth:`receive`; the messages in the queue are invis
 group while they wait there.
 
 **Acks**: :meth:`acknowledge` (one message), :meth:`acknowledge_cumulative` (every message of
-that queue received and not acked yet, up to and including it), :meth:`negative_acknowledge`
-(delivered again after ``negative_ack_redelivery_delay``, doubled per delivery attempt up to
+that queue received and not acked yet, up to and including it; Exclusive and Failover only),
+:meth:`negative_acknowledge` (delivered again after
+``negative_ack_redelivery_delay``, doubled per delivery attempt up to
 ``max_negative_ack_delay``). Acks are grouped: those of one turn of the event loop travel as
 one ACK_MESSAGE frame per broker (``simple_consumer.py``). ``ack_timeout`` (seconds, None =
 none) is the invisible time: a message not acked that long after it was popped is delivered
@@ -44,7 +45,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
-from tidemq.client.errors import ClientClosedError
+from tidemq.client.errors import ClientClosedError, InvalidConfigurationError
 from tidemq.client.membership import make_client_id
 from tidemq.client.simple_consumer import ReceivedMessage, SimpleConsumer, StaleReceiptError
 from tidemq.protocol.codes import RequestCode, ResponseCode
@@ -56,6 +57,7 @@ __all__ = ["Consumer", "SUBSCRIPTION_TYPES"]
 log = logging.getLogger(__name__)
 
 SUBSCRIPTION_TYPES = ("Exclusive", "Failover", "Shared", "Key_Shared")
+_CUMULATIVE_TYPES = ("Exclusive", "Failover")  # Pulsar's rule for acknowledge_cumulative
 _NO_ACK_TIMEOUT_S = 3600.0  # invisible time without an ack timeout (a leaving consumer's
 #                             messages come back at once anyway)
 #: refusals that no retry cures: raised from receive()
@@ -284,7 +286,15 @@ class Consumer:
     async def acknowledge_cumulative(self, msg: ReceivedMessage) -> int:
         """Ack every message received from ``msg``'s queue and not acked yet, up to and
         including ``msg`` (one frame); how many were acked. A stale one (delivered again
-        since) is counted in ``stats()['stale_acks']``, not raised."""
+        since) is counted in ``stats()['stale_acks']``, not raised. Exclusive and Failover
+        subscriptions only, as in Pulsar (InvalidConfigurationError on Shared/Key_Shared:
+        there a queue's earlier messages are other consumers', and acking them would lose
+        what they have not processed)."""
+        if self.subscription_type not in _CUMULATIVE_TYPES:
+            raise InvalidConfigurationError(
+                f"acknowledge_cumulative is not allowed on a {self.subscription_type} "
+                f"subscription ({self.subscription!r}): only Exclusive and Failover ones have "
+                "one consumer per queue; acknowledge each message instead")
         key = (msg.broker_addr, msg.message.topic, msg.message.queue_id)
         u = self._unacked.get(key, {})
         upto = msg.message.queue_offset
