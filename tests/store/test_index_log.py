@@ -8,10 +8,12 @@ from __future__ import annotations
 import os
 import struct
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tidemq.protocol.record import INDEX_ENTRY, crc32c
+from tidemq.store import index_log
 from tidemq.store.consume_queue import ConsumeQueue
 from tidemq.store.index_log import BLOCK_HEADER, BLOCK_MAGIC, UNIT, IndexLog
 
@@ -66,10 +68,14 @@ _ops = st.lists(
 )
 
 
+# block_queues=1: a flush writes a block per changed queue, taking the lock per block (as a
+# flush of more than BLOCK_QUEUES changed queues does)
+@pytest.mark.parametrize("block_queues", [index_log.BLOCK_QUEUES, 1])
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=_ops)
-def test_log_matches_a_model(tmp_path_factory, ops):
+def test_log_matches_a_model(tmp_path_factory, monkeypatch, block_queues, ops):
+    monkeypatch.setattr(index_log, "BLOCK_QUEUES", block_queues)
     root = tmp_path_factory.mktemp("log") / "cqlog"
     lg = IndexLog(root, segment_bytes=256)  # tiny files: blocks roll often
     lg.load()

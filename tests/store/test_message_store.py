@@ -284,3 +284,30 @@ def test_delete_topic(data_dir):
         s.delete_topic("t")
         assert s.get_messages("t", 0, 0).status is GetStatus.NO_MATCHED_LOGIC_QUEUE
         assert s.put(batch("t", [b"b"])).queue_offset == 0
+
+
+def test_put_many_stores_each_batch_as_put_would_and_refuses_only_the_bad_one(data_dir):
+    """One put lock for a frame's batches: each keeps its own queue offsets and store header
+    (what a reader and a reopen see are the same as after separate puts); a damaged or
+    oversized batch gets its own error in its slot and the batches around it are stored."""
+    with open_store(data_dir, max_batch_bytes=1000) as s:
+        s.put(batch("a", [b"a0"]))
+        damaged = batch("b", [b"b0"])
+        damaged[-1] ^= 0xFF
+        items = [batch("a", [b"a1", b"a2"]), batch("b", [b"b1"], queue_id=3), damaged,
+                 batch("a", [b"x" * 2000]), batch("b", [b"b2"], queue_id=3),
+                 batch("a", [b"a3"])]
+        out = s.put_many([(b, BatchView(b)) for b in items])
+        assert isinstance(out[2], CorruptBatchError) and isinstance(out[3], MessageTooLargeError)
+        ok = [out[i] for i in (0, 1, 4, 5)]
+        assert [(r.topic, r.queue_id, r.queue_offset, r.count) for r in ok] == [
+            ("a", 0, 1, 2), ("b", 3, 0, 1), ("b", 3, 1, 1), ("a", 0, 3, 1)]
+        assert [r.phys_offset for r in ok[1:]] == [p.phys_offset + p.size for p in ok[:-1]]
+    with open_store(data_dir) as s:  # reopened: what was stored reads back in order
+        msgs, _ = read_all(s, "a")
+        assert [(m.body, m.queue_offset) for m in msgs] == [
+            (b"a0", 0), (b"a1", 1), (b"a2", 2), (b"a3", 3)]
+        msgs, _ = read_all(s, "b", 3)
+        assert [(m.body, m.queue_offset) for m in msgs] == [(b"b1", 0), (b"b2", 1)]
+        for m in msgs:
+            s.read_batch(m.phys_offset).verify()  # both CRCs hold, the store header stamped

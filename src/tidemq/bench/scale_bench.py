@@ -14,7 +14,13 @@ For each size N (queues; N / ``queues_per_topic`` topics of ``queues_per_topic``
 4. consume: one pull consumer subscribed to every topic reads the whole backlog from the start
    (the rate counts from its first messages; ``consume_first_messages_s`` is the time before
    them: routes, rebalance and every queue's start offset);
-5. restart: a clean stop and start (``restart_clean_s``), then a kill -9 and start
+5. push end to end (sizes up to ``push_max_queues``, 10,000): one push consumer of a new group
+   subscribed to every topic (so assigned every queue, starting at their ends) while one
+   producer sends ``push_rate`` msgs/s (10,000) of SIZE bytes to random topics for
+   ``push_seconds`` (5 s); latency is the send call to the listener's call, from a timestamp in
+   the body: ``push_e2e_p50_ms`` / ``push_e2e_p99_ms`` (the issue's target: p99 <= 5 ms with
+   10,000 queues), ``push_e2e_received``;
+6. restart: a clean stop and start (``restart_clean_s``), then a kill -9 and start
    (``restart_kill9_s``): process start to "ready", Python start-up included.
 
 Returns one dict per size, and ``ratio_to_first`` relative to the first (smallest) size.
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import struct
 import tempfile
 import time
 import uuid
@@ -34,8 +41,10 @@ from tidemq.bench.client_bench import run_loop
 from tidemq.bench.dev_process import DevProcess
 from tidemq.client.admin import Admin
 from tidemq.client.consumer import PullConsumer
+from tidemq.client.listener import ConsumeStatus
 from tidemq.client.message import Message
 from tidemq.client.producer import Producer
+from tidemq.client.push_consumer import PushConsumer
 
 __all__ = ["bench_scale", "DEFAULT_SIZES"]
 
@@ -181,8 +190,74 @@ async def _consume(namesrv: str, topics: list[tuple[str, int]], count: int, idle
     return secs, got
 
 
+_TS = struct.Struct("<q")  # send time (ns) at the start of each push e2e message
+
+
+async def _push_e2e(namesrv: str, topics: list[tuple[str, int]], size: int, rate: int,
+                    seconds: float, progress: Progress | None) -> dict[str, Any]:
+    names = [t for t, _ in topics]
+    n_queues = sum(q for _, q in topics)
+    lat: list[int] = []
+
+    async def listener(msgs: list[Any], ctx: Any) -> ConsumeStatus:
+        now = time.time_ns()
+        for m in msgs:
+            lat.append(now - _TS.unpack_from(m.body)[0])
+        return ConsumeStatus.SUCCESS
+
+    consumer = PushConsumer(namesrv, f"scale-push-{uuid.uuid4().hex[:10]}", listener,
+                            consume_from="last", consume_message_batch_max_size=32)
+    for t in names:
+        consumer.subscribe(t)
+    rnd = random.Random(23)
+    pad = b"e" * max(0, size - _TS.size)
+    errors = 0
+    async with Producer(namesrv) as producer:
+        await _gather_limited([producer.routes.get(t) for t in names], 64, lambda: None)
+        await consumer.start()
+        try:
+            for _ in range(600):  # every queue assigned, then its start offset resolved
+                if len(consumer.assignment()) >= n_queues:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(2.0)
+            lat.clear()
+            total = int(rate * seconds)
+            sent = 0
+            pending: set[asyncio.Future[Any]] = set()
+            t0 = time.perf_counter()
+            while sent < total:
+                due = min(total, int((time.perf_counter() - t0) * rate) + 1)
+                while sent < due:
+                    f = producer.send_async(Message(names[rnd.randrange(len(names))],
+                                                    _TS.pack(time.time_ns()) + pad))
+                    pending.add(f)
+                    f.add_done_callback(pending.discard)
+                    sent += 1
+                if progress is not None and sent % 1000 == 0:
+                    progress("push e2e", sent, total)
+                await asyncio.sleep(0.001)
+            if pending:
+                res = await asyncio.gather(*pending, return_exceptions=True)
+                errors = sum(isinstance(r, BaseException) for r in res)
+            deadline = time.perf_counter() + 5
+            while len(lat) < sent - errors and time.perf_counter() < deadline:
+                await asyncio.sleep(0.01)
+        finally:
+            await consumer.close()
+    ms = sorted(v / 1e6 for v in lat)
+
+    def pct(p: float) -> float:
+        return round(ms[min(len(ms) - 1, int(p * len(ms)))], 3) if ms else -1.0
+
+    return {"push_e2e_rate": rate, "push_e2e_sent": sent, "push_e2e_received": len(ms),
+            "push_e2e_send_errors": errors, "push_e2e_p50_ms": pct(0.50),
+            "push_e2e_p99_ms": pct(0.99), "push_e2e_max_ms": pct(1.0)}
+
+
 def _one_size(n: int, *, per_topic: int, size: int, messages: int, window: int, restart: bool,
-              data_dir: str | None, progress: Progress | None) -> dict[str, Any]:
+              data_dir: str | None, progress: Progress | None, push_max_queues: int = 10_000,
+              push_rate: int = 10_000, push_seconds: float = 5.0) -> dict[str, Any]:
     topics = _topics(n, per_topic)
     mib = 1 << 20
     with tempfile.TemporaryDirectory(prefix="tidemq-bench-scale-", dir=data_dir) as d:
@@ -221,6 +296,9 @@ def _one_size(n: int, *, per_topic: int, size: int, messages: int, window: int, 
                 "consumed": got,
                 "consume_complete": got >= total,
             }
+            if n <= push_max_queues and push_rate > 0:
+                out.update(run_loop(_push_e2e(dev.namesrv, topics, max(size, _TS.size),
+                                              push_rate, push_seconds, progress)))
             if restart:
                 dev.stop()
                 clean = DevProcess(d).start()
@@ -244,12 +322,16 @@ def bench_scale(
     restart: bool = True,
     data_dir: str | None = None,
     progress: Progress | None = None,
+    push_max_queues: int = 10_000,
+    push_rate: int = 10_000,
+    push_seconds: float = 5.0,
 ) -> dict[str, Any]:
     rows = []
     for n in sizes:
         rows.append(_one_size(n, per_topic=queues_per_topic, size=size, messages=messages,
                               window=window, restart=restart, data_dir=data_dir,
-                              progress=progress))
+                              progress=progress, push_max_queues=push_max_queues,
+                              push_rate=push_rate, push_seconds=push_seconds))
     base = rows[0] if rows else {}
     for r in rows:
         for k in ("produce_msgs_per_s", "consume_msgs_per_s"):

@@ -12,7 +12,9 @@ This is RocketMQ's PullRequestHoldService plus its NotifyMessageArrivingListener
 - Fallback check: every ``check_interval`` (5 s; 1 s short polling when long polling is off)
   :meth:`check_held` compares every key's max offset with its held pulls, like
   ``checkHoldRequest``; pulls below the max are executed again (no tag re-check, as RocketMQ
-  passes no tag code there: the pull itself answers NO_MATCHED_MSG if nothing matches).
+  passes no tag code there: the pull itself answers NO_MATCHED_MSG if nothing matches). The
+  timer checks at most CHECK_KEYS_PER_TICK keys per tick (:meth:`check_some`, round robin),
+  so its cost does not grow with the number of held queues.
 - Timeout: a held pull is executed again at its deadline (suspend_timeout_millis, or
   short_polling_time_ms when long polling is off); finding nothing it answers PULL_NOT_FOUND.
   RocketMQ notices the deadline only at the next check; a timer per held pull answers on time.
@@ -82,6 +84,10 @@ class HeldPull:
         self.done = False
 
 
+#: keys of held pulls the periodic check looks at per tick at most
+CHECK_KEYS_PER_TICK = 4096
+
+
 class PullRequestHoldService:
     """The table of held pulls and the three ways out of it (arrival, check, deadline).
 
@@ -106,6 +112,7 @@ class PullRequestHoldService:
         self.long_polling = long_polling
         self.check_interval_s = check_interval_s
         self.table: dict[str, list[HeldPull]] = {}
+        self._check_keys: list[str] = []  # the periodic check's pass, in progress
         self._loop_thread = threading.get_ident()
         self._task: asyncio.Task[None] | None = None
         self.woken_by_arrival = 0
@@ -113,16 +120,23 @@ class PullRequestHoldService:
         self.timed_out = 0
 
     # -- holding ---------------------------------------------------------------------------------
-    def suspend(self, held: HeldPull) -> None:
+    def suspend(self, held: HeldPull, *, timed: bool = True) -> None:
+        """File ``held``; ``timed=False``: no timer of its own (a queue of a PULL_MULTI_QUEUE,
+        which times out with its request: 100,000 held queues were 100,000 timers)."""
         h = held.header
         key = hold_key(h.topic, h.queue_id)
         lst = self.table.get(key)
         if lst is None:
             self.table[key] = [held]
         else:
+            # answered ones go now (not only at an arrival or the bounded check): a queue
+            # pulled again and again never collects finished entries
+            if lst[0].done or lst[-1].done:
+                lst = self.table[key] = [x for x in lst if not x.done]
             lst.append(held)
         held.conn.held.add(held)
-        held.timer = self.loop.call_at(held.deadline, self._expire, held)
+        if timed:
+            held.timer = self.loop.call_at(held.deadline, self._expire, held)
 
     def held_count(self) -> int:
         return sum(1 for lst in self.table.values() for h in lst if not h.done)
@@ -231,12 +245,40 @@ class PullRequestHoldService:
                 continue
             self.notify_message_arriving(key, mx, None)
 
+    def check_some(self, limit: int) -> None:
+        """:meth:`check_held` of the next ``limit`` keys of the table, round robin: the
+        periodic check's work per tick stays bounded however many queues are held (a
+        consumer of 100,000 queues holds all of them; a full pass then takes several
+        ticks -- the check only catches what an arrival did not wake)."""
+        keys = self._check_keys
+        if not keys:
+            keys = self._check_keys = list(self.table)
+            keys.reverse()  # popped from the end: in table order
+        for _ in range(min(limit, len(keys))):
+            key = keys.pop()
+            lst = self.table.get(key)
+            if lst is None:
+                continue
+            live = [h for h in lst if not h.done]
+            if not live:
+                del self.table[key]
+                continue
+            self.table[key] = live
+            topic, _, qid = key.rpartition("@")
+            try:
+                mx = self.max_offset(topic, int(qid))
+            except Exception:
+                log.exception("check of held pulls for %s failed", key)
+                continue
+            self.notify_message_arriving(key, mx, None)
+
     async def run_checks(self) -> None:
-        """Run :meth:`check_held` every ``check_interval_s`` until cancelled."""
+        """Run :meth:`check_some` (CHECK_KEYS_PER_TICK keys) every ``check_interval_s``
+        until cancelled."""
         while True:
             await asyncio.sleep(self.check_interval_s)
             t0 = time.perf_counter()
-            self.check_held()
+            self.check_some(CHECK_KEYS_PER_TICK)
             cost = time.perf_counter() - t0
             if cost > 1.0:
                 log.info("[NOTIFYME] check of held pulls took %.0f ms", cost * 1000)

@@ -48,7 +48,7 @@ class _MultiPull:
     """One PULL_MULTI_QUEUE between its arrival and its answer."""
 
     __slots__ = ("proc", "conn", "opaque", "results", "bodies", "held", "holding", "sent",
-                 "timer", "nbytes", "starts")
+                 "timer", "nbytes", "starts", "held_set")
 
     def __init__(self, proc: MultiPullProcessor, conn: BrokerConnection, opaque: int,
                  n: int) -> None:
@@ -56,7 +56,10 @@ class _MultiPull:
         self.conn = conn
         self.opaque = opaque
         self.results: list[MultiQueuePullResult | None] = [None] * n
-        self.bodies: list[list[Any]] = [[] for _ in range(n)]
+        self.bodies: list[list[Any] | None] = [None] * n  # found batches, by queue
+        #: what long polling files as the held pulls of each queue's "connection" (one set
+        #: for all the queues of the request, not one per queue)
+        self.held_set: set[Any] = set()
         self.held: list[HeldPull] = []
         self.holding = False
         self.sent = False
@@ -78,7 +81,7 @@ class _MultiPull:
         if start is not None:
             r.start_offset, r.start_committed = start
         self.results[i] = r
-        self.bodies[i] = list(bodies) if bodies else []
+        self.bodies[i] = list(bodies) if bodies else None
         self.nbytes += r.body_bytes
         if self.holding and code != _NOT_FOUND:
             self.proc.loop.call_soon(self.send)  # woken: answer (others woken now join)
@@ -92,7 +95,7 @@ class _MultiPull:
             hold._finish(h)  # noqa: SLF001 - out of the hold table (pruned lazily)
         if self.timer is not None:
             self.timer.cancel()
-        bodies = [b for bs in self.bodies for b in bs]
+        bodies = [b for bs in self.bodies if bs for b in bs]
         self.conn.respond(self.opaque, ResponseCode.SUCCESS,
                           PullMultiQueueResponseHeader(results=self.results),  # type: ignore[arg-type]
                           bodies or None)
@@ -101,12 +104,16 @@ class _MultiPull:
 class _PullSlot:
     """Stands in for the connection while one queue of a PULL_MULTI_QUEUE is read."""
 
-    __slots__ = ("agg", "i", "held")
+    __slots__ = ("agg", "i")
 
     def __init__(self, agg: _MultiPull, i: int) -> None:
         self.agg = agg
         self.i = i
-        self.held: set[Any] = set()  # long polling files held pulls per "connection"
+
+    @property
+    def held(self) -> set[Any]:
+        """Long polling files held pulls per "connection": the request's one set."""
+        return self.agg.held_set
 
     @property
     def closed(self) -> bool:
@@ -207,5 +214,5 @@ class MultiPullProcessor:
         for i, one, tags in admitted:
             held = HeldPull(_PullSlot(agg, i), i, one, tags, _FAR, now)
             agg.held.append(held)
-            self.hold.suspend(held)
+            self.hold.suspend(held, timed=False)
         agg.timer = self.loop.call_later(timeout_ms / 1000.0, agg.send)

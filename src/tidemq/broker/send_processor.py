@@ -356,29 +356,77 @@ class SendProcessor:
             ) from None
         agg = _MultiResponse(conn, frame.opaque, len(parts))
         flags = frame.flags
+        group = h.producer_group
+        # The batches every store can take as they are (ASYNC_FLUSH, not replicated
+        # synchronously, not held, not deduplicated, not non-persistent) are gathered into
+        # runs stored by one put_many (one put lock, no per-batch slot or header objects);
+        # any other batch goes alone through _accept, after the run before it (order kept).
+        bulk = not self.sync_flush and not self.sync_master
+        dedup_on = self.dedup.enabled
+        np_owns = self.non_persistent.owns
+        run: list[tuple[int, memoryview, BatchView]] = []
         for i, part in enumerate(parts):
-            slot = _Slot(agg, i)
             try:
                 v = BatchView(part)
-                sub = SendMessageRequestHeader(
-                    producer_group=h.producer_group, topic=v.topic, queue_id=v.queue_id,
-                    born_timestamp=h.born_timestamp, batch=True,
-                )
+                topic, qid = v.topic, v.queue_id
             except CorruptBatchError as exc:
                 agg.put(i, MultiQueueSendResult(
                     ResponseCode.MESSAGE_ILLEGAL,
                     message=f"the body is not a valid batch: {exc.message}"))
                 continue
             try:
-                self._handle_send(slot, sub, part, flags, i)  # type: ignore[arg-type]
+                self._admit(conn, group, topic, qid, part, v)
             except RequestRejected as exc:
                 agg.put(i, MultiQueueSendResult(exc.response_code, message=exc.message))
+                continue
+            if (bulk and not v.delay_level and not v.deliver_at and v.txn != TxnType.PREPARED
+                    and not (dedup_on and v.producer_id >= DEDUP_PRODUCER_BIT)
+                    and not np_owns(topic)):
+                run.append((i, part, v))
+                continue
+            if run:
+                self._put_run(agg, run)
+                run = []
+            sub = SendMessageRequestHeader(
+                producer_group=group, topic=topic, queue_id=qid,
+                born_timestamp=h.born_timestamp, batch=True,
+            )
+            try:
+                self._accept(_Slot(agg, i), sub, part, v, flags, i)  # type: ignore[arg-type]
+            except RequestRejected as exc:
+                agg.put(i, MultiQueueSendResult(exc.response_code, message=exc.message))
+        if run:
+            self._put_run(agg, run)
         agg.armed()
+
+    def _put_run(self, agg: _MultiResponse, run: list[tuple[int, memoryview, BatchView]]
+                 ) -> None:
+        """Store admitted batches of a SEND_MULTI_QUEUE with one put_many; each answered
+        into its slot (a batch the store refuses as a SEND_BATCH of it would be)."""
+        t0 = time.perf_counter()
+        results = self.store.put_many([(part, v) for _i, part, v in run])
+        each = (time.perf_counter() - t0) / len(run)
+        record = self.stats.record_put
+        ok = ResponseCode.SUCCESS
+        for (i, _part, _v), r in zip(run, results, strict=True):
+            if isinstance(r, PutResult):
+                record(r.topic, r.count, r.size, each)
+                agg.put(i, MultiQueueSendResult(ok, r.queue_offset, r.count))
+            else:
+                exc = rejection_for_store_error(r)
+                agg.put(i, MultiQueueSendResult(exc.response_code, message=exc.message))
 
     def _handle_send(self, conn: BrokerConnection, h: SendMessageRequestHeader,
                      body: bytes | bytearray | memoryview, flags: int, opaque: int) -> None:
         """One batch through the door and into the store; answered on ``conn`` (a real
         connection, or a SEND_MULTI_QUEUE slot)."""
+        v = self._admit(conn, h.producer_group, h.topic, h.queue_id, body)
+        self._accept(conn, h, body, v, flags, opaque)
+
+    def _admit(self, conn: BrokerConnection, producer_group: str, topic: str, qid: int,
+               body: bytes | bytearray | memoryview, v: BatchView | None = None) -> BatchView:
+        """The door of one batch (the checks of the module docstring, in that order):
+        RequestRejected, or the batch's view. ``v``: the view of ``body`` already parsed."""
         size = len(body)
         cfg = self.config
         if size == 0:
@@ -393,13 +441,12 @@ class SendProcessor:
                 f"bytes (max_message_size, plus {cfg.batch_overhead_allowance} for batch "
                 "headers); send fewer or smaller messages per batch",
             )
-        if h.producer_group not in self._groups_ok:
-            problem = group_name_problem(h.producer_group, "producer group")
+        if producer_group not in self._groups_ok:
+            problem = group_name_problem(producer_group, "producer group")
             if problem:
                 raise RequestRejected(ResponseCode.INVALID_ARGUMENT, problem)
             if len(self._groups_ok) < 4096:
-                self._groups_ok.add(h.producer_group)
-        topic = h.topic
+                self._groups_ok.add(producer_group)
         if topic not in self._plain_topics:
             self._check_reserved_topic(getattr(conn, "real", conn), topic)
         tc = self.topics.get(topic)
@@ -420,19 +467,19 @@ class SendProcessor:
                 f"topic {topic!r} is not writable on broker {cfg.broker_name} "
                 f"(perm {tc.perm:#x})",
             )
-        qid = h.queue_id
         if qid >= tc.write_queue_nums:
             raise RequestRejected(
                 ResponseCode.INVALID_ARGUMENT,
                 f"queue id {qid} is out of range: topic {topic!r} has {tc.write_queue_nums} "
                 f"write queues (0..{tc.write_queue_nums - 1}) on broker {cfg.broker_name}",
             )
-        try:
-            v = BatchView(body)
-        except CorruptBatchError as exc:
-            raise RequestRejected(
-                ResponseCode.MESSAGE_ILLEGAL, f"the body is not a valid batch: {exc.message}"
-            ) from None
+        if v is None:
+            try:
+                v = BatchView(body)
+            except CorruptBatchError as exc:
+                raise RequestRejected(
+                    ResponseCode.MESSAGE_ILLEGAL, f"the body is not a valid batch: {exc.message}"
+                ) from None
         if v.total_size != size:
             raise RequestRejected(
                 ResponseCode.MESSAGE_ILLEGAL,
@@ -465,6 +512,15 @@ class SendProcessor:
             raise RequestRejected(
                 ResponseCode.MESSAGE_ILLEGAL, f"batch rejected: {exc.message}"
             ) from None
+        return v
+
+    def _accept(self, conn: BrokerConnection, h: SendMessageRequestHeader,
+                body: bytes | bytearray | memoryview, v: BatchView, flags: int,
+                opaque: int) -> None:
+        """Store (or hold, or publish) one admitted batch and answer it."""
+        topic = h.topic
+        qid = h.queue_id
+        size = len(body)
         oneway = flags & FLAG_ONEWAY
         if self.non_persistent.owns(topic):
             if v.delay_level or v.deliver_at or v.txn == TxnType.PREPARED:

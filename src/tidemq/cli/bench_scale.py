@@ -53,10 +53,16 @@ class _Bars:
               help="Measure restart time (clean and after kill -9).")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
               help="Parent of the temporary broker directories (default: the temp dir).")
+@click.option("--push-max-queues", default=10_000, show_default=True,
+              help="Measure a push consumer's end-to-end latency at sizes up to this.")
+@click.option("--push-rate", default=10_000, show_default=True,
+              help="Messages per second of the push end-to-end phase (0: skip it).")
+@click.option("--push-seconds", default=5.0, show_default=True)
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def bench_scale_cmd(sizes: str, max_queues: int | None, queues_per_topic: int, size: int,
                     messages: int, window: int, restart: bool, data_dir: str | None,
+                    push_max_queues: int, push_rate: int, push_seconds: float,
                     progress: bool, as_json: bool) -> None:
     """Produce and consume msgs/s, broker RSS per idle queue and restart time (clean and after
     kill -9) of a fresh broker holding each number of queues; one producer sends single 1 KiB
@@ -75,7 +81,8 @@ def bench_scale_cmd(sizes: str, max_queues: int | None, queues_per_topic: int, s
     try:
         result = bench_scale(sizes=ns, queues_per_topic=queues_per_topic, size=size,
                              messages=messages, window=window, restart=restart,
-                             data_dir=data_dir, progress=bars)
+                             data_dir=data_dir, progress=bars, push_max_queues=push_max_queues,
+                             push_rate=push_rate, push_seconds=push_seconds)
     finally:
         if bars is not None:
             bars.close()

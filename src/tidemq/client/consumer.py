@@ -61,7 +61,7 @@ from tidemq.client import chunking, offsets
 from tidemq.client.chunking import ChunkAssembler
 from tidemq.client.codec import decode_pull_body
 from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
-from tidemq.client.errors import ClientClosedError, NoRouteError
+from tidemq.client.errors import ClientClosedError
 from tidemq.client.membership import GroupMembership, make_client_id
 from tidemq.client.message import ConsumeFrom, MessageExt, MessageQueue
 from tidemq.client.multi_pull import MultiPullUnsupported, PullBatcher
@@ -119,8 +119,9 @@ class _Queue:
         self.buffered = 0
         self.task: asyncio.Task[None] | None = None
         self.paused = False
-        self.space = asyncio.Event()
-        self.space.set()
+        # set when the queue may pull again; made the first time it must wait (a consumer of
+        # 100,000 queues creates them all at once: every object per queue shows)
+        self.space: asyncio.Event | None = None
         self.ready: asyncio.Future[None] | None = None  # resolved once the start offset is known
         self.assembler: ChunkAssembler | None = None  # created at the first chunk seen
         self.broker_id = MASTER_ID  # which broker of the group to pull from (the suggestion)
@@ -220,6 +221,7 @@ class PullConsumer:
         self._assigned: list[MessageQueue] | None = None
         self._queues: dict[MessageQueue, _Queue] = {}
         self._order: list[_Queue] = []  # the assigned queues, sorted
+        self._topic_queues: dict[str, int] = {}  # topic -> assigned queues (by _apply)
         self._rr = 0
         # poll's round robin: only the queues holding pulled chunks (a poll's work follows what
         # arrived, not the number of assigned queues)
@@ -380,7 +382,7 @@ class PullConsumer:
             if chunks:  # the rest next time, after the others (round robin)
                 q.in_ready = True
                 ready.append(q)
-            if q.buffered < self.pull_threshold and not q.space.is_set():
+            if q.buffered < self.pull_threshold and q.space is not None:
                 q.space.set()
         return out
 
@@ -436,7 +438,8 @@ class PullConsumer:
                 await q.task
         q.chunks.clear()
         q.buffered = 0
-        q.space.set()
+        if q.space is not None:
+            q.space.set()
         q.pull_offset = q.consume_offset = offset
         q.task = asyncio.get_running_loop().create_task(self._pull_loop(q))
 
@@ -458,7 +461,8 @@ class PullConsumer:
         for mq in queues:
             q = self._state(mq)
             q.paused = False
-            q.space.set()
+            if q.space is not None:
+                q.space.set()
 
     # -- commits -------------------------------------------------------------------------------
     async def commit(self, offsets_: dict[MessageQueue, int] | None = None) -> None:
@@ -505,16 +509,18 @@ class PullConsumer:
     async def _rebalance(self) -> None:
         if self._assigned is not None or self._closed:
             return
-        want: set[MessageQueue] = set()
-        for topic in list(self._subs):
-            try:
-                want |= await self.membership.share(topic, set(self._queues), self._subs)
-            except NoRouteError as exc:
-                if topic not in self._warned:  # once: the loop retries every second
-                    self._warned.add(topic)
-                    log.warning("subscription to %r: %s", topic, exc.message)
-                # Keep the queues we have: the name server may be briefly unreachable.
-                want |= {mq for mq in self._queues if mq.topic == topic}
+        have: dict[str, set[MessageQueue]] = {}
+        for mq in self._queues:
+            have.setdefault(mq.topic, set()).add(mq)
+        # Topics without a route keep the queues we have: the name server may be briefly
+        # unreachable.
+        want, missing = await self.membership.share_all(list(self._subs), have, self._subs)
+        for topic, exc in missing.items():
+            if topic not in self._warned:  # once: the loop retries every second
+                self._warned.add(topic)
+                log.warning("subscription to %r: %s", topic, exc.message)
+        if self._closed:
+            return
         self._apply(want)
 
     async def _rebalance_quietly(self, *, heartbeat: bool = False) -> None:
@@ -540,8 +546,8 @@ class PullConsumer:
                 pass
             woken = changed.is_set()
             changed.clear()
-            have = {mq.topic for mq in self._queues}
-            missing = any(t not in have for t in self._subs)
+            # (the topics that have queues are kept by _apply: no walk over every queue here)
+            missing = any(t not in self._topic_queues for t in self._subs)
             every = min(self.route_refresh, self.rebalance_interval)
             if woken or missing or loop.time() - last >= every:
                 last = loop.time()
@@ -561,6 +567,9 @@ class PullConsumer:
 
     def _apply(self, want: set[MessageQueue]) -> None:
         loop = asyncio.get_running_loop()
+        if want == self._queues.keys() and not any(
+                q.failed is not None for q in self._queues.values()):
+            return  # nothing changed (the usual periodic rebalance): no sorting of every queue
         for mq in [m for m in self._queues if m not in want]:
             q = self._queues.pop(mq)
             if q.task is not None:
@@ -578,6 +587,9 @@ class PullConsumer:
                 have.task = loop.create_task(self._pull_loop(have))
         self._order = [self._queues[mq] for mq in sorted(self._queues)]
         self._rr = 0
+        self._topic_queues = {}
+        for mq in self._queues:
+            self._topic_queues[mq.topic] = self._topic_queues.get(mq.topic, 0) + 1
 
     async def _commit_quietly(self, q: _Queue) -> None:
         try:
@@ -610,6 +622,7 @@ class PullConsumer:
         flags = PullSysFlag.SUSPEND | (PullSysFlag.SUBSCRIPTION if sel.filters else 0)
         suspend_ms = int(self.suspend_timeout * 1000)
         timeout = self.suspend_timeout + max(self.request_timeout, 10.0)
+        subscription = sel.expression if sel.filters else None
         while True:
             addr = ""
             try:
@@ -626,19 +639,15 @@ class PullConsumer:
                     # the first poll does not skip what arrived in between.
                     q.committed = off if committed else None
                 if q.paused or q.buffered >= self.pull_threshold:
+                    if q.space is None:
+                        q.space = asyncio.Event()
                     q.space.clear()
                     await q.space.wait()
                     continue
-                addr, _slave = await self.routes.addr_for_read(mq, q.broker_id)
+                known = self.routes.addr_for_read_now(mq, q.broker_id)
+                addr, _slave = known or await self.routes.addr_for_read(mq, q.broker_id)
                 conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
                 offset = q.pull_offset if q.pull_offset is not None else 0
-                header = PullMessageRequestHeader(
-                    consumer_group=self.group, topic=mq.topic, queue_id=mq.queue_id,
-                    queue_offset=offset, max_msg_nums=self.pull_batch_size, sys_flag=flags,
-                    suspend_timeout_millis=suspend_ms,
-                    subscription=sel.expression if sel.filters else None,
-                    expression_type=sel.expression_type,
-                )
                 batcher = self._batcher(addr, suspend_ms, timeout)
                 if resolve and (batcher is None or _slave):
                     self._no_resolve = True  # look the start up the usual way
@@ -648,8 +657,8 @@ class PullConsumer:
                     try:
                         h, body = await batcher.pull(MultiQueuePull(
                             mq.topic, mq.queue_id, offset, self.pull_batch_size,
-                            flags & ~PullSysFlag.SUSPEND, 0, header.subscription,
-                            header.expression_type, resolve, self.consume_timestamp))
+                            flags & ~PullSysFlag.SUSPEND, 0, subscription,
+                            sel.expression_type, resolve, self.consume_timestamp))
                     except MultiPullUnsupported:
                         continue  # pulled one by one from now on
                     if resolve:
@@ -665,6 +674,12 @@ class PullConsumer:
                         raise BrokerError(h.message or f"pull refused ({h.code})",
                                           response_code=h.code)
                 else:
+                    header = PullMessageRequestHeader(
+                        consumer_group=self.group, topic=mq.topic, queue_id=mq.queue_id,
+                        queue_offset=offset, max_msg_nums=self.pull_batch_size, sys_flag=flags,
+                        suspend_timeout_millis=suspend_ms, subscription=subscription,
+                        expression_type=sel.expression_type,
+                    )
                     frame = await conn.request(RequestCode.PULL_MESSAGE, header, timeout=timeout)
                     status = pull_status(frame.code)
                     if status is None:

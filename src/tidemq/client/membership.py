@@ -40,7 +40,7 @@ from tidemq.protocol.headers import (
 
 if TYPE_CHECKING:
     from tidemq.client.connection import Connection, ConnectionPool
-    from tidemq.client.route import RouteCache
+    from tidemq.client.route import RouteCache, TopicRoute
     from tidemq.client.selection import Selection
     from tidemq.protocol.frame import Frame
 
@@ -163,3 +163,49 @@ class GroupMembership:
         if self.client_id not in cids:
             return {mq for mq in have if mq.topic == topic}
         return set(allocate(self.strategy, self.client_id, mqs, sorted(cids)))
+
+    async def share_all(
+        self, topics: list[str], have: dict[str, set[MessageQueue]],
+        subs: dict[str, Selection], concurrency: int = 64,
+    ) -> tuple[set[MessageQueue], dict[str, NoRouteError]]:
+        """:meth:`share` of every topic in one pass: this member's queues, and the topics
+        without a route (whose queues in ``have`` -- by topic -- are kept). The routes are
+        fetched ``concurrency`` at a time and the member list is asked once per set of
+        brokers, not once per topic: a consumer of 12,500 topics otherwise waited 25,000
+        sequential round trips (10 s) for its first messages."""
+        routes: dict[str, TopicRoute] = {}
+        errors: dict[str, NoRouteError] = {}
+        todo = iter(topics)
+
+        async def fetch() -> None:
+            for t in todo:
+                try:
+                    routes[t] = await self.routes.get(t, refresh=True)
+                except NoRouteError as exc:
+                    errors[t] = exc
+
+        await asyncio.gather(*(fetch() for _ in range(min(concurrency, len(topics)) or 1)))
+        by_brokers: dict[frozenset[tuple[str, str]], list[str]] = {}
+        for t, route in routes.items():
+            by_brokers.setdefault(frozenset(route.read_addrs.items()), []).append(t)
+        want: set[MessageQueue] = set()
+        beat = False
+        for brokers, ts in by_brokers.items():
+            addrs = dict(brokers)
+            cids = await find_consumer_ids(self.pool, self.group, addrs, self.request_timeout)
+            if self.client_id not in cids and not beat:
+                beat = True
+                await self.heartbeat(subs)
+                cids = await find_consumer_ids(self.pool, self.group, addrs,
+                                               self.request_timeout)
+            if self.client_id not in cids:
+                for t in ts:
+                    want |= have.get(t, set())
+                continue
+            members = sorted(cids)
+            for t in ts:
+                mqs = sorted(routes[t].read_queues)
+                want.update(allocate(self.strategy, self.client_id, mqs, members))
+        for t in errors:
+            want |= have.get(t, set())
+        return want, errors

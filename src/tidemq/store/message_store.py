@@ -416,52 +416,13 @@ class MessageStore:
                 + (f": {blocked}" if blocked else "")
             )
         v = BatchView(data) if view is None else view  # the broker passes the view it parsed
-        if v.total_size != size:
-            raise CorruptBatchError(f"batch says {v.total_size} bytes but {size} were given")
-        if not v.batch_crc_ok():
-            raise CorruptBatchError("batch CRC32C mismatch: the batch was damaged on its way")
+        self._check_batch(v, size)
         topic = v.topic
         qid = v.queue_id if queue_id is None else queue_id
-        key = (topic, qid)
         count = v.count
         hashes = self._index_hashes(v, topic) if self._index_enabled else None
-        # This block runs once per batch, single messages included: keep it to a few calls.
         with self._put_lock:
-            cl = self.commitlog
-            seg, rel = cl.reserve(size)
-            qoff = self._queue_offsets.get(key, 0)
-            now = time.time_ns() // 1_000_000
-            # Everything that may need new disk space comes before the batch is written, so
-            # a full disk fails the put with nothing stored (no half-dispatched batch).
-            cq = self.cqs.get_or_create(topic, qid)
-            cq.make_room(qoff, count)
-            if hashes:
-                self.index.make_room(now, len(hashes))
-            mm = seg.mm
-            phys = seg.start + rel
-            p_start = v.producer_start
-            buf: mmap.mmap | bytearray
-            if size < self._pwrite_min:  # copy through the mapping, then stamp it in place
-                buf, at = mm, rel
-                mm[rel : rel + size] = data
-            else:  # stamp a copy of the store header, write both with one syscall
-                buf, at = bytearray(memoryview(data)[:p_start]), 0
-            STORE_TAIL.pack_into(
-                buf, at + STORE_FIELDS_OFFSET, phys, qoff, now, v.prepared_offset, qid,
-                v.reconsume_times, v.topic_len, self._store_port, self._store_host,
-            )
-            CRC_FIELD.pack_into(
-                buf, at + STORE_CRC_OFFSET,
-                crc32c(memoryview(buf)[at + STORE_CRC_FROM : at + p_start]),
-            )
-            if not isinstance(buf, mmap.mmap):
-                cl.pwrite(seg, rel, (buf, memoryview(data)[p_start:]), size)
-            cl.advance(size)
-            self._write_dispatch(v, cq, hashes, phys, qoff, size, now)
-            self._queue_offsets[key] = qoff + count
-            if self._listeners:
-                for cb in self._listeners:
-                    cb(topic, qid, qoff + count, v)
+            phys, qoff, now = self._append_locked(data, v, size, topic, qid, hashes)
         self._put_batches += 1
         self._put_messages += count
         self._put_bytes += size
@@ -477,6 +438,117 @@ class MessageStore:
         elif on_durable is not None:
             on_durable(None)
         return result
+
+    def _check_batch(self, v: BatchView, size: int) -> None:
+        if v.total_size != size:
+            raise CorruptBatchError(f"batch says {v.total_size} bytes but {size} were given")
+        if not v.batch_crc_ok():
+            raise CorruptBatchError("batch CRC32C mismatch: the batch was damaged on its way")
+
+    def _append_locked(
+        self, data: bytes | bytearray | memoryview, v: BatchView, size: int, topic: str,
+        qid: int, hashes: list[int] | None,
+    ) -> tuple[int, int, int]:
+        """Write one checked batch at the end of the CommitLog, stamp its store header and
+        dispatch it; (phys offset, queue offset, store timestamp). Put lock held. This runs
+        once per batch, single messages included: keep it to a few calls."""
+        key = (topic, qid)
+        count = v.count
+        cl = self.commitlog
+        seg, rel = cl.reserve(size)
+        qoff = self._queue_offsets.get(key, 0)
+        now = time.time_ns() // 1_000_000
+        # Everything that may need new disk space comes before the batch is written, so
+        # a full disk fails the put with nothing stored (no half-dispatched batch).
+        cq = self.cqs.get_or_create(topic, qid)
+        cq.make_room(qoff, count)
+        if hashes:
+            self.index.make_room(now, len(hashes))
+        mm = seg.mm
+        phys = seg.start + rel
+        p_start = v.producer_start
+        buf: mmap.mmap | bytearray
+        if size < self._pwrite_min:  # copy through the mapping, then stamp it in place
+            buf, at = mm, rel
+            mm[rel : rel + size] = data
+        else:  # stamp a copy of the store header, write both with one syscall
+            buf, at = bytearray(memoryview(data)[:p_start]), 0
+        STORE_TAIL.pack_into(
+            buf, at + STORE_FIELDS_OFFSET, phys, qoff, now, v.prepared_offset, qid,
+            v.reconsume_times, v.topic_len, self._store_port, self._store_host,
+        )
+        CRC_FIELD.pack_into(
+            buf, at + STORE_CRC_OFFSET,
+            crc32c(memoryview(buf)[at + STORE_CRC_FROM : at + p_start]),
+        )
+        if not isinstance(buf, mmap.mmap):
+            cl.pwrite(seg, rel, (buf, memoryview(data)[p_start:]), size)
+        cl.advance(size)
+        self._write_dispatch(v, cq, hashes, phys, qoff, size, now)
+        self._queue_offsets[key] = qoff + count
+        if self._listeners:
+            for cb in self._listeners:
+                cb(topic, qid, qoff + count, v)
+        return phys, qoff, now
+
+    def put_many(
+        self, batches: list[tuple[bytes | bytearray | memoryview, BatchView]],
+    ) -> list[PutResult | StoreError | CorruptBatchError]:
+        """``put`` of several batches (each as a producer encoded it, with the view the
+        caller parsed; the queue is the one its header names) under one acquisition of the
+        put lock, in order: a SEND_MULTI_QUEUE frame of many small batches pays the lock,
+        the checks that hold for all of them and the bookkeeping once, not once per batch.
+        Each batch keeps its own queue offsets and store header, exactly as ``put`` writes
+        it; a batch that cannot be stored gets its StoreError (CorruptBatchError: damaged)
+        in its slot and the others are stored. ASYNC_FLUSH only (under SYNC_FLUSH each
+        batch needs its own durability callback: call ``put``)."""
+        if self._sync_flush:
+            raise StoreError("put_many is for ASYNC_FLUSH stores; use put under SYNC_FLUSH")
+        out: list[PutResult | StoreError | CorruptBatchError] = []
+        if self._closed:
+            return [StoreClosedError("the store is closed")] * len(batches)
+        if self.disk_full:
+            blocked = self.retention.blocked
+            return [DiskFullError(
+                f"disk holding {self.dir} is over {self.config.disk_refuse_writes_ratio:.0%} "
+                "full; writes are refused until retention frees space"
+                + (f": {blocked}" if blocked else ""))] * len(batches)
+        todo: list[tuple[int, bytes | bytearray | memoryview, BatchView, int, str,
+                         list[int] | None]] = []
+        max_bytes = self._max_batch_bytes
+        index = self._index_enabled
+        for i, (data, v) in enumerate(batches):
+            size = len(data)
+            out.append(None)  # type: ignore[arg-type]  # filled below
+            try:
+                if size > max_bytes:
+                    raise MessageTooLargeError(
+                        f"batch of {size} bytes exceeds max_batch_bytes="
+                        f"{self.config.max_batch_bytes}; send fewer or smaller messages per "
+                        "batch")
+                self._check_batch(v, size)
+                topic = v.topic
+                todo.append((i, data, v, size, topic,
+                             self._index_hashes(v, topic) if index else None))
+            except (StoreError, CorruptBatchError) as exc:
+                out[i] = exc
+        n_msgs = n_bytes = 0
+        with self._put_lock:
+            for i, data, v, size, topic, hashes in todo:
+                qid = v.queue_id
+                try:
+                    phys, qoff, now = self._append_locked(data, v, size, topic, qid, hashes)
+                except (StoreError, CorruptBatchError) as exc:
+                    out[i] = exc
+                    continue
+                count = v.count
+                n_msgs += count
+                n_bytes += size
+                out[i] = PutResult(PutStatus.PUT_OK, topic, qid, phys, qoff, count, size, now)
+        self._put_batches += len(todo)
+        self._put_messages += n_msgs
+        self._put_bytes += n_bytes
+        return out
 
     # -- replication (a slave's side; the broker's HA service drives it) ---------------------
     def append_replicated(
