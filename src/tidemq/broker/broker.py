@@ -565,6 +565,7 @@ class Broker:
         await asyncio.sleep(0)  # let changes made in the same loop iteration join this write
         while True:
             waiters, self._topics_waiters = self._topics_waiters, []
+            changes = self.topics.changes
             data = self.topics.snapshot()
             try:
                 await asyncio.to_thread(_write, self.topics.path, data)
@@ -575,7 +576,7 @@ class Broker:
                     cb()
                 except Exception:
                     log.exception("topic change callback failed")
-            if not self._topics_waiters and data == self.topics.snapshot():
+            if not self._topics_waiters and changes == self.topics.changes:
                 return
 
     def _register_header(self) -> RegisterBrokerRequestHeader:
