@@ -125,8 +125,10 @@ class RemoteOffsetStore(_MemoryTable):
                             mq, self.group, exc)
                 continue
             by_addr.setdefault(addr, {})[mq] = off
-        chunks = [(addr, dict(list(offs.items())[i : i + BATCH]))
-                  for addr, offs in by_addr.items() for i in range(0, len(offs), BATCH)]
+        chunks = []
+        for addr, offs in by_addr.items():
+            items = list(offs.items())
+            chunks += [(addr, dict(items[i : i + BATCH])) for i in range(0, len(items), BATCH)]
         results = await asyncio.gather(*(self._persist_chunk(a, c) for a, c in chunks),
                                        return_exceptions=True)
         for (addr, chunk), r in zip(chunks, results, strict=True):
