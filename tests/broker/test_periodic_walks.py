@@ -4,12 +4,16 @@ against a simple model (the full copy / the full filter it replaces)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from broker.wire import start_namesrv
+from tidemq.broker.registration import NamesrvRegistration
 from tidemq.broker.stats import BrokerStats
 from tidemq.broker.topic_config import TopicConfigManager
-from tidemq.protocol.headers import TopicConfig
+from tidemq.protocol.headers import RegisterBrokerRequestHeader, TopicConfig
 
 TOPICS = [f"t{i}" for i in range(5)]
 GROUPS = ["g1", "g2"]
@@ -119,3 +123,36 @@ def test_the_shrinker_pass_sees_only_shrinking_topics(tmp_path) -> None:
     assert [tc.topic_name for tc in tm.shrinking()] == ["scale-77"]
     tm.update(TopicConfig(topic_name="scale-77", read_queue_nums=2, write_queue_nums=2))
     assert tm.shrinking() == []
+
+
+def test_the_periodic_registration_copies_the_topic_table_only_when_needed(tmp_path) -> None:
+    """REGISTER_BROKER every interval: the table (12,500 topics at 100,000 queues) is copied
+    for the first registration, after a change and after need_topics, not for heartbeats."""
+    ns = start_namesrv(tmp_path)
+    version = [1]
+    built: list[bool] = []
+
+    def make(with_topics: bool) -> RegisterBrokerRequestHeader:
+        built.append(with_topics)
+        return RegisterBrokerRequestHeader(
+            cluster_name="c", broker_name="walks", broker_id=0, broker_addr="127.0.0.1:1",
+            data_version=version[0], topics_omitted=not with_topics,
+            topics={"w": TopicConfig(topic_name="w", read_queue_nums=2, write_queue_nums=2)}
+            if with_topics else {})
+
+    async def go() -> list[int]:
+        reg = NamesrvRegistration([ns.addr], make, interval_s=60, timeout_s=3)
+        try:
+            out = [await reg.register_all() for _ in range(3)]
+            version[0] = 2  # the table changed
+            out += [await reg.register_all() for _ in range(2)]
+            return out
+        finally:
+            reg.close()
+
+    try:
+        assert asyncio.run(go()) == [1] * 5
+    finally:
+        ns.stop()
+    # round 1: full; 2, 3: heartbeats; 4: a new version, full; 5: heartbeat
+    assert built == [False, True, False, False, False, True, False]
