@@ -202,7 +202,13 @@ class AdminProcessor:
         )
         self._group(h.consumer_group)
         self._queue(h.topic, h.queue_id)
-        self.offsets.commit(h.consumer_group, h.topic, h.queue_id, h.commit_offset)
+        pop = self.broker.pop
+        if pop is not None and (h.consumer_group, h.topic, h.queue_id) in pop.windows:
+            # a POP group's offset is its window's start: an offset reset moves the window
+            pop.types.move(h.consumer_group, h.topic, h.queue_id, h.commit_offset)
+            pop.types.wake(h.consumer_group)
+        else:
+            self.offsets.commit(h.consumer_group, h.topic, h.queue_id, h.commit_offset)
         self._reply(conn, frame, _EMPTY)
 
     def update_consumer_offsets(self, conn: BrokerConnection, frame: Frame) -> None:

@@ -142,7 +142,7 @@ class SubscriptionTypes:
         self.pop.modes.setdefault(group, POP_CONSUME_TYPE)
         self._drop_selectors(group)
         if cd.subscription_type == FAILOVER:
-            self._wake(group)  # the first by name may have changed
+            self.wake(group)  # the first by name may have changed
         if cd.subscription_type != KEY_SHARED or len(self.members(group)) < 2:
             return
         marks = {(t, q): w.next for (g, t, q), w in self.pop.windows.items()
@@ -173,7 +173,7 @@ class SubscriptionTypes:
         if not self.members(group):
             self.types.pop(group, None)
             self._joined.pop(group, None)
-        self._wake(group)  # a standby is active now; revived messages are poppable
+        self.wake(group)  # a standby is active now; revived messages are poppable
 
     def acked(self, group: str, keys: Any) -> None:
         """Acks of ``group`` on windows ``keys``: a recently joined key-shared consumer may
@@ -182,7 +182,8 @@ class SubscriptionTypes:
             for topic in {k[1] for k in keys}:
                 self.pop.hold.wake(group, topic)
 
-    def _wake(self, group: str) -> None:
+    def wake(self, group: str) -> None:
+        """Wake the group's held pops: something may be poppable for them now."""
         for topic in {t for (g, t, _q) in self.pop.windows if g == group}:
             self.pop.hold.wake(group, topic)
 
@@ -339,16 +340,21 @@ class SubscriptionTypes:
                 off = hi if h.timestamp > time.time() * 1000 else \
                     store.offset_for_timestamp(h.topic, q, h.timestamp)
             off = max(lo, min(off, hi))
-            key = (group, h.topic, q)
-            self.pop.windows[key] = PopWindow(off)
-            self._pending.pop(key, None)
-            for pos in self._joined.get(group, {}).values():
-                pos.pop((h.topic, q), None)
-            broker.offsets.commit(group, h.topic, q, off)
+            self.move(group, h.topic, q, off)
             moved[q] = off
         log.info("group %s seeks %s to %s", group, h.topic, moved)
-        self._wake(group)  # held pops: the moved queues may have something now
+        self.wake(group)  # held pops: the moved queues may have something now
         conn.respond(frame.opaque, _R.SUCCESS, SeekResponseHeader(offsets=moved))
+
+    def move(self, group: str, topic: str, qid: int, offset: int) -> None:
+        """The group's POP state of a queue starts over at ``offset`` (a seek, or an offset
+        reset by ``tidemq group reset-offset``): earlier deliveries become stale."""
+        key = (group, topic, qid)
+        self.pop.windows[key] = PopWindow(offset)
+        self._pending.pop(key, None)
+        for pos in self._joined.get(group, {}).values():
+            pos.pop((topic, qid), None)
+        self.broker.offsets.commit(group, topic, qid, offset)
 
     def stats(self) -> dict[str, Any]:
         return {"types": dict(self.types), "revived": self.revived,

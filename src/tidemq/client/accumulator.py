@@ -434,7 +434,9 @@ class Accumulator:
         if not f0.done():
             with contextlib.suppress(*_InvalidState):  # cancelled by another thread
                 f0.set_result(r)
-        self._after(b)
+        # A sender on another thread (the blocking facade) sends its next message through the
+        # inbox, never in this loop iteration: no cool-down to hold the bucket for it.
+        self._after(b, cool=isinstance(f0, _Future))
 
     async def _resume(self, b: _Bucket, st: Any, msgs: list[Message], futs: list[Any]
                       ) -> None:
@@ -474,15 +476,16 @@ class Accumulator:
         finally:
             self._after(b)
 
-    def _after(self, b: _Bucket) -> None:
-        """A batch of ``b`` was answered: send what gathered meanwhile."""
+    def _after(self, b: _Bucket, cool: bool = True) -> None:
+        """A batch of ``b`` was answered: send what gathered meanwhile. ``cool``: its senders
+        may send again in this loop iteration (coroutines woken by the answer)."""
         b.inflight -= 1
         if b.msgs and (b.waiting or b.mq is not None) and not b.inflight and not b.scheduled:
             # At the end of this loop iteration: the senders this answer wakes send their
             # next messages first, and they all leave together.
             b.scheduled = True
             b.loop.call_soon(self._leave, b)
-        elif not b.msgs and not b.inflight and not b.cool:
+        elif cool and not b.msgs and not b.inflight and not b.cool:
             b.cool = True
             b.loop.call_soon(self._uncool, b)
         # An idle bucket stays (one per topic, and per queue of ordered sends): the next send

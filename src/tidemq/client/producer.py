@@ -383,7 +383,7 @@ class Producer:
                 self._started and not self._closed and self.auto_batch
                 and type(msg) is Message and len(msg.body) < acc.batch_max_bytes
                 and not msg.delay_level and not msg.deliver_at
-                and set(options) <= _ROUTING_OPTIONS
+                and (not options or options.keys() <= _ROUTING_OPTIONS)
             ):
                 key: Any = None
                 mq: MessageQueue | None = None
