@@ -131,6 +131,8 @@ class Consumer:
         self._started = False
         self._closed = False
         self.negative_acked = 0
+        self.negative_ack_frames = 0  # CHANGE_INVISIBLE_TIME frames the negative acks took
+        self._nack_buf: list[tuple[ReceivedMessage, float]] = []
         self.stale_acks = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -158,6 +160,7 @@ class Consumer:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._flush_nacks()  # queued in this loop turn
         if self._nacks:
             await asyncio.gather(*self._nacks, return_exceptions=True)
         await self._sc.close()  # pending acks first, then it leaves the subscription
@@ -320,17 +323,33 @@ class Consumer:
         self._release(msg, delay)
 
     def _release(self, msg: ReceivedMessage, delay: float) -> None:
-        task = asyncio.get_running_loop().create_task(self._nack(msg, delay))
+        """Queue the invisible-time change; those of one loop turn travel as one frame per
+        broker (as acks do)."""
+        self._nack_buf.append((msg, delay))
+        if len(self._nack_buf) == 1:
+            loop = asyncio.get_running_loop()
+            loop.call_soon(self._flush_nacks)
+
+    def _flush_nacks(self) -> None:
+        buf, self._nack_buf = self._nack_buf, []
+        if not buf:
+            return
+        task = asyncio.get_running_loop().create_task(self._nack(buf))
         self._nacks.add(task)
         task.add_done_callback(self._nacks.discard)
 
-    async def _nack(self, msg: ReceivedMessage, delay: float) -> None:
+    async def _nack(self, buf: list[tuple[ReceivedMessage, float]]) -> None:
+        self.negative_ack_frames += len({m.broker_addr for m, _d in buf})
         try:
-            await self._sc.change_invisible_duration(msg, delay)
-        except StaleReceiptError:
-            self.stale_acks += 1
-        except TidemqError as exc:  # it comes back at its ack timeout instead
-            log.warning("negative ack of %r failed: %s", msg, exc)
+            results = await self._sc.change_invisible_all([m for m, _d in buf],
+                                                          [d for _m, d in buf])
+        except TidemqError as exc:
+            results = [exc] * len(buf)
+        for (msg, _d), r in zip(buf, results, strict=True):
+            if isinstance(r, StaleReceiptError):
+                self.stale_acks += 1
+            elif r is not None:  # it comes back at its ack timeout instead
+                log.warning("negative ack of %r failed: %s", msg, r)
 
     # -- seek ------------------------------------------------------------------------------------
     async def seek(self, message: ReceivedMessage | None = None, *,
@@ -377,6 +396,7 @@ class Consumer:
     def stats(self) -> dict[str, Any]:
         s = dict(self._sc.stats())
         s.update(queued=len(self._queue), negative_acked=self.negative_acked,
+                 negative_ack_frames=self.negative_ack_frames,
                  stale_acks=self.stale_acks + self._sc.stale,
                  unacked=sum(len(u) for u in self._unacked.values()))
         return s
