@@ -238,6 +238,24 @@ def table(records: list[dict]) -> str:
     return "\n".join([fmt.format(*cols), *(fmt.format(*row) for row in rows)])
 
 
+def ratios(records: list[dict]) -> list[str]:
+    """tidemq's rate over each peer's, per workload and size (the peers' targets, e.g.
+    consume 1 KiB >= 2.3x Redis XRANGE pages of 1000); a mean when --repeat ran several."""
+    rates: dict[tuple[str, str, object], list[float]] = {}
+    for r in records:
+        if r.get("msgs_per_s") and r.get("workload") in ("produce", "consume"):
+            rates.setdefault((r["peer"], r["workload"], r.get("size")), []).append(
+                r["msgs_per_s"])
+    lines = []
+    for (peer, workload, size), vals in sorted(rates.items(), key=str):
+        mine = rates.get(("tidemq", workload, size))
+        if peer == "tidemq" or not mine:
+            continue
+        ratio = (sum(mine) / len(mine)) / (sum(vals) / len(vals))
+        lines.append(f"tidemq / {peer}: {workload} {size} B {ratio:.2f}x")
+    return lines
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     runners = {"redis": run_redis, "rabbitmq": run_rabbitmq, "tidemq": run_tidemq}
@@ -251,6 +269,8 @@ def main(argv=None) -> int:
             failed.append(peer)
     if records:
         print("\n" + table(records), file=sys.stderr, flush=True)
+        for line in ratios(records):
+            print(line, file=sys.stderr, flush=True)
     if failed or FAILED_RUNS:
         print(f"failed: {failed + FAILED_RUNS}", file=sys.stderr, flush=True)
         return 1

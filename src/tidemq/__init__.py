@@ -22,6 +22,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
+    "Consumer",
     "SimpleConsumer",
     "ReceivedMessage",
     "StaleReceiptError",
@@ -61,6 +62,7 @@ __all__ = [
 ]
 
 _WHERE = {
+    "Consumer": "tidemq.client.blocking_consumer",
     "SimpleConsumer": "tidemq.client.blocking_simple",
     "ReceivedMessage": "tidemq.client.simple_consumer",
     "StaleReceiptError": "tidemq.client.simple_consumer",
@@ -108,6 +110,7 @@ if TYPE_CHECKING:
         PushConsumer,
         TransactionProducer,
     )
+    from tidemq.client.blocking_consumer import Consumer
     from tidemq.client.blocking_simple import SimpleConsumer
     from tidemq.client.consumer_options import PushConsumerOptions
     from tidemq.client.errors import (

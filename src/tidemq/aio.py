@@ -51,6 +51,7 @@ from tidemq.client.producer import Producer, Selector, SendCallback
 from tidemq.client.push_consumer import PushConsumer
 from tidemq.client.rebalance import AllocateStrategy
 from tidemq.client.simple_consumer import ReceivedMessage, SimpleConsumer, StaleReceiptError
+from tidemq.client.subscription_consumer import Consumer
 from tidemq.client.transaction_producer import (
     LocalTransactionState,
     TransactionProducer,
@@ -58,6 +59,7 @@ from tidemq.client.transaction_producer import (
 )
 
 __all__ = [
+    "Consumer",
     "SimpleConsumer",
     "ReceivedMessage",
     "StaleReceiptError",

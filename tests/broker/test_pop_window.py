@@ -167,3 +167,25 @@ def test_state_round_trip_and_restore():
     r.restore(10, 2, 1000, 100)
     assert r.next == 11 and r.state(10) == "in_flight"
     assert [p.offset for p in r.pop(10, 1001, 100, 11)] == [5, 6, 7, 8, 9]
+
+
+def test_deliver_chosen_offsets_pass_over_and_expire() -> None:
+    """Key-shared's use of a window: chosen offsets delivered, the skipped ones left as gaps
+    (never delivered, not acked), a leaving consumer's delivery ended early."""
+    w = PopWindow(10)
+    p = w.deliver(12, 1000, 500)
+    assert (p.offset, p.attempt, w.next) == (12, 1, 13)
+    assert w.deliverable(10, 1000) and w.deliverable(11, 1000)  # gaps wait for their owner
+    assert not w.deliverable(12, 1000) and w.deliverable(13, 1000)
+    assert w.deliver(11, 1001, 500).attempt == 1  # a first delivery, not a redelivery
+    assert w.redelivered == 0
+    assert w.holds(12, 1000) and not w.holds(12, 999)
+    assert w.expire(12, 1000) and not w.expire(12, 999)
+    assert sorted(w.expired(1002)) == [12]  # gaps are not in flight
+    again = w.deliver(12, 1003, 500)
+    assert (again.attempt, w.redelivered) == (2, 1)
+    assert w.ack(12, 1003) and w.ack(11, 1001)
+    assert w.start == 10 and w.unacked(13) == 1  # the hole at 10
+    w.pass_over(15)
+    assert w.next == 15 and w.unacked(15) == 3
+    assert PopWindow.from_state(w.to_state()).unacked(15) == 3  # gaps survive a snapshot

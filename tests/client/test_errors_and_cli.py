@@ -165,4 +165,5 @@ def test_bench_app_runs_every_workload_and_prints_one_json_object():
     assert w["send_16_threads"]["tidemq"]["count"] == 320
     assert (w["send_async"]["tidemq"]["count"] == w["push_consume"]["tidemq"]["count"]
             == w["poll_consume"]["tidemq"]["count"] == 2000)
+    assert w["send_async"]["tidemq"]["send_errors"] == 0
     assert all(row["tidemq"]["msgs_per_s"] > 0 for row in w.values())

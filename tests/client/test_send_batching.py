@@ -220,3 +220,46 @@ def test_a_lone_blocking_send_refused_by_the_broker_fails_only_itself(dev):
         assert ok1.status is tidemq.SendStatus.SEND_OK and ok2.status is tidemq.SendStatus.SEND_OK
         assert p._aio.accumulator.npending == 0
     assert sorted(_bodies(dev, "ab-lone")) == [b"first", b"second"]
+
+
+def test_a_blocking_send_from_a_send_async_callback_raises_instead_of_hanging(dev):
+    """The callback runs on the tidemq-io thread, where a blocking send would wait for the
+    very loop it blocks: it is refused at once (the thread is recognised by its id)."""
+    with tidemq.Producer(dev.namesrv) as p:
+        p.send(tidemq.Message("cb-io", b"warm"))
+        errors: list[BaseException] = []
+        done = threading.Event()
+
+        def callback(result, error):
+            try:
+                p.send(tidemq.Message("cb-io", b"inner"))
+            except RuntimeError as exc:
+                errors.append(exc)
+            finally:
+                done.set()
+
+        p.send_async(tidemq.Message("cb-io", b"outer"), callback=callback).result(10)
+        assert done.wait(10)
+        assert len(errors) == 1 and "tidemq-io" in str(errors[0])
+        assert p.send(tidemq.Message("cb-io", b"after")).queue_offset >= 0  # still usable
+
+
+def test_a_blocking_send_to_a_cached_route_without_writable_queues_fails_at_once(dev):
+    """A lone blocking send whose cached route has no writable queue (a read-only topic; a
+    group with only slaves after its master died) gets NoRouteError at once, every time: the
+    refusal must not escape into the loop thread's callback and leave the caller waiting
+    for its send timeout (nor leave its bucket marked in flight)."""
+    from tidemq.protocol.headers import Perm
+
+    async def read_only():
+        async with aio.Admin(dev.namesrv) as admin:
+            await admin.create_topic("ab-ro", 2, perm=Perm.READ)
+
+    _run(read_only())
+    with tidemq.Producer(dev.namesrv, send_timeout=5.0) as p:
+        for _ in range(3):  # the first finds no cached route; the others find it cached
+            t0 = time.monotonic()
+            with pytest.raises(tidemq.NoRouteError, match="no writable queue"):
+                p.send(tidemq.Message("ab-ro", b"x"))
+            assert time.monotonic() - t0 < 2.0
+        assert p._aio.accumulator.npending == 0

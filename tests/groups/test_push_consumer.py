@@ -110,6 +110,30 @@ def test_flow_control_keeps_a_queue_under_its_threshold(dev) -> None:
         assert admin.group_lag("pc-flow-g", topic).total_lag == 0
 
 
+def test_a_queue_held_back_by_flow_control_pulls_again_once_consumed(dev) -> None:
+    """Flow control parks a queue's pull until the listener has consumed enough of it: the
+    pull goes out then, not after a fixed 50 ms (which made a fast listener wait for nothing).
+    A 1-queue backlog of 1,000, a threshold of 10 messages: nearly every pull is held back."""
+    topic = "pc-flow-resume"
+    with tidemq.Admin(dev.namesrv) as admin:
+        admin.create_topic(topic, 1)
+    with tidemq.Producer(dev.namesrv) as p:
+        for _ in range(100):
+            p.send_batch([tidemq.Message(topic, b"x" * 100) for _ in range(10)])
+
+    def handle(msgs, ctx):
+        return tidemq.ConsumeStatus.SUCCESS
+
+    with tidemq.PushConsumer(dev.namesrv, "pc-flow-resume-g", handle,
+                             pull_threshold_for_queue=10, **FAST) as c:
+        c.subscribe(topic)
+        wait_until(lambda: c.stats()["consumed"] == 1000, 20)
+        st = c.stats()
+    assert st["flow_controlled"] >= 5
+    # Most parked pulls were resumed by the consumption itself, not by the 50 ms fallback.
+    assert st["flow_resumed_early"] >= st["flow_controlled"] // 2
+
+
 def test_a_message_stuck_past_the_consume_timeout_is_sent_back(dev) -> None:
     topic = "pc-stuck"
     with tidemq.Admin(dev.namesrv) as admin:

@@ -1,7 +1,7 @@
 """`tidemq bench app`: what applications really write, against Redis Streams through redis-py in
 the same run.
 
-The five workloads (varied messages, ``app_messages.py``), each run against tidemq and then
+The six workloads (varied messages, ``app_messages.py``), each run against tidemq and then
 against Redis before the next one starts, so both see the same machine load:
 
 ==================  ===============================================  ============================
@@ -24,6 +24,7 @@ workload            tidemq                                           redis-py / 
 ==================  ===============================================  ============================
 
 Per side: ``msgs_per_s``, ``us_per_call`` (wall time per message of one sender),
+``send_errors`` (``send_async``: futures that failed; not counted as sent),
 ``client_cpu_us_per_msg`` (this process's CPU time per message: the client's cost, whatever the
 server and the rest of the machine do). ``ratio`` is tidemq's rate over Redis'. tidemq runs
 against its own fresh ``tidemq dev`` (default ASYNC_FLUSH), Redis with AOF and fsync every
@@ -154,16 +155,21 @@ def _send_async(namesrv: str, topic: str, count: int, progress: Progress | None
         async with Producer(namesrv, max_pending_messages=max(count, 100_000)) as producer:
             await producer.send(_msg(topic, 0))
             step = 10_000
+            futs: list[asyncio.Future[Any]] = []
+            keep = futs.append
             t0, c0 = time.perf_counter(), time.process_time()
             send_async = producer.send_async
             for lo in range(0, count, step):
                 for i in range(lo, min(count, lo + step)):
-                    send_async(_msg(topic, i))
+                    keep(send_async(_msg(topic, i)))
                 _tick(progress, min(step, count - lo))
                 await asyncio.sleep(0)  # an application yields now and then
             await producer.flush()
             seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-        return _side(count, seconds, cpu)
+        # A send that failed is not counted as sent (and its error is retrieved here).
+        errors = sum(1 for f in futs if f.done() and not f.cancelled()
+                     and f.exception() is not None)
+        return {**_side(count - errors, seconds, cpu), "send_errors": errors}
 
     return run_loop(main())  # type: ignore[no-any-return]
 

@@ -14,6 +14,15 @@ acking every message.
 
 Returns one dict (JSON from the CLI): ``msgs_per_s``, ``mb_per_s``, ``client_cpu_us_per_msg``,
 ``broker`` side costs are not separated (the broker is another process).
+
+With ``subscription_types`` (``--subscription-type Shared --subscription-type Key_Shared``) the
+backlog is produced once, with keys (``order-<i>``, 1000 distinct per produced batch), tags and
+properties, and drained once per type by a fresh group of N Pulsar-style ``aio.Consumer``
+processes (``initial_position="earliest"``, default receiver queue of 1000): each loops
+``batch_receive(pop_batch)`` and acks every message with its own ``acknowledge`` (grouped into
+frames by the client). "SimpleConsumer" drains it with SimpleConsumers as above. The result
+holds one entry per run and ``key_shared_vs_shared``, the ratio of their rates (same backlog,
+same run).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from typing import Any
 
 from tidemq.bench.client_bench import Progress, bench_produce, ensure_topic, run_loop
 from tidemq.client.simple_consumer import SimpleConsumer
+from tidemq.client.subscription_consumer import Consumer
 
 __all__ = ["bench_pop"]
 
@@ -63,8 +73,41 @@ async def _member(namesrv: str, group: str, topic: str, pop_batch: int, invisibl
         arr[base + 4] = time.process_time() - cpu0
 
 
+async def _typed_member(namesrv: str, group: str, topic: str, pop_batch: int,
+                        invisible: float, arr: Any, i: int, go: Any, stop: Any,
+                        sub_type: str) -> None:
+    base = i * _SLOTS
+    while not go.is_set():
+        await asyncio.sleep(0.001)
+    async with Consumer(namesrv, topic, group, subscription_type=sub_type,
+                        consumer_name=f"bench-{i}", initial_position="earliest",
+                        ack_timeout=invisible, await_duration=0.5) as c:
+        cpu0 = time.process_time()
+        acked = redelivered = 0
+        last_report = 0.0
+        while not stop.is_set():
+            msgs = await c.batch_receive(pop_batch, timeout=0.2)
+            if not msgs:
+                continue
+            redelivered += sum(1 for m in msgs if m.delivery_attempt > 1)
+            # one acknowledge per message; the client sends a loop turn's acks as one frame
+            results = await asyncio.gather(*[c.acknowledge_nowait(m) for m in msgs],
+                                           return_exceptions=True)
+            acked += sum(1 for r in results if r is None)
+            now = time.monotonic()
+            arr[base], arr[base + 1], arr[base + 2] = acked, redelivered, c.stats()["stale_acks"]
+            arr[base + 3] = now
+            if now - last_report > _REPORT:
+                arr[base + 4] = time.process_time() - cpu0
+                last_report = now
+        arr[base + 4] = time.process_time() - cpu0
+
+
 def _member_process(args: tuple[Any, ...]) -> None:
-    run_loop(_member(*args))
+    if len(args) > 9:
+        run_loop(_typed_member(*args))
+    else:
+        run_loop(_member(*args))
 
 
 def bench_pop(
@@ -81,19 +124,51 @@ def bench_pop(
     produce_batch: int = 1000,
     invisible: float = 60.0,
     progress: Progress | None = None,
+    subscription_types: list[str] | None = None,
 ) -> dict[str, Any]:
     if consumers < 1 or pop_batch < 1 or count < 1:
         raise ValueError("consumers, pop_batch and count must be >= 1")
     run_loop(ensure_topic(namesrv, topic, queues))
     if produce:
         bench_produce(namesrv=namesrv, topic=topic, size=size, count=count,
-                      batch=produce_batch, queues=queues, inflight=8)
+                      batch=produce_batch, queues=queues, inflight=8,
+                      varied=bool(subscription_types))
+    args: dict[str, Any] = dict(namesrv=namesrv, topic=topic, consumers=consumers,
+                                count=count, size=size, pop_batch=pop_batch,
+                                invisible=invisible, progress=progress)
+    if not subscription_types:
+        out = _drain(group=group, kind=SIMPLE, **args)
+        out["produce_batch"] = produce_batch if produce else None
+        return out
+    runs = [_drain(group=None, kind=t, **args) for t in subscription_types]
+    rate = {r["subscription_type"]: r["msgs_per_s"] for r in runs}
+    result: dict[str, Any] = {
+        "workload": "pop-subscription-types", "consumers": consumers, "count": count,
+        "size": size, "pop_batch": pop_batch,
+        "produce_batch": produce_batch if produce else None,
+        "messages": "keys order-<i>, tags, properties (the same backlog for every run)",
+        "runs": runs,
+    }
+    if rate.get("Shared") and "Key_Shared" in rate:
+        result["key_shared_vs_shared"] = round(rate["Key_Shared"] / rate["Shared"], 3)
+    return result
+
+
+SIMPLE = "SimpleConsumer"
+
+
+def _drain(*, namesrv: str, topic: str, group: str | None, kind: str, consumers: int,
+           count: int, size: int, pop_batch: int, invisible: float,
+           progress: Progress | None) -> dict[str, Any]:
+    """N member processes of one fresh group drain ``count`` messages of ``topic``."""
     group = group or f"bench-pop-{uuid.uuid4().hex[:12]}"
     ctx = multiprocessing.get_context("spawn")
     arr = ctx.Array("d", _SLOTS * consumers, lock=False)
     go, stop = ctx.Event(), ctx.Event()
+    extra = () if kind == SIMPLE else (kind,)
     procs = [ctx.Process(target=_member_process, daemon=True,
-                         args=((namesrv, group, topic, pop_batch, invisible, arr, i, go, stop),))
+                         args=((namesrv, group, topic, pop_batch, invisible, arr, i, go, stop,
+                                *extra),))
              for i in range(consumers)]
     for p in procs:
         p.start()
@@ -124,12 +199,12 @@ def bench_pop(
     cpu = sum(arr[i * _SLOTS + 4] for i in range(consumers))
     return {
         "workload": "pop",
+        "subscription_type": kind,
         "group": group,
         "consumers": consumers,
         "pop_batch": pop_batch,
         "acks": "per message (grouped into one ACK_MESSAGE frame per receive)",
         "size": size,
-        "produce_batch": produce_batch if produce else None,
         "count": done,
         "complete": done >= count,
         "seconds": round(secs, 3),

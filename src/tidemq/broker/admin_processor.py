@@ -198,7 +198,13 @@ class AdminProcessor:
         )
         self._group(h.consumer_group)
         self._queue(h.topic, h.queue_id)
-        self.offsets.commit(h.consumer_group, h.topic, h.queue_id, h.commit_offset)
+        pop = self.broker.pop
+        if pop is not None and (h.consumer_group, h.topic, h.queue_id) in pop.windows:
+            # a POP group's offset is its window's start: an offset reset moves the window
+            pop.types.move(h.consumer_group, h.topic, h.queue_id, h.commit_offset)
+            pop.types.wake(h.consumer_group)
+        else:
+            self.offsets.commit(h.consumer_group, h.topic, h.queue_id, h.commit_offset)
         self._reply(conn, frame, _EMPTY)
 
     def query_consumer_offset(self, conn: BrokerConnection, frame: Frame) -> None:
@@ -263,6 +269,10 @@ class AdminProcessor:
                 committed = self.offsets.query(group, topic, qid)
                 consumer_offset = max(committed, 0)
                 lag = max(0, broker_offset - consumer_offset)
+                pop = self.broker.pop
+                w = pop.windows.get((group, topic, qid)) if pop is not None else None
+                if w is not None:  # a POP group: what is not acked, holes included
+                    lag = w.unacked(broker_offset)
                 total += lag
                 queues.append(
                     QueueConsumeStats(

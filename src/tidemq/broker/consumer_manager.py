@@ -128,6 +128,7 @@ class ConsumerManager:
                 check_subscription(sd.expression_type, sd.expression, sd.topic)
             if pop is not None:
                 pop.check_mode(cd.group, pop_mode(cd.consume_type), client_id=h.client_id)
+                pop.types.check_heartbeat(h.client_id, cd)  # one type; exclusive
         for cd in h.consumers:
             self.register(conn, h.client_id, cd, now)
         if not frame.is_oneway:
@@ -190,6 +191,8 @@ class ConsumerManager:
             return False
         info.members[client_id] = _Member(client_id, conn, now)
         pops = cd.consume_type == "POP"
+        if pops and self.broker.pop is not None:
+            self.broker.pop.types.joined(group, client_id, cd)
         if cd.message_model == "CLUSTERING" and not pops:
             self.broker.ensure_retry_topic(group)
         log.info("consumer %s joined group %s (%d members)", client_id, group, len(info.members))
@@ -203,6 +206,8 @@ class ConsumerManager:
             return
         log.info("consumer %s left group %s (%s)", client_id, group, why)
         self.broker.queue_locks.release_client(group, client_id)
+        if self.broker.pop is not None:
+            self.broker.pop.types.left(group, client_id)  # its deliveries revive now
         if info.members:
             self._notify(info)
         else:

@@ -24,6 +24,7 @@ Sans-IO; one owner (the dispatcher).
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Iterable, Mapping
 from hashlib import blake2b
 
@@ -38,6 +39,7 @@ def _hash(data: bytes) -> int:
     return int.from_bytes(blake2b(data, digest_size=4).digest(), "little")
 
 
+@functools.lru_cache(maxsize=65_536)  # keys repeat: a dispatcher asks for the same ones
 def key_slot(key: str | bytes) -> int:
     """The slot (0 .. 65 535) of an ordering key."""
     return _hash(key.encode() if isinstance(key, str) else key) % SLOTS

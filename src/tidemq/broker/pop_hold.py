@@ -66,8 +66,11 @@ class HeldPop:
         self.done = False
         h = header
         #: requests with equal ``same`` find the same things poppable
+        # the consumer too: of a key-shared or failover subscription, what one consumer may
+        # pop another may not (subscription_types.py)
         self.same = (attempt.__name__, h.queue_id, getattr(h, "subscription", None),
-                     getattr(h, "expression_type", None), getattr(h, "order", False))
+                     getattr(h, "expression_type", None), getattr(h, "order", False),
+                     getattr(h, "consumer", ""))
 
 
 class PopHoldService:

@@ -49,6 +49,7 @@ from tidemq.broker.pop_orderly import pop_orderly, poppable_orderly
 from tidemq.broker.pop_window import Popped, PopWindow
 from tidemq.broker.send_back import store_copy
 from tidemq.broker.sql_select import sql_filter_for
+from tidemq.broker.subscription_types import SubscriptionTypes
 from tidemq.protocol.codes import DLQ_PREFIX, RequestCode, ResponseCode
 from tidemq.protocol.errors import CorruptBatchError, TidemqError
 from tidemq.protocol.headers import Perm
@@ -147,6 +148,7 @@ class PopProcessor:
         self.stale = 0
         self.dead = 0  # copied to %DLQ%<group> after retry_max_times deliveries
         self.log = PopLog(broker.store)
+        self.types = SubscriptionTypes(self)  # Pulsar subscription types (their own module)
         self.snapshots = PopSnapshots(
             os.path.join(broker.config.config_path, "pop_windows.snapshot"), broker.store)
 
@@ -194,6 +196,11 @@ class PopProcessor:
         """Rebuild the windows from ``rmq_sys_POP_LOG`` (at start, before serving)."""
         window_for = self._window_for
         snap = self.snapshots.load()
+        if snap is not None and snap[0] > self.broker.store.max_offset(POP_LOG_TOPIC, 0):
+            # the log was cut back below it (a slave's tail the new master never had)
+            log.warning("POP snapshot covers log offset %d, past the log's end: replaying "
+                        "the whole log", snap[0])
+            snap = None
         start = 0
         if snap is not None:
             start, saved = snap
@@ -212,6 +219,7 @@ class PopProcessor:
             RequestCode.POP_MESSAGE: self.handle_pop,
             RequestCode.ACK_MESSAGE: self.handle_ack,
             RequestCode.CHANGE_INVISIBLE_TIME: self.handle_change,
+            RequestCode.SEEK_SUBSCRIPTION: self.types.handle_seek,
             RequestCode.NOTIFICATION: self.notifications.handle,
         }
 
@@ -275,6 +283,7 @@ class PopProcessor:
                 _R.NO_PERMISSION, f"topic {h.topic!r} is non-persistent: it cannot be popped")
         _Selector(h)  # a bad subscription is refused at the door
         self.check_mode(group, POP)
+        self.types.admit(h)
         self.check_order(group, h.order)
 
     def check_order(self, group: str, order: bool) -> None:
@@ -292,7 +301,7 @@ class PopProcessor:
     def _answer(self, conn: BrokerConnection, opaque: int, h: PopMessageRequestHeader) -> bool:
         """Pop and answer SUCCESS when something was popped (True); else nothing sent."""
         tc = self.broker.topics.get(h.topic)
-        if tc is None:
+        if tc is None or not self.types.may_pop(h):
             return False
         sel = _Selector(h)
         now = _now_ms()
@@ -360,7 +369,7 @@ class PopProcessor:
         logged: list[Popped] = []
         acks: list[tuple[int, int]] = []
         for _round in range(8):  # filtered-out and dead messages make room for more
-            popped = w.pop(want - got, now, h.invisible_ms, max_off)
+            popped = self.types.choose(h, w, qid, want - got, now, max_off)
             if not popped:
                 break
             logged += popped
@@ -403,6 +412,7 @@ class PopProcessor:
             if got >= want:
                 break
         self.log.append(group, topic, qid, logged, acks)  # durable before the answer leaves
+        self.types.hold(group, h.consumer, (group, topic, qid), logged)
         if logged:  # a held pop of the group waits for these deadlines too
             self.hold.deadline_set((group, topic, qid), now + h.invisible_ms)
         self.popped += got
@@ -538,6 +548,7 @@ class PopProcessor:
                 log.error("ack records of %s not stored (%s): these acks may be lost in a "
                           "restart (the messages are then delivered again)", key, exc)
             self._commit(*key, self.windows[key])
+        self.types.acked(group, touched)
         if touched and self.orderly.get(group):
             for topic in {k[1] for k in touched}:
                 self.hold.wake(group, topic)  # an ack may free a message group

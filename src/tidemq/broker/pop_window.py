@@ -194,6 +194,41 @@ class PopWindow:
         else:
             e.pop_time, e.deadline, e.attempt = pop_time, pop_time + invisible_ms, attempt
 
+    # -- chosen deliveries (key-shared, ``key_shared_dispatch.py``) ------------------------------
+    def expired(self, now: int) -> list[int]:
+        """In-flight offsets whose deadline passed (an ack timeout, a consumer that left),
+        unsorted; the skipped offsets (gaps) are not in flight."""
+        return [o for o, e in self._inflight.items() if e.deadline <= now]
+
+    def deliverable(self, offset: int, now: int) -> bool:
+        """True when :meth:`deliver` may hand out ``offset`` now: not acked, and not in flight
+        with a deadline to come."""
+        e = self._inflight.get(offset)
+        if e is None:
+            return offset >= self.next or offset in self._gaps
+        return e.deadline <= now
+
+    def pass_over(self, end: int) -> None:
+        """Offsets from ``next`` up to ``end`` (excluded) were read but given to nobody: they
+        become gaps (never delivered, not acked: their first delivery is attempt 1)."""
+        if end > self.next:
+            self._gaps.update(range(self.next, end))
+            self.next = end
+
+    def expire(self, offset: int, pop_time: int) -> bool:
+        """End the delivery of ``offset`` popped at ``pop_time`` now (its consumer left): it is
+        revivable at once. False when that delivery is over already."""
+        e = self._inflight.get(offset)
+        if e is None or e.pop_time != pop_time:
+            return False
+        e.deadline = 0
+        return True
+
+    def holds(self, offset: int, pop_time: int) -> bool:
+        """True while the delivery of ``offset`` popped at ``pop_time`` is in flight."""
+        e = self._inflight.get(offset)
+        return e is not None and e.pop_time == pop_time
+
     def to_state(self) -> WindowState:
         """Everything of the window, as plain tuples (``broker/pop_log.py`` snapshots)."""
         return (self.start, self.next,

@@ -1,4 +1,4 @@
-"""`tidemq bench app`: the five everyday workloads against tidemq and Redis (bench/app_bench.py)."""
+"""`tidemq bench app`: the six everyday workloads against tidemq and Redis (bench/app_bench.py)."""
 
 from __future__ import annotations
 

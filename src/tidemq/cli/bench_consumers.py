@@ -36,16 +36,21 @@ def bench_sql_filter_cmd(count: int, batch: int, size: int, rounds: int, as_json
 @click.option("--pop-batch", default=256, show_default=True, help="receive(max) per call.")
 @click.option("--queues", default=8, show_default=True)
 @click.option("--no-produce", is_flag=True, help="Drain the existing backlog of the group.")
+@click.option("--subscription-type", "subscription_types", multiple=True,
+              type=click.Choice(["SimpleConsumer", "Shared", "Key_Shared", "Failover"]),
+              help="Drain the same keyed backlog once per type, with Pulsar-style Consumers "
+                   "(repeat: --subscription-type Shared --subscription-type Key_Shared).")
 @click.option("--json", "as_json", is_flag=True)
 def bench_pop_cmd(namesrv: str, topic: str, group: str | None, consumers: int, count: int,
                   size: int, pop_batch: int, queues: int, no_produce: bool,
-                  as_json: bool) -> None:
+                  subscription_types: tuple[str, ...], as_json: bool) -> None:
     """SimpleConsumers (POP) of one group drain a backlog with per-message acks: msgs/s."""
     from tidemq.bench.pop_bench import bench_pop
 
     emit_result(bench_pop(namesrv=namesrv, topic=topic, group=group, consumers=consumers,
                           count=count, size=size, pop_batch=pop_batch, queues=queues,
-                          produce=not no_produce), as_json)
+                          produce=not no_produce,
+                          subscription_types=list(subscription_types) or None), as_json)
 
 
 def register(cli: click.Group) -> None:

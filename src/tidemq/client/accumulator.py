@@ -43,6 +43,7 @@ from typing import Any
 from tidemq.client.errors import MessageRejectedError, ProducerQueueFullError, RequestTimeoutError
 from tidemq.client.message import Message, MessageQueue, SendResult
 from tidemq.client.retry_policy import CONTENT_CODES
+from tidemq.client.send_future import SendFuture
 from tidemq.protocol.errors import BrokerError
 
 __all__ = ["Accumulator", "BatchSend", "split_result"]
@@ -264,6 +265,30 @@ class Accumulator:
                 b.loop.call_soon(self.flush_open)
         return result
 
+    def add_async(self, msg: Message) -> SendFuture:
+        """:meth:`add` of a ``send_async`` message to its topic's bucket (no key, no deadline,
+        no sink), answered through a :class:`SendFuture` (resolved per batch, no asyncio
+        future nor SendResult per message unless asked for)."""
+        b = self._buckets.get(msg.topic)
+        if b is None:
+            k = msg.topic
+            b = self._buckets[k] = _Bucket(k, k, None, asyncio.get_running_loop())
+        fut = SendFuture(b.loop)
+        msgs = b.msgs
+        msgs.append(msg)
+        b.futs.append(fut)  # type: ignore[arg-type]
+        b.deadlines.append(0.0)
+        size = b.size = b.size + len(msg.body)
+        if len(msgs) >= self.batch_max_messages or size >= self.batch_max_bytes:
+            self._dispatch(b)  # an unpinned bucket: never held back by a batch in flight
+        elif not self._flush_scheduled:
+            self._flush_scheduled = True
+            if self.batch_max_delay > 0:
+                b.loop.call_later(self.batch_max_delay, self.flush_open)
+            else:
+                b.loop.call_soon(self.flush_open)
+        return fut
+
     def _expire(self, b: _Bucket) -> None:
         """Fail the messages of ``b`` whose callers' deadlines passed while they waited."""
         b.timer = None
@@ -409,7 +434,9 @@ class Accumulator:
         if not f0.done():
             with contextlib.suppress(*_InvalidState):  # cancelled by another thread
                 f0.set_result(r)
-        self._after(b)
+        # A sender on another thread (the blocking facade) sends its next message through the
+        # inbox, never in this loop iteration: no cool-down to hold the bucket for it.
+        self._after(b, cool=isinstance(f0, _Future))
 
     async def _resume(self, b: _Bucket, st: Any, msgs: list[Message], futs: list[Any]
                       ) -> None:
@@ -449,15 +476,16 @@ class Accumulator:
         finally:
             self._after(b)
 
-    def _after(self, b: _Bucket) -> None:
-        """A batch of ``b`` was answered: send what gathered meanwhile."""
+    def _after(self, b: _Bucket, cool: bool = True) -> None:
+        """A batch of ``b`` was answered: send what gathered meanwhile. ``cool``: its senders
+        may send again in this loop iteration (coroutines woken by the answer)."""
         b.inflight -= 1
         if b.msgs and (b.waiting or b.mq is not None) and not b.inflight and not b.scheduled:
             # At the end of this loop iteration: the senders this answer wakes send their
             # next messages first, and they all leave together.
             b.scheduled = True
             b.loop.call_soon(self._leave, b)
-        elif not b.msgs and not b.inflight and not b.cool:
+        elif cool and not b.msgs and not b.inflight and not b.cool:
             b.cool = True
             b.loop.call_soon(self._uncool, b)
         # An idle bucket stays (one per topic, and per queue of ordered sends): the next send
@@ -544,8 +572,10 @@ def _waited_too_long(topic: str) -> RequestTimeoutError:
         "the wait in the batch container behind the batch in flight)")
 
 
-def split_result(r: SendResult, futs: list[asyncio.Future[SendResult]]) -> None:
-    """Give each message of a batch its own SendResult (message i: offset and sequence + i)."""
+def split_result(r: SendResult, futs: list[Any]) -> None:
+    """Give each message of a batch its own SendResult (message i: offset and sequence + i);
+    a ``send_async`` SendFuture gets the batch's result and its index, and builds its
+    SendResult when read."""
     if len(futs) == 1:
         f = futs[0]
         if not f.done():
@@ -558,7 +588,9 @@ def split_result(r: SendResult, futs: list[asyncio.Future[SendResult]]) -> None:
     step = 1 if qoff >= 0 else 0  # a DUPLICATE batch has no offsets: -1 for each
     try:
         for i, f in enumerate(futs):
-            if not f.done():
+            if type(f) is SendFuture:  # send_async's: its SendResult is built when read
+                f.in_batch(r, i)
+            elif not f.done():
                 seq = base + i
                 f.set_result(SendResult(status, f"{prefix}{seq:016X}", topic, qid,
                                         qoff + i * step, 1, bname, pid, seq))

@@ -375,7 +375,8 @@ class Admin:
             stats: ConsumeStats = _header(f, ConsumeStats)
             q: QueueConsumeStats
             for q in stats.queues:
-                lag = max(0, q.broker_offset - q.consumer_offset)
+                # the broker's count: for a POP group, what is not acked (holes included)
+                lag = q.lag
                 out.append(QueueLag(MessageQueue(q.topic, stats.broker_name or name, q.queue_id),
                                     q.broker_offset, q.consumer_offset, lag, q.last_timestamp))
 

@@ -171,7 +171,13 @@ class BatchSender:
         if route is None:
             return None
         router = self.router
-        mq, pinned = router.select(route, msgs[0], queue_id, None, None, None, None)
+        try:
+            mq, pinned = router.select(route, msgs[0], queue_id, None, None, None, None)
+        except ClientError:
+            # No writable queue (say, a group without a master): the coroutine path selects
+            # again and raises it to the caller. Raised here it would escape into the loop
+            # callback that kicked the batch, and the caller would wait out its timeout.
+            return None
         conn = self.pool.get_nowait(route.broker_addrs[mq.broker_name])
         if conn is None or not conn.writable:
             return None

@@ -50,6 +50,8 @@ class _IoThread:
     _lock = threading.Lock()
     _loop: asyncio.AbstractEventLoop | None = None
     _pid = 0
+    #: threading.get_ident() of the loop thread (a cheaper test than its name, per send)
+    ident = -1
 
     @classmethod
     def loop(cls) -> asyncio.AbstractEventLoop:
@@ -73,6 +75,7 @@ class _IoThread:
         started = threading.Event()
 
         def run() -> None:
+            _IoThread.ident = threading.get_ident()
             asyncio.set_event_loop(loop)
             loop.call_soon(started.set)
             loop.run_forever()
@@ -280,7 +283,7 @@ class Producer(_Facade):
         """Send and wait (options: queue_id, selector, arg, hash_key, timeout)."""
         if self._gen != _fork_generation:
             self._fresh()
-        if type(msg) is not Message or threading.current_thread().name == "tidemq-io":
+        if type(msg) is not Message or threading.get_ident() == _IoThread.ident:
             return _run(self._aio.send(msg, **options))
         w = _Waiter()
         self._inbox.put(msg, options, w, True)

@@ -266,6 +266,7 @@ class ConsumeConcurrentlyService:
         offset = pq.remove_messages(msgs)
         if offset >= 0 and not pq.dropped:
             self.c.offset_store.update(mq, offset, True)
+            self.c.pull_service.space_freed(pq)
 
     async def _send_back_failed(self, failed: list[MessageExt], pq: ProcessQueue,
                                 mq: MessageQueue) -> None:

@@ -145,6 +145,7 @@ class ConsumeOrderlyService:
         self.consumed += n
         if offset >= 0 and not pq.dropped:
             self.c.offset_store.update(mq, offset, False)
+            self.c.pull_service.space_freed(pq)
 
     async def _to_dlq(self, msgs: list[MessageExt]) -> bool:
         try:

@@ -72,7 +72,10 @@ class GroupMembership:
         strategy: AllocateStrategy = AllocateStrategy.AVG,
         request_timeout: float = 3.0,
         consume_type: str = "PULL",
+        subscription_type: str = "",
     ) -> None:
+        """``subscription_type``: of a Pulsar-style consumer (``subscription_consumer.py``,
+        consume type POP)."""
         self.group = group
         self.client_id = client_id
         self.pool = pool
@@ -81,6 +84,7 @@ class GroupMembership:
         self.strategy = AllocateStrategy(strategy)
         self.request_timeout = request_timeout
         self.consume_type = consume_type  # PULL (lite pull) or POP (SimpleConsumer)
+        self.subscription_type = subscription_type
         #: set when a broker says the group's membership changed: rebalance now
         self.changed = asyncio.Event()
         self.heartbeats = 0
@@ -104,6 +108,7 @@ class GroupMembership:
         the broker cannot parse) raises; an unreachable broker is logged and skipped."""
         cd = ConsumerData(
             group=self.group, consume_type=self.consume_type, message_model="CLUSTERING",
+            subscription_type=self.subscription_type,
             consume_from=self.consume_from,
             subscriptions=[SubscriptionData(topic=t, expression=s.expression,
                                             expression_type=s.expression_type)

@@ -331,16 +331,18 @@ class Producer:
         At most ``max_pending_messages`` messages (100 000) may be unanswered; one more raises
         ProducerQueueFullError -- await earlier futures (or :meth:`flush`) first."""
         acc = self.accumulator
-        acc.check_room()
+        if acc.npending >= acc.max_pending_messages:
+            acc.check_room()  # raises
         if (
             callback is None and not options and type(msg) is Message and self.auto_batch
             and len(msg.body) < acc.batch_max_bytes
             and not msg.delay_level and not msg.deliver_at
         ):
             # The hot path, kept to the least work per message (close() waits for the batch's
-            # task, not for each future).
+            # task, not for each future): a SendFuture (client/send_future.py), resolved per
+            # batch, its SendResult built when read.
             acc.npending += 1  # given back per batch
-            return acc.add(msg)
+            return acc.add_async(msg)  # type: ignore[return-value]
         fut: asyncio.Future[SendResult]
         if (
             self.auto_batch and not options and isinstance(msg, Message)
@@ -381,7 +383,7 @@ class Producer:
                 self._started and not self._closed and self.auto_batch
                 and type(msg) is Message and len(msg.body) < acc.batch_max_bytes
                 and not msg.delay_level and not msg.deliver_at
-                and set(options) <= _ROUTING_OPTIONS
+                and (not options or options.keys() <= _ROUTING_OPTIONS)
             ):
                 key: Any = None
                 mq: MessageQueue | None = None

@@ -6,13 +6,21 @@ One :class:`PullService` per client instance owns every queue's pull request. A 
 asynchronous PULL_MESSAGE (long polling: the broker holds it up to 15 s), and its result
 schedules the next execution of the same request, so each queue has at most one pull in flight.
 
-Before a pull (flow control, each case retried after 50 ms and logged every 1000th time):
+Before a pull (flow control, logged every 1000th time):
 
 - the ProcessQueue holds more than ``pull_threshold_for_queue`` (1000) messages, or more than
   ``pull_threshold_size_for_queue`` (100 MiB) of bodies;
 - concurrent consumption only: the span between the smallest and the largest offset in flight
   exceeds ``consume_concurrently_max_span`` (2000) -- one stuck message must not let the queue
   run away from its committed offset;
+
+  a queue held back by one of these is *parked*: it pulls again as soon as the consume service
+  has consumed enough of it to be under every limit (:meth:`PullService.space_freed`, called
+  after each commit), or after 50 ms at the latest, as RocketMQ retries. (RocketMQ only
+  retries after 50 ms: a queue whose listener frees space in 1 ms then sits idle for 49. With
+  ``pull_threshold_for_queue=100`` a 100,000-message backlog drained at 22 k msgs/s that way,
+  and at 130-165 k msgs/s resumed by the consumption; at the default 1,000 a backlog drained
+  by a no-op listener is not held back at all.)
 - orderly consumption: the queue is not locked by this client on the broker (retry in 3 s);
 - the consumer is paused (retry in 1 s, or at once when it is resumed).
 
@@ -113,6 +121,11 @@ class PullService:
         self.pulls = 0
         #: Requests waiting out PAUSED_DELAY, with their timers: resume() runs them at once.
         self._paused: dict[PullRequest, asyncio.TimerHandle] = {}
+        #: Requests held back by flow control, by ProcessQueue, with their fallback timers:
+        #: space_freed() runs one as soon as its queue is under the limits again.
+        self._parked: dict[ProcessQueue, tuple[PullRequest, asyncio.TimerHandle]] = {}
+        #: Parked requests resumed by space_freed (before their fallback timer).
+        self.unparked = 0
 
     def start_queue(self, mq: MessageQueue, pq: ProcessQueue, offset: int) -> None:
         self.execute_now(PullRequest(mq, pq, offset))
@@ -136,6 +149,37 @@ class PullService:
         self._paused.pop(req, None)
         self.execute_now(req)
 
+    def _over_limits(self, pq: ProcessQueue) -> bool:
+        c = self.c
+        return (pq.msg_count > c.pull_threshold_for_queue
+                or pq.msg_size > c.pull_threshold_size_for_queue
+                or (not c.orderly and pq.max_span() > c.consume_concurrently_max_span))
+
+    def _park(self, req: PullRequest) -> None:
+        if self._closed:
+            return
+        old = self._parked.pop(req.pq, None)
+        if old is not None:
+            old[1].cancel()
+        self._parked[req.pq] = (req, self.loop.call_later(FLOW_CONTROL_DELAY, self._unpark,
+                                                           req.pq))
+
+    def _unpark(self, pq: ProcessQueue) -> None:
+        got = self._parked.pop(pq, None)
+        if got is not None:
+            self.execute_now(got[0])
+
+    def space_freed(self, pq: ProcessQueue) -> None:
+        """Messages of ``pq`` were consumed: a pull parked by flow control goes out now if the
+        queue is under every limit again (event loop)."""
+        got = self._parked.get(pq)
+        if got is None or self._over_limits(pq):
+            return
+        del self._parked[pq]
+        got[1].cancel()
+        self.unparked += 1
+        self.execute_now(got[0])
+
     def resume(self) -> None:
         """The consumer was resumed: pull the paused queues now rather than within 1 s."""
         paused, self._paused = self._paused, {}
@@ -148,6 +192,9 @@ class PullService:
         for timer in self._paused.values():
             timer.cancel()
         self._paused.clear()
+        for _req, timer in self._parked.values():
+            timer.cancel()
+        self._parked.clear()
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -162,14 +209,12 @@ class PullService:
         if c.paused:
             self._pause(req)
             return
-        if (pq.msg_count > c.pull_threshold_for_queue
-                or pq.msg_size > c.pull_threshold_size_for_queue
-                or (not c.orderly and pq.max_span() > c.consume_concurrently_max_span)):
+        if self._over_limits(pq):
             self.flow_controlled += 1
             if self.flow_controlled % 1000 == 1:
                 log.info("flow control of %s: %d messages, %d bytes, span %d in flight",
                          req.mq, pq.msg_count, pq.msg_size, pq.max_span())
-            self.execute_later(req, FLOW_CONTROL_DELAY)
+            self._park(req)
             return
         if c.orderly and not c.broadcasting and not pq.locked:
             self.execute_later(req, ERROR_DELAY)

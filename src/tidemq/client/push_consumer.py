@@ -191,6 +191,7 @@ class PushConsumer:
             "failed": getattr(cs, "failed", 0),
             "pulls": self.pull_service.pulls,
             "flow_controlled": self.pull_service.flow_controlled,
+            "flow_resumed_early": self.pull_service.unparked,
             "rebalances": self.rebalance.rebalances,
             "in_flight": sum(pq.msg_count for pq in self.rebalance.table.values()),
             "corrupt_skipped": self.corrupt.total,

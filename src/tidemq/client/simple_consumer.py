@@ -47,7 +47,12 @@ from typing import Any
 
 from tidemq.client.codec import decode_pull_body
 from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
-from tidemq.client.errors import ClientClosedError, NoRouteError
+from tidemq.client.errors import (
+    ClientClosedError,
+    ConnectError,
+    ConnectionLostError,
+    NoRouteError,
+)
 from tidemq.client.membership import GroupMembership, make_client_id
 from tidemq.client.message import MessageExt
 from tidemq.client.route import RouteCache
@@ -144,7 +149,12 @@ class SimpleConsumer:
         heartbeat_interval: float = 30.0,
         instance_name: str | None = None,
         pool: ConnectionPool | None = None,
+        consumer_name: str = "",
+        subscription_type: str = "",
     ) -> None:
+        """``consumer_name`` (then the client id) and ``subscription_type``: set by the
+        Pulsar-style :class:`~tidemq.client.subscription_consumer.Consumer` popping through
+        this one; its pops name the consumer, the broker applies the type's rules."""
         problem = group_name_problem(group)
         if problem:
             raise ValueError(problem)
@@ -162,11 +172,13 @@ class SimpleConsumer:
         self.pool = pool if pool is not None else ConnectionPool(connect_timeout=request_timeout)
         self.routes = RouteCache(self.pool, namesrv, refresh_interval=route_refresh,
                                  timeout=request_timeout)
-        self.client_id = make_client_id(instance_name)
+        self.client_id = consumer_name or make_client_id(instance_name)
+        self.subscription_type = subscription_type
         self.heartbeat_interval = heartbeat_interval
         self.membership = GroupMembership(
             group, self.client_id, self.pool, self.routes, consume_from=self.init_mode.lower(),
-            request_timeout=request_timeout, consume_type="POP")
+            request_timeout=request_timeout, consume_type="POP",
+            subscription_type=subscription_type)
         self._beat: dict[str, str] | None = None  # the subscriptions of the last heartbeat
         self._beat_task: asyncio.Task[None] | None = None
         self._subs: dict[str, Selection] = {}
@@ -273,6 +285,12 @@ class SimpleConsumer:
         if n == 1:
             topic, addr, sel = order[0]
             return await self._pop(topic, addr, sel, max_messages, inv, poll_ms)
+        if self.subscription_type:
+            # a Pulsar-style consumer: NOTIFICATION tells what the group could pop, not what
+            # this consumer may (a failover standby, another consumer's keys) -- it would spin.
+            # A held pop of one target, in turn, each a share of the wait.
+            topic, addr, sel = order[0]
+            return await self._pop(topic, addr, sel, max_messages, inv, max(1, poll_ms // n))
         return await self._await_any(order, max_messages, inv, poll_ms)
 
     async def _await_any(self, targets: list[tuple[str, str, Selection]], max_messages: int,
@@ -319,7 +337,9 @@ class SimpleConsumer:
         h = PopMessageRequestHeader(
             consumer_group=self.group, topic=topic, max_msg_nums=max_messages, invisible_ms=inv,
             poll_ms=poll_ms, subscription=sel.expression if sel.filters else None,
-            expression_type=sel.expression_type, init_mode=self.init_mode, order=self.orderly)
+            expression_type=sel.expression_type, init_mode=self.init_mode, order=self.orderly,
+            consumer=self.client_id if self.subscription_type else "",
+            subscription_type=self.subscription_type)
         conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
         frame = raise_for_error(
             await conn.request(RequestCode.POP_MESSAGE, h,
@@ -404,6 +424,12 @@ class SimpleConsumer:
                 AckMessageRequestHeader(consumer_group=self.group, handles=handles),
                 timeout=self.request_timeout))
             results = frame.header.results
+        except (ConnectError, ConnectionLostError) as exc:
+            if not await self._reroute(addr, handles, futures, exc):
+                for f in futures:
+                    if not f.done():
+                        f.set_exception(exc)
+            return
         except Exception as exc:  # every waiter learns it
             for f in futures:
                 if not f.done():
@@ -422,6 +448,26 @@ class SimpleConsumer:
                     response_code=code))
             else:
                 f.set_exception(BrokerError.from_response(code, f"ack of {h!r} refused"))
+
+    async def _reroute(self, addr: str, handles: list[str],
+                       futures: list[asyncio.Future[None]], exc: BaseException) -> bool:
+        """The broker that delivered these is unreachable: a receipt handle names its broker
+        group, and a promoted slave serves the group's POP state (docs/cluster.md), so the acks
+        go to the group's master now, if it is another address. True when sent on."""
+        try:
+            name, topic = handles[0].split(" ")[1:3]
+            new = (await self.routes.get(topic, refresh=True)).broker_addrs.get(name)
+        except (TidemqError, ValueError):
+            return False
+        if new is None or new == addr:
+            return False
+        log.info("acks for broker %s: %s is unreachable (%s); sending them to %s", name, addr,
+                 exc, new)
+        buf = self._acks.setdefault(new, _AckBuffer())
+        buf.handles += handles
+        buf.futures += futures
+        await self._flush(new)
+        return True
 
     async def change_invisible_duration(self, msg: ReceivedMessage, duration: float) -> None:
         """Make ``msg`` invisible for ``duration`` seconds from now; its receipt handle is

@@ -85,6 +85,7 @@ class RequestCode(IntEnum):
     POP_MESSAGE = 360
     ACK_MESSAGE = 361  # many receipt handles per frame
     CHANGE_INVISIBLE_TIME = 362
+    SEEK_SUBSCRIPTION = 366  # tidemq: move a POP group's queues to an offset or a time
     NOTIFICATION = 363  # held until something is poppable for the group/topic
 
 
@@ -121,6 +122,7 @@ class ResponseCode(IntEnum):
     MESSAGE_TOO_LARGE = 1003
     INVALID_ARGUMENT = 1004  # a request field is missing, malformed or out of range
     CONSUME_MODE_CONFLICT = 1010  # a POP group pulled, or a pull group popped
+    CONSUMER_BUSY = 1013  # an exclusive subscription has its consumer already
 
 
 class PullStatus(IntEnum):
@@ -231,6 +233,10 @@ _DESCRIPTIONS: dict[int, str] = {
     _R.CONSUME_MODE_CONFLICT: (
         "this consumer group is consumed in another mode on this broker (POP consumers and "
         "pull/push consumers cannot share one group name); use another group name"
+    ),
+    _R.CONSUMER_BUSY: (
+        "the subscription is exclusive and another consumer holds it (the message names it); "
+        "wait until it closes, or use a failover or shared subscription"
     ),
     _R.DISK_FULL: (
         "the broker's disk is past its refuse-writes watermark; nothing was stored. Free disk "

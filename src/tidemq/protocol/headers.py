@@ -601,6 +601,9 @@ class ConsumerData(Header):
     message_model: str = "CLUSTERING"  # or "BROADCASTING"
     consume_from: str = "last"
     subscriptions: list[SubscriptionData] = []
+    #: consume_type "POP" only: the Pulsar subscription type of the consumer (Exclusive,
+    #: Failover, Shared, Key_Shared; docs/consumer-groups.md), "" for a SimpleConsumer
+    subscription_type: str = ""
 
 
 class HeartbeatRequestHeader(Header):
@@ -941,3 +944,5 @@ RESPONSE_HEADER_TYPES[RequestCode.CHANGE_INVISIBLE_TIME] = _pop.ChangeInvisibleR
 REQUEST_HEADER_TYPES[RequestCode.NOTIFICATION] = _pop.NotificationRequestHeader
 RESPONSE_HEADER_TYPES[RequestCode.NOTIFICATION] = _pop.NotificationResponseHeader
 _OUTCOMES[RequestCode.POP_MESSAGE] = frozenset({ResponseCode.SUCCESS, ResponseCode.PULL_NOT_FOUND})
+REQUEST_HEADER_TYPES[RequestCode.SEEK_SUBSCRIPTION] = _pop.SeekRequestHeader
+RESPONSE_HEADER_TYPES[RequestCode.SEEK_SUBSCRIPTION] = _pop.SeekResponseHeader

@@ -42,6 +42,8 @@ __all__ = [
     "AckMessageResponseHeader",
     "ChangeInvisibleRequestHeader",
     "ChangeInvisibleResponseHeader",
+    "SeekRequestHeader",
+    "SeekResponseHeader",
     "NotificationRequestHeader",
     "NotificationResponseHeader",
     "receipt_handles",
@@ -84,6 +86,10 @@ class PopMessageRequestHeader(Header):
     subscription: str | None = None  # "*", "TagA || TagB" or an SQL92 expression
     expression_type: str = "TAG"  # TAG or SQL92
     init_mode: str = INIT_LATEST
+    #: a Pulsar-style consumer (``client/subscription_consumer.py``): its name (its client
+    #: id in the group's heartbeats) and subscription type; "" for a SimpleConsumer
+    consumer: str = ""
+    subscription_type: str = ""
     #: orderly POP (RocketMQ 5 FIFO): one message per message group (the ``__SHARDINGKEY``
     #: property, else the queue) in flight at a time, in queue order
     order: bool = False
@@ -151,6 +157,24 @@ class NotificationRequestHeader(Header):
 
 class NotificationResponseHeader(Header):
     has_msg: bool = False
+
+
+class SeekRequestHeader(Header):
+    """SEEK_SUBSCRIPTION: move ``consumer_group``'s POP state of ``topic`` (queue
+    ``queue_id``, or every queue: -1) to ``offset``, or to the first message stored at or
+    after ``timestamp`` (ms) when ``offset`` is -1. Deliveries in flight become stale."""
+
+    consumer_group: str
+    topic: str
+    queue_id: _QueueId = ANY_QUEUE
+    offset: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    timestamp: Annotated[int, msgspec.Meta(ge=-1)] = -1
+
+
+class SeekResponseHeader(Header):
+    """The queues moved and the offset each starts from now."""
+
+    offsets: dict[int, int] = {}
 
 
 def receipt_handles(h: PopMessageResponseHeader, topic: str, j: int, base_offset: int
