@@ -7,6 +7,7 @@ import socket
 
 import pytest
 
+from tidemq.client import connection as connection_mod
 from tidemq.client.connection import ConnectionPool, parse_address, raise_for_error
 from tidemq.client.errors import ConnectError, ConnectionLostError, RequestTimeoutError
 from tidemq.client.message import Message
@@ -14,7 +15,15 @@ from tidemq.client.producer import Producer
 from tidemq.client.route import RouteCache, parse_namesrv
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import BrokerError
-from tidemq.protocol.frame import FLAG_RESPONSE, FRAME_MAGIC, FRAME_PREFIX, FRAME_VERSION, Frame
+from tidemq.protocol.frame import (
+    FLAG_RESPONSE,
+    FRAME_MAGIC,
+    FRAME_PREFIX,
+    FRAME_VERSION,
+    Frame,
+    FrameDecoder,
+    encode_frame,
+)
 from tidemq.protocol.headers import (
     BrokerData,
     EmptyHeader,
@@ -442,7 +451,64 @@ def test_a_peer_that_stops_mid_frame_is_dropped_not_held():
         with pytest.raises(ConnectionLostError, match="stopped sending in the middle"):
             await conn.request(RequestCode.GET_BROKER_RUNTIME_INFO, EmptyHeader())
         assert conn._decoder.buffered == 0
+        assert conn._frame_view is None and conn._frame_buf is None  # nothing of it is held
         pool.close()
         await srv.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_large_responses_arrive_whole_whatever_the_reads(seed):
+    """Responses larger than one read (received into one buffer of the frame's size) mixed with
+    small ones, written in pieces cut at random points (prefixes split too, several frames in
+    one piece): every response arrives byte for byte, in order. The large-frame buffer is kept
+    for the next large frame up to KEEP_FRAME_BUFFER, and a larger frame's is not kept."""
+    import random
+
+    rnd = random.Random(seed)
+    read = connection_mod.READ_SIZE
+    keep = connection_mod.KEEP_FRAME_BUFFER
+    sizes = [10, read * 5, 0, read + 1, 3, keep + 12345, read * 3, 77]
+    bodies = [rnd.randbytes(n) for n in sizes]
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        dec = FrameDecoder()
+        frames: list[Frame] = []
+        want = len(bodies)  # answered together once all of them are in, then one at a time
+        while data := await reader.read(65536):
+            frames += dec.feed(data)
+            if len(frames) < want:
+                continue
+            wire = b"".join(encode_frame(f.response(0, {"i": f.header["i"]},
+                                                    bodies[f.header["i"]])) for f in frames)
+            frames, want = [], 1
+            pos = 0
+            while pos < len(wire):
+                n = rnd.choice([1, 7, 20, 1000, read - 1, read + 9, 300_000])
+                writer.write(wire[pos : pos + n])
+                pos += n
+                await writer.drain()
+                if rnd.random() < 0.3:
+                    await asyncio.sleep(0.001)  # let the client read what is there
+
+    async def main():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        host, port = server.sockets[0].getsockname()[:2]
+        pool = ConnectionPool()
+        conn = await pool.get(f"{host}:{port}")
+        got = await asyncio.gather(*(conn.request(999, {"i": i}, timeout=20)
+                                     for i in range(len(bodies))))
+        for i, frame in enumerate(got):
+            assert frame.header["i"] == i
+            assert bytes(frame.body) == bodies[i], f"response {i} ({sizes[i]} bytes) differs"
+        assert conn._frame_view is None and conn._decoder.buffered == 0
+        kept = conn._frame_buf
+        assert kept is not None and len(kept) <= keep  # the largest frame's buffer was not kept
+        again = await conn.request(999, {"i": 1}, timeout=20)  # another large one ...
+        assert bytes(again.body) == bodies[1]
+        assert conn._frame_buf is kept  # ... received into the kept buffer
+        pool.close()
+        server.close()
 
     run(main())

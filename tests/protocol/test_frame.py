@@ -193,6 +193,39 @@ def test_decoder_fed_random_chunks(fs, cuts):
     dec.eof()  # a clean end: nothing pending, no error
 
 
+@given(st.lists(frames, min_size=1, max_size=6), st.lists(st.integers(0, 10_000), max_size=12),
+       st.data())
+def test_a_partial_frame_taken_over_and_fed_whole_decodes_the_same(fs, cuts, data):
+    """take_partial, as the client connection uses it for large frames: whenever a frame's
+    prefix is in, the caller may take what is held, collect the rest of that frame itself and
+    feed it whole; the frames decoded are those of feeding the stream as it came."""
+    wire = b"".join(encode_frame(f) for f in fs)
+    dec = FrameDecoder()
+    got: list[Frame] = []
+    taken: bytearray | None = None
+    need = 0
+    for chunk in _split(wire, cuts):
+        while chunk:
+            if taken is not None:  # the caller collects the rest of the frame it took
+                n = min(len(chunk), need - len(taken))
+                taken += chunk[:n]
+                chunk = chunk[n:]
+                if len(taken) == need:
+                    got.extend(dec.feed(bytes(taken)))
+                    taken = None
+                continue
+            got.extend(dec.feed(chunk))
+            chunk = b""
+            if dec.missing and data.draw(st.booleans()):
+                missing, size = dec.missing, dec.partial_size
+                need, held = dec.take_partial()
+                assert (need, len(held)) == (size, size - missing)
+                assert dec.buffered == 0 and dec.missing == 0
+                taken = bytearray(held)
+    assert taken is None and got == fs and dec.buffered == 0
+    assert dec.take_partial() == (0, b"")  # nothing held: nothing changes
+
+
 @given(st.lists(frames, max_size=4), frames, st.data())
 def test_trailing_bytes_stay_buffered_as_the_next_frame(fs, nxt, data):
     wire = b"".join(encode_frame(f) for f in fs)

@@ -320,6 +320,8 @@ class PopProcessor:
             if want <= 0:
                 break
             want -= self._pop_queue(h, qid, want, now, sel, bodies, batches)
+            if self.types.ended_early:  # at a stored batch's start: the rest, next time
+                break
         if not batches:
             return False
         header = PopMessageResponseHeader(
@@ -409,7 +411,7 @@ class PopProcessor:
             for p in by_off.values():  # gone from the store (retention): nothing to deliver
                 w.ack(p.offset, p.pop_time)
                 acks.append((p.offset, p.pop_time))
-            if got >= want:
+            if got >= want or self.types.ended_early:
                 break
         self.log.append(group, topic, qid, logged, acks)  # durable before the answer leaves
         self.types.hold(group, h.consumer, (group, topic, qid), logged)

@@ -13,7 +13,7 @@ Pure functions: any thread may call them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -106,9 +106,15 @@ def decode_pull_body(
     topic: str | None = None,
     on_corrupt: Callable[[int, int, str], None] | None = None,
     max_uncompressed: int = DEFAULT_MAX_RAW_SIZE,
+    members: Sequence[int] | None = None,
 ) -> tuple[list[MessageExt], int]:
     """:func:`decode_batches` plus the queue offset right after the last batch of the body
     (``from_offset`` when the body is empty).
+
+    ``members`` (a hint, for a body of one batch: a POP answer's member bitmap as indices):
+    decode only these messages of a multi-message batch, not every one from ``from_offset``
+    on -- a key-shared consumer owns a scattered quarter of each batch. The caller still picks
+    its messages from what is returned (a damaged batch's checked path ignores the hint).
 
     ``on_corrupt(queue_offset, count, reason)`` (CO9; "tolerate on the way out"): what cannot
     be decoded is reported there and skipped instead of raising, so a consumer moves past it:
@@ -229,13 +235,13 @@ def decode_pull_body(
                 continue
         elif on_corrupt is None:
             out.extend(_decode_general(mv, buf, a, pos, h, rec, start, btopic, broker_name,
-                                       tags, max_uncompressed, None))
+                                       tags, max_uncompressed, None, members))
             pos += total
             continue
         else:
             try:
                 out.extend(_decode_general(mv, buf, a, pos, h, rec, start, btopic,
-                                           broker_name, tags, max_uncompressed, bad))
+                                           broker_name, tags, max_uncompressed, bad, members))
             except CorruptBatchError as exc:
                 on_corrupt(qo + start, count - start, exc.message)
             if bad:
@@ -300,9 +306,11 @@ def _decode_general(
     topic: str,
     broker_name: str, tags: frozenset[str] | None, max_raw: int,
     bad: list[tuple[int, str]] | None,
+    members: Sequence[int] | None = None,
 ) -> list[MessageExt]:
-    """Messages ``start..`` of the framed, CRC-checked batch at ``buf[a:]`` (``mv[pos:]``)
-    whose headers are ``h``; ``rec`` is where its records would start without keys.
+    """Messages ``start..`` (or only ``members``) of the framed, CRC-checked batch at
+    ``buf[a:]`` (``mv[pos:]``) whose headers are ``h``; ``rec`` is where its records would
+    start without keys.
 
     A message that does not decode is appended to ``bad`` as (index, reason) and skipped, or
     raises CorruptBatchError when ``bad`` is None; a batch-wide problem always raises."""
@@ -320,12 +328,12 @@ def _decode_general(
                                              + h[H_COUNT] * INDEX_ENTRY_SIZE, h[H_KEYS_SIZE],
                                              h[H_COUNT])
     if bad is None:
-        msgs = _decode_one(meta, raw, off, rlen, h[H_COUNT], start, tags, None)
+        msgs = _decode_one(meta, raw, off, rlen, h[H_COUNT], start, tags, None, members)
         for m in msgs:
             if m._i in bad_keys:
                 raise CorruptBatchError(bad_keys[m._i])
         return msgs
-    msgs = _decode_one(meta, raw, off, rlen, h[H_COUNT], start, tags, bad)
+    msgs = _decode_one(meta, raw, off, rlen, h[H_COUNT], start, tags, bad, members)
     if bad_keys:
         bad.extend((m._i, bad_keys[m._i]) for m in msgs if m._i in bad_keys)
         msgs = [m for m in msgs if m._i not in bad_keys]
@@ -389,6 +397,7 @@ def _base_bytes(mv: memoryview) -> tuple[bytes, int] | None:
 def _decode_small(
     meta: _BatchMeta, raw: bytes, off: int, rlen: int, count: int, start: int,
     tags: frozenset[str] | None, bad: list[tuple[int, str]] | None,
+    indices: Sequence[int] | None = None,
 ) -> list[MessageExt]:
     out: list[MessageExt] = []
     unpack_idx = INDEX_ENTRY.unpack_from
@@ -396,7 +405,7 @@ def _decode_small(
     index = meta.src
     ipos = meta.index_pos()
     qo = meta.queue_offset
-    for i in range(start, count):
+    for i in range(start, count) if indices is None else indices:
         _h, rel = unpack_idx(index, ipos + i * INDEX_ENTRY_SIZE)
         rel += off
         if rel + RECORD_HEADER_SIZE > rlen:
@@ -425,12 +434,17 @@ def _decode_small(
 def _decode_one(
     meta: _BatchMeta, raw: bytes, off: int, rlen: int, count: int, start: int,
     tags: frozenset[str] | None, bad: list[tuple[int, str]] | None,
+    members: Sequence[int] | None = None,
 ) -> list[MessageExt]:
-    """Messages ``start..count-1`` of a batch whose records section is ``raw[off:rlen]``;
-    undecodable ones go to ``bad`` (see :func:`_decode_general`)."""
-    if count - start <= _SMALL:
-        return _decode_small(meta, raw, off, rlen, count, start, tags, bad)
-    idx = np.frombuffer(meta.src, dtype=IDX_DTYPE, count=count, offset=meta.index_pos())[start:]
+    """Messages ``start..count-1`` (or only ``members`` among them) of a batch whose records
+    section is ``raw[off:rlen]``; undecodable ones go to ``bad`` (see :func:`_decode_general`)."""
+    indices: Sequence[int] = range(start, count)
+    if members is not None:
+        indices = [i for i in members if start <= i < count]
+    if len(indices) <= _SMALL:
+        return _decode_small(meta, raw, off, rlen, count, start, tags, bad, indices)
+    idx = np.frombuffer(meta.src, dtype=IDX_DTYPE, count=count, offset=meta.index_pos())
+    idx = idx[start:] if members is None else idx[np.asarray(indices, dtype=np.int64)]
     rel = idx["rel"].astype(np.int64) + off
     if len(rel) and (int(rel.max()) + RECORD_HEADER_SIZE > rlen or int(rel.min()) < off):
         raise CorruptBatchError("a message of the batch starts outside its records section")
@@ -448,13 +462,12 @@ def _decode_one(
         raise CorruptBatchError("record sizes of the batch are inconsistent")
     qo = meta.queue_offset
     b = meta
-    n = len(rel)
     if not bool(tl.any()) and not bool(pl.any()):
         if tags is not None:
             return []
         return [
             MessageExt(raw[s:e], qo + i, None, b, i)
-            for i, s, e in zip(range(start, start + n), bstart.tolist(), bend.tolist(), strict=True)
+            for i, s, e in zip(indices, bstart.tolist(), bend.tolist(), strict=True)
         ]
     # Tags or properties: each is decoded (tags are kept, properties only checked so that
     # MessageExt.properties never fails later); an undecodable record is skipped.
@@ -464,7 +477,7 @@ def _decode_one(
     out: list[MessageExt] = []
     append = out.append
     for i, s, e, ts, t, p in zip(
-        range(start, start + n), bstart.tolist(), bend.tolist(), tstart, tls, pls, strict=True
+        indices, bstart.tolist(), bend.tolist(), tstart, tls, pls, strict=True
     ):
         try:
             tag = raw[ts : ts + t].decode() if t else None

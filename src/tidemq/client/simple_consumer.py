@@ -359,9 +359,10 @@ class SimpleConsumer:
             for q, off, text, attempt in handles:
                 wanted[(q, off)] = (text, attempt)
             if handles:
-                # decoded from the first member on (a batch shared by several consumers)
+                # only the members are decoded (a batch shared by several consumers)
                 msgs, _end = decode_pull_body(mv[pos:pos + total], from_offset=handles[0][1],
-                                              broker_name=rh.broker, topic=topic)
+                                              broker_name=rh.broker, topic=topic,
+                                              members=[x[1] - base for x in handles])
                 for m in msgs:
                     w = wanted.pop((m.queue_id, m.queue_offset), None)
                     if w is not None:

@@ -187,7 +187,8 @@ class Consumer:
                 got = await self._sc.receive(min(free, MAX_POP_MESSAGES), self.invisible)
             except BrokerError as exc:
                 if exc.response_code == ResponseCode.CONSUMER_NOT_ONLINE:
-                    await self._rejoin()
+                    if not await self._rejoin():
+                        return  # refused (another exclusive consumer took over): receive raises
                 elif exc.response_code in _FATAL:
                     self._fail(exc)
                     return
@@ -199,6 +200,9 @@ class Consumer:
                 log.warning("consumer %s: pop failed: %s", self.consumer_name, exc)
                 await asyncio.sleep(0.2)
                 continue
+            except Exception as exc:  # a bug: receive() raises it rather than wait forever
+                self._fail(exc)
+                raise
             if got and gen == self._generation:
                 self._queue.extend(got)
                 self._arrived.set()
@@ -206,14 +210,17 @@ class Consumer:
                 for m in got:
                     self._release(m, 0.001)
 
-    async def _rejoin(self) -> None:
+    async def _rejoin(self) -> bool:
+        """Heartbeat again (the broker dropped this member); False when refused."""
         try:
             await self._sc._heartbeat()
         except BrokerError as exc:
             self._fail(exc)
+            return False
         except TidemqError as exc:
             log.warning("heartbeat of consumer %s failed: %s", self.consumer_name, exc)
             await asyncio.sleep(0.2)
+        return True
 
     # -- receive -----------------------------------------------------------------------------------
     def _take(self, n: int) -> list[ReceivedMessage]:

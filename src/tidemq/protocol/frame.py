@@ -393,6 +393,20 @@ class FrameDecoder:
         self._need = PREFIX_SIZE
         return True
 
+    def take_partial(self) -> tuple[int, bytes]:
+        """Hand the partial frame over to the caller: ``(its total size, the bytes of it held)``,
+        and forget it, so the caller can receive the rest into one buffer of that size and
+        :meth:`feed` the whole frame at once. ``(0, b"")``, and nothing changes, when no frame
+        with a complete prefix is partially held (see :attr:`missing`)."""
+        if not self._buffered or self._need <= PREFIX_SIZE or self._failed is not None:
+            return 0, b""
+        held = b"".join(self._chunks)
+        need = self._need
+        self._chunks = []
+        self._buffered = 0
+        self._need = PREFIX_SIZE
+        return need, held
+
     def feed(self, data: Buffer) -> list[Frame]:
         """Add received bytes; return the frames they complete (zero or more), in order.
 
