@@ -82,3 +82,22 @@ def test_keys_slots_and_ordering_keys():
         sel.owner(SLOTS)
     with pytest.raises(ValueError):
         KeySharedSelector(0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(consumer_sets)
+def test_the_slot_table_is_the_ring_read_off_a_list(names):
+    """Dispatch routes with ``table()`` (one list index per message): the same owner as the
+    ring search for every slot, after joins and a leave."""
+    sel = KeySharedSelector(replicas=20)
+    for n in names:
+        sel.add(n)
+    table = sel.table()
+    assert table is not None and len(table) == SLOTS
+    assert all(table[s] == sel.owner(s) for s in range(SLOTS))
+    sel.remove(names[0])
+    after = sel.table()
+    if len(names) == 1:
+        assert after is None
+    else:
+        assert after is not None and all(after[s] == sel.owner(s) for s in range(SLOTS))

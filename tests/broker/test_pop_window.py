@@ -19,7 +19,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from tidemq.broker.pop_window import PopWindow
+from tidemq.broker.pop_window import Popped, PopWindow
 
 
 class PopModel(RuleBasedStateMachine):
@@ -189,3 +189,24 @@ def test_deliver_chosen_offsets_pass_over_and_expire() -> None:
     w.pass_over(15)
     assert w.next == 15 and w.unacked(15) == 3
     assert PopWindow.from_state(w.to_state()).unacked(15) == 3  # gaps survive a snapshot
+
+
+def test_deliver_many_is_deliver_of_each_deliverable_offset() -> None:
+    """``deliver_many`` (one call per key-shared pop) hands out exactly what ``deliverable``
+    allows, as ``deliver`` would, and skips acked and still-invisible offsets."""
+    def setup() -> PopWindow:
+        w = PopWindow(0)
+        w.pass_over(6)  # 0..5 read, unassigned
+        w.deliver(1, 100, 50)
+        w.deliver(2, 100, 10)
+        assert w.ack(1, 100)
+        return w
+
+    many, one = setup(), setup()
+    offsets = [0, 1, 2, 3, 5, 6, 8]  # 1 acked; 2 in flight, revived at 110; 6, 8 past next
+    got = many.deliver_many(offsets, 120, 30)
+    want = [one.deliver(o, 120, 30) for o in offsets if one.deliverable(o, 120)]
+    assert got == want and [p.offset for p in got] == [0, 2, 3, 5, 6, 8]
+    assert got[1].attempt == 2 and all(p.attempt == 1 for p in got if p.offset != 2)
+    assert many.to_state() == one.to_state() and many.next == 9
+    assert many.deliver_many([0, 2, 4], 130, 30) == [Popped(4, 1, 130, 30)]  # 0, 2 invisible

@@ -10,6 +10,8 @@ ConsumerManageProcessor): topics, consumer offsets, queue offsets, stats, messag
 |                             | topics: ``protocol.names.topic_admin_problem``)            |
 | GET_ALL_TOPIC_CONFIG        | TopicConfigTable                                           |
 | UPDATE_CONSUMER_OFFSET      | SUCCESS (also one-way)                                     |
+| UPDATE_CONSUMER_OFFSETS     | SUCCESS once every queue is checked and committed; else   |
+|                             | the first queue's refusal, nothing committed               |
 | QUERY_CONSUMER_OFFSET       | offset, or QUERY_NOT_FOUND when the group has none         |
 | GET_MIN/MAX_OFFSET          | the queue's min / max offset (0 for an unknown queue)      |
 | SEARCH_OFFSET_BY_TIMESTAMP  | first offset stored at or after the time                   |
@@ -57,6 +59,7 @@ from tidemq.protocol.headers import (
     TopicConfigTable,
     TopicStats,
     UpdateConsumerOffsetRequestHeader,
+    UpdateConsumerOffsetsRequestHeader,
     ViewMessageRequestHeader,
 )
 from tidemq.protocol.names import topic_admin_problem
@@ -107,6 +110,7 @@ class AdminProcessor:
             C.DELETE_TOPIC: self.delete_topic,
             C.GET_ALL_TOPIC_CONFIG: self.get_all_topic_config,
             C.UPDATE_CONSUMER_OFFSET: self.update_consumer_offset,
+            C.UPDATE_CONSUMER_OFFSETS: self.update_consumer_offsets,
             C.QUERY_CONSUMER_OFFSET: self.query_consumer_offset,
             C.GET_MIN_OFFSET: self.get_min_offset,
             C.GET_MAX_OFFSET: self.get_max_offset,
@@ -205,6 +209,18 @@ class AdminProcessor:
             pop.types.wake(h.consumer_group)
         else:
             self.offsets.commit(h.consumer_group, h.topic, h.queue_id, h.commit_offset)
+        self._reply(conn, frame, _EMPTY)
+
+    def update_consumer_offsets(self, conn: BrokerConnection, frame: Frame) -> None:
+        h: UpdateConsumerOffsetsRequestHeader = decode_request(
+            frame, UpdateConsumerOffsetsRequestHeader
+        )
+        self._group(h.consumer_group)
+        for q in h.offsets:  # every queue checked before any is committed
+            self._queue(q.topic, q.queue_id)
+        commit = self.offsets.commit
+        for q in h.offsets:
+            commit(h.consumer_group, q.topic, q.queue_id, q.commit_offset)
         self._reply(conn, frame, _EMPTY)
 
     def query_consumer_offset(self, conn: BrokerConnection, frame: Frame) -> None:

@@ -565,6 +565,7 @@ class Broker:
         await asyncio.sleep(0)  # let changes made in the same loop iteration join this write
         while True:
             waiters, self._topics_waiters = self._topics_waiters, []
+            changes = self.topics.changes
             data = self.topics.snapshot()
             try:
                 await asyncio.to_thread(_write, self.topics.path, data)
@@ -575,11 +576,14 @@ class Broker:
                     cb()
                 except Exception:
                     log.exception("topic change callback failed")
-            if not self._topics_waiters and data == self.topics.snapshot():
+            if not self._topics_waiters and changes == self.topics.changes:
                 return
 
-    def _register_header(self) -> RegisterBrokerRequestHeader:
+    def _register_header(self, with_topics: bool = True) -> RegisterBrokerRequestHeader:
+        """The registration; ``with_topics=False``: the heartbeat form (``topics_omitted``)
+        when the broker has topics, built without copying the topic table."""
         cfg = self.config
+        omit = not with_topics and len(self.topics) > 0
         return RegisterBrokerRequestHeader(
             cluster_name=cfg.cluster_name,
             broker_name=cfg.broker_name,
@@ -588,7 +592,8 @@ class Broker:
             ha_server_addr=self.ha.ha_addr,
             heartbeat_timeout_millis=cfg.heartbeat_timeout_ms,
             data_version=self.topics.data_version,
-            topics=self.topics.all(),
+            topics={} if omit else self.topics.all(),
+            topics_omitted=omit,
             epoch=self.ha.epoch if self.ha.is_master else 0,
         )
 

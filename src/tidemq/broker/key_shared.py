@@ -69,6 +69,7 @@ class KeySharedSelector:
         self._points: list[int] = []  # sorted ring positions
         self._owners: list[str] = []  # consumer at each position
         self._members: set[str] = set()
+        self._table: list[str] | None = None  # slot -> consumer, built at the first lookup
 
     @property
     def consumers(self) -> frozenset[str]:
@@ -86,6 +87,7 @@ class KeySharedSelector:
                 k += 1
             self._points.insert(k, p)
             self._owners.insert(k, consumer)
+        self._table = None
 
     def remove(self, consumer: str) -> None:
         if consumer not in self._members:
@@ -94,6 +96,26 @@ class KeySharedSelector:
         keep = [(p, c) for p, c in zip(self._points, self._owners, strict=True) if c != consumer]
         self._points = [p for p, _ in keep]
         self._owners = [c for _, c in keep]
+        self._table = None
+
+    def table(self) -> list[str] | None:
+        """The owner of every slot, indexed by slot (None without consumers): a dispatcher
+        routes a message with one list index instead of a ring search per message. Built once
+        per membership from the ring's segments (a few hundred list extends)."""
+        if not self._points:
+            return None
+        t = self._table
+        if t is None:
+            points, owners = self._points, self._owners
+            t = []
+            lo = 0
+            for p, c in zip(points, owners, strict=True):
+                if p >= lo:  # slots lo..p belong to the first point at or after them
+                    t.extend([c] * (p + 1 - lo))
+                    lo = p + 1
+            t.extend([owners[0]] * (SLOTS - lo))  # past the last point: wraps to the first
+            self._table = t
+        return t
 
     def owner(self, slot: int) -> str | None:
         """The consumer of ``slot``; None without consumers."""

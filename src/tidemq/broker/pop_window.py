@@ -31,8 +31,7 @@ Threads: one owner (the broker's event loop).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["PopWindow", "Popped", "WindowState"]
 
@@ -40,10 +39,11 @@ __all__ = ["PopWindow", "Popped", "WindowState"]
 WindowState = tuple[int, int, list[tuple[int, int, int, int]], list[int]]
 
 
-@dataclass(frozen=True, slots=True)
-class Popped:
+class Popped(NamedTuple):
     """One delivery: the message at ``offset``, its ``attempt`` (1 = first) and ``pop_time``
-    (the receipt handle's; ms), invisible until ``pop_time + invisible_ms``."""
+    (the receipt handle's; ms), invisible until ``pop_time + invisible_ms``. A named tuple,
+    not a frozen dataclass: one is made per delivered message, and a tuple is made at about
+    half the cost."""
 
     offset: int
     attempt: int
@@ -207,6 +207,23 @@ class PopWindow:
         if e is None:
             return offset >= self.next or offset in self._gaps
         return e.deadline <= now
+
+    def deliver_many(self, offsets: list[int], now: int, invisible_ms: int) -> list[Popped]:
+        """:meth:`deliver` of each of ``offsets`` (increasing) that :meth:`deliverable` allows,
+        skipping the others: one call per pop, not per message (the first delivery of a read
+        but unassigned offset, the common case, is inlined)."""
+        out: list[Popped] = []
+        inflight, gaps = self._inflight, self._gaps
+        deadline = now + invisible_ms
+        for o in offsets:
+            e = inflight.get(o)
+            if e is None and o in gaps:
+                gaps.discard(o)
+                inflight[o] = _InFlight(now, deadline, 1)
+                out.append(Popped(o, 1, now, invisible_ms))
+            elif e is None and o >= self.next or e is not None and e.deadline <= now:
+                out.append(self.deliver(o, now, invisible_ms))
+        return out
 
     def pass_over(self, end: int) -> None:
         """Offsets from ``next`` up to ``end`` (excluded) were read but given to nobody: they

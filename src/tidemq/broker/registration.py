@@ -24,8 +24,6 @@ import itertools
 import logging
 from collections.abc import Callable
 
-import msgspec
-
 from tidemq.protocol.codes import RequestCode, ResponseCode, describe
 from tidemq.protocol.frame import Frame, FrameDecoder, encode_frame
 from tidemq.protocol.headers import (
@@ -113,7 +111,7 @@ class NamesrvRegistration:
     def __init__(
         self,
         addrs: list[str],
-        make_header: Callable[[], RegisterBrokerRequestHeader],
+        make_header: Callable[[bool], RegisterBrokerRequestHeader],
         *,
         interval_s: float,
         timeout_s: float,
@@ -135,23 +133,34 @@ class NamesrvRegistration:
         """One round of REGISTER_BROKER to every name server; returns how many accepted."""
         if not self.links:
             return 0
-        header = self.make_header()
+        # The heartbeat form first: the topic table is copied only when a name server needs
+        # it (a changed data version, a reconnect, need_topics), not every interval.
+        light = self.make_header(False)
+        full: list[RegisterBrokerRequestHeader] = []
+
+        def whole() -> RegisterBrokerRequestHeader:
+            if not full:
+                full.append(self.make_header(True) if light.topics_omitted else light)
+            return full[0]
+
         results = await asyncio.gather(
-            *(self._register(link, header) for link in self.links), return_exceptions=True
+            *(self._register(link, light, whole) for link in self.links),
+            return_exceptions=True,
         )
         return sum(1 for r in results if r is True)
 
-    async def _register(self, link: NamesrvLink, header: RegisterBrokerRequestHeader) -> bool:
-        full = header
-        if link.accepted_version == header.data_version and header.topics:
-            header = msgspec.structs.replace(header, topics={}, topics_omitted=True)
+    async def _register(self, link: NamesrvLink, light: RegisterBrokerRequestHeader,
+                        whole: Callable[[], RegisterBrokerRequestHeader]) -> bool:
+        header = light
+        if not (light.topics_omitted and link.accepted_version == light.data_version):
+            header = whole()
         try:
             resp = await link.request(RequestCode.REGISTER_BROKER, header)
             h = resp.header
             if isinstance(h, RegisterBrokerResponseHeader) and h.need_topics:
                 link.accepted_version = None
-                header = full
-                resp = await link.request(RequestCode.REGISTER_BROKER, full)
+                header = whole()
+                resp = await link.request(RequestCode.REGISTER_BROKER, header)
         except Exception as exc:  # OSError, TimeoutError, a peer that breaks the framing...
             level = logging.WARNING if link.failures == 0 else logging.DEBUG
             link.failures += 1

@@ -6,7 +6,11 @@ Counters only grow: messages and bytes put per topic, messages and bytes got per
 
 Rates come from samples: every ``sample_interval`` seconds the counters are copied into a ring
 that covers the last minute; a rate is (counter now - counter at the oldest sample) / elapsed.
-That is RocketMQ's "TPS over the last minute" in spirit, without a timer per key.
+That is RocketMQ's "TPS over the last minute" in spirit, without a timer per key. A sample
+copies only the counters that changed since the previous one (the hot path notes the key in a
+set), so a broker with 12,500 topics of which a few are busy samples a few keys, not all: a
+key's value at the oldest sample is that sample's copy if it has one, else ``_base`` (the
+values of the samples that left the ring, merged as they leave).
 
 Backlog (lag) is not counted here: it is computed on demand from the queue's max offset and the
 group's committed offset (see admin_processor), so it is exact and costs nothing on the hot path.
@@ -52,14 +56,23 @@ class BrokerStats:
         self.put_latency_sum_ms = 0.0
         self.send_errors = 0
         n = max(2, int(_WINDOW_S / max(sample_interval_s, 0.001)) + 1)
-        # (time, put totals by topic, get totals by topic@group, put total, get total)
+        # (time, put totals by topic, get totals by topic@group, put total, get total) of the
+        # keys that changed since the previous sample
         self._samples: deque[_Sample] = deque(maxlen=n)
+        self._put_changed: set[str] = set()
+        self._get_changed: set[str] = set()
+        # values at the newest sample that left the ring (keys absent: 0)
+        self._base_put: dict[str, int] = {}
+        self._base_get: dict[str, int] = {}
+        #: keys copied by the last :meth:`sample` (what a pass cost; tests read it)
+        self.last_sample_keys = 0
 
     # -- hot path: once per batch ----------------------------------------------------------------
     def record_put(self, topic: str, msgs: int, nbytes: int, latency_s: float) -> None:
         c = self.put.get(topic)
         if c is None:
             c = self.put[topic] = [0, 0, 0]
+        self._put_changed.add(topic)
         c[0] += msgs
         c[1] += nbytes
         c[2] += 1
@@ -83,6 +96,7 @@ class BrokerStats:
         c = self.get.get(key)
         if c is None:
             c = self.get[key] = [0, 0, 0]
+        self._get_changed.add(key)
         c[0] += msgs
         c[1] += nbytes
         c[2] += 1
@@ -93,12 +107,20 @@ class BrokerStats:
 
     # -- sampling and rates ----------------------------------------------------------------------
     def sample(self) -> None:
-        """Record the counters now (called every sample interval by the broker)."""
+        """Record the counters that changed since the last sample (called every sample
+        interval by the broker)."""
+        if len(self._samples) == self._samples.maxlen:
+            _t, put, get, _pt, _gt = self._samples[0]  # leaves the ring now
+            self._base_put.update(put)
+            self._base_get.update(get)
+        put_keys, self._put_changed = self._put_changed, set()
+        get_keys, self._get_changed = self._get_changed, set()
+        self.last_sample_keys = len(put_keys) + len(get_keys)
         self._samples.append(
             (
                 self._clock(),
-                {k: v[0] for k, v in self.put.items()},
-                {k: v[0] for k, v in self.get.items()},
+                {k: self.put[k][0] for k in put_keys},
+                {k: self.get[k][0] for k in get_keys},
                 self.put_total[0],
                 self.get_total[0],
             )
@@ -109,26 +131,36 @@ class BrokerStats:
             return self._samples[0]
         return (self.started, {}, {}, 0, 0)
 
+    def _put_at_base(self, topic: str) -> int:
+        if not self._samples:
+            return 0
+        return self._samples[0][1].get(topic, self._base_put.get(topic, 0))
+
+    def _get_at_base(self, key: str) -> int:
+        if not self._samples:
+            return 0
+        return self._samples[0][2].get(key, self._base_get.get(key, 0))
+
     def _elapsed(self, since: float) -> float:
         return max(self._clock() - since, 1e-3)
 
     def put_tps(self, topic: str | None = None) -> float:
-        ts, by_topic, _g, total, _gt = self._base()
+        ts, _p, _g, total, _gt = self._base()
         if topic is None:
             return (self.put_total[0] - total) / self._elapsed(ts)
         now = self.put.get(topic, (0,))[0]
-        return (now - by_topic.get(topic, 0)) / self._elapsed(ts)
+        return (now - self._put_at_base(topic)) / self._elapsed(ts)
 
     def get_tps(self, group: str | None = None, topic: str | None = None) -> float:
         """Messages per second got by ``group`` (all its topics unless ``topic``), or by all."""
-        ts, _p, by_key, _pt, total = self._base()
+        ts, _p, _g, _pt, total = self._base()
         if group is None:
             return (self.get_total[0] - total) / self._elapsed(ts)
         got = 0
         for key, c in self.get.items():
             t, _, g = key.rpartition("@")
             if g == group and (topic is None or t == topic):
-                got += c[0] - by_key.get(key, 0)
+                got += c[0] - self._get_at_base(key)
         return got / self._elapsed(ts)
 
     def uptime_s(self) -> float:

@@ -103,6 +103,7 @@ class SubscriptionTypes:
         # group -> consumer -> (topic, queue) -> read position when it joined (key-shared)
         self._joined: dict[str, dict[str, dict[tuple[str, int], int]]] = {}
         self._pending: dict[WindowKey, PendingOffsets] = {}  # key-shared read-ahead
+        self.ended_early = False  # see choose()
         self._epoch: dict[str, int] = {}  # group -> membership changes (key-shared routes)
         self._selectors: dict[tuple[str, frozenset[str]], KeySharedSelector] = {}
         self.revived = 0  # deliveries ended early because their consumer left
@@ -239,7 +240,10 @@ class SubscriptionTypes:
 
     def choose(self, h: PopMessageRequestHeader, w: PopWindow, qid: int, want: int, now: int,
                max_offset: int) -> list[Popped]:
-        """The deliveries of one pop of queue ``qid``: the plain pop, or key-shared's."""
+        """The deliveries of one pop of queue ``qid``: the plain pop, or key-shared's
+        (``ended_early``: it stopped short of ``want`` at a stored batch's start on purpose;
+        the pop asks this queue no more)."""
+        self.ended_early = False
         if h.subscription_type != KEY_SHARED:
             return w.pop(want, now, h.invisible_ms, max_offset)
         return self._choose_key_shared(h, w, qid, want, now, max_offset)
@@ -304,10 +308,13 @@ class SubscriptionTypes:
         pending = self._pending.get(key)
         if pending is None:
             pending = self._pending[key] = PendingOffsets()
-        return choose_key_shared(
+        out = choose_key_shared(
             pending, w, me, any(c == me for _p, c in marks), want, now, h.invisible_ms,
             max_offset, self._epoch.get(group, 0), owner_of,
-            lambda offsets: self.pop._read(topic, qid, sorted(offsets)))
+            lambda offsets: self.pop._read(topic, qid, sorted(offsets)),
+            None if marks else full.table())
+        self.ended_early = pending.trimmed
+        return out
 
     # -- SEEK_SUBSCRIPTION ---------------------------------------------------------------------
     def handle_seek(self, conn: BrokerConnection, frame: Frame) -> None:

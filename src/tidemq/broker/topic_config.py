@@ -67,6 +67,12 @@ class TopicConfigManager:
         self.default_queue_nums = default_queue_nums
         self.data_version = 0
         self._topics: dict[str, TopicConfig] = {}
+        #: Names of the topics with ``shrinking_to`` set, kept with every change so the
+        #: shrinker's once-a-second pass looks at these, not at every topic.
+        self._shrinking: set[str] = set()
+        #: Grows with every change of the table (``data_version`` can stay put when a slave
+        #: adopts a table): the broker's writer compares it, not a second encoding.
+        self.changes = 0
 
     # -- persistence ---------------------------------------------------------------------------
     def load(self) -> None:
@@ -82,9 +88,10 @@ class TopicConfigManager:
             ) from exc
         self._topics = dict(data.topics)
         self.data_version = data.data_version
+        self._shrinking = {n for n, tc in self._topics.items() if tc.shrinking_to}
 
     def snapshot(self) -> bytes:
-        return _encoder.encode(_TopicsFile(self.data_version, dict(self._topics)))
+        return _encoder.encode(_TopicsFile(self.data_version, self._topics))
 
     def persist(self) -> None:
         write_atomic(self.path, self.snapshot())
@@ -95,6 +102,10 @@ class TopicConfigManager:
 
     def all(self) -> dict[str, TopicConfig]:
         return dict(self._topics)
+
+    def shrinking(self) -> list[TopicConfig]:
+        """The configs of the topics whose read queues are being shrunk (queue_shrink.py)."""
+        return [self._topics[n] for n in sorted(self._shrinking)]
 
     def __len__(self) -> int:
         return len(self._topics)
@@ -110,7 +121,12 @@ class TopicConfigManager:
             raise ValueError(problem)
         old = self._topics.get(tc.topic_name)
         self._topics[tc.topic_name] = tc
+        if tc.shrinking_to:
+            self._shrinking.add(tc.topic_name)
+        else:
+            self._shrinking.discard(tc.topic_name)
         if old != tc:
+            self.changes += 1
             self.data_version += 1
             log.info("topic %s %s: %s", tc.topic_name, "updated" if old else "created", tc)
         return tc
@@ -123,6 +139,8 @@ class TopicConfigManager:
     def delete(self, topic: str) -> bool:
         if self._topics.pop(topic, None) is None:
             return False
+        self._shrinking.discard(topic)
+        self.changes += 1
         self.data_version += 1
         log.info("topic %s deleted", topic)
         return True
@@ -133,4 +151,6 @@ class TopicConfigManager:
             return False
         self._topics = dict(topics)
         self.data_version = data_version
+        self._shrinking = {n for n, tc in self._topics.items() if tc.shrinking_to}
+        self.changes += 1
         return True

@@ -3,6 +3,10 @@
 - :class:`RemoteOffsetStore` (CLUSTERING): offsets are the group's, on the broker of each
   queue. Updates stay in memory and are sent every 5 s (``persist_all``), when a queue is
   dropped by a rebalance, and at shutdown; pulls also piggy-back the current offset.
+  ``persist_all`` sends only the offsets that moved since they were last sent, those of one
+  broker together in UPDATE_CONSUMER_OFFSETS requests of at most ``BATCH`` (4,096) queues
+  (a consumer of 10,000 queues sent 10,000 requests at once every 5 s, which held the broker
+  up for seconds); a broker that does not serve it gets one request per queue, 64 at a time.
 - :class:`LocalFileOffsetStore` (BROADCASTING): every member consumes everything, so offsets
   are the member's own, in ``<offset_dir>/<client name>/<group>/offsets.json`` (written tmp ->
   fsync -> rename -> fsync dir). A restarted member with the same ``instance_name`` continues
@@ -32,6 +36,9 @@ from tidemq.protocol.errors import TidemqError
 __all__ = ["OffsetStore", "RemoteOffsetStore", "LocalFileOffsetStore", "default_offset_dir"]
 
 log = logging.getLogger(__name__)
+
+#: Most queues of one UPDATE_CONSUMER_OFFSETS request.
+BATCH = 4096
 
 
 def default_offset_dir() -> str:
@@ -78,6 +85,8 @@ class RemoteOffsetStore(_MemoryTable):
         self.group = group
         self.timeout = timeout
         self._sent: dict[MessageQueue, int] = {}
+        #: brokers that answered UPDATE_CONSUMER_OFFSETS with REQUEST_CODE_NOT_SUPPORTED
+        self._one_by_one: dict[str, bool] = {}
 
     async def load(self) -> None:
         return None
@@ -102,10 +111,47 @@ class RemoteOffsetStore(_MemoryTable):
         self._sent[mq] = off
 
     async def persist_all(self, mqs: set[MessageQueue]) -> None:
-        todo = [mq for mq in mqs if mq in self.table and self._sent.get(mq) != self.table[mq]]
-        results = await asyncio.gather(*(self.persist(mq) for mq in todo),
+        table, sent = self.table, self._sent
+        by_addr: dict[str, dict[MessageQueue, int]] = {}
+        for mq in mqs:
+            off = table.get(mq)
+            if off is None or sent.get(mq) == off:
+                continue
+            known = self.routes.addr_for_read_now(mq)
+            try:
+                addr = known[0] if known is not None else await self.routes.addr_for_admin(mq)
+            except TidemqError as exc:
+                log.warning("persisting the offset of %s for group %s failed: %s",
+                            mq, self.group, exc)
+                continue
+            by_addr.setdefault(addr, {})[mq] = off
+        chunks = []
+        for addr, offs in by_addr.items():
+            items = list(offs.items())
+            chunks += [(addr, dict(items[i : i + BATCH])) for i in range(0, len(items), BATCH)]
+        results = await asyncio.gather(*(self._persist_chunk(a, c) for a, c in chunks),
                                        return_exceptions=True)
-        for mq, r in zip(todo, results, strict=True):
+        for (addr, chunk), r in zip(chunks, results, strict=True):
+            if isinstance(r, TidemqError):
+                log.warning("persisting the offsets of %d queues (%s, ...) for group %s to %s "
+                            "failed: %s", len(chunk), next(iter(chunk)), self.group, addr, r)
+            elif isinstance(r, BaseException):
+                raise r
+
+    async def _persist_chunk(self, addr: str, chunk: dict[MessageQueue, int]) -> None:
+        if not self._one_by_one.get(addr) and await offsets.update_consumer_offsets(
+                self.pool, addr, self.group, chunk, timeout=self.timeout):
+            self._sent.update(chunk)
+            return
+        self._one_by_one[addr] = True  # an older broker: one request per queue
+        sem = asyncio.Semaphore(64)
+
+        async def one(mq: MessageQueue) -> None:
+            async with sem:
+                await self.persist(mq)
+
+        results = await asyncio.gather(*(one(mq) for mq in chunk), return_exceptions=True)
+        for mq, r in zip(chunk, results, strict=True):
             if isinstance(r, TidemqError):
                 log.warning("persisting the offset of %s for group %s failed: %s",
                             mq, self.group, r)

@@ -3,7 +3,10 @@
 Queue offsets (GET_MIN_OFFSET, GET_MAX_OFFSET, SEARCH_OFFSET_BY_TIMESTAMP) say what a queue
 holds: ``[min, max)``, max being the offset the next message will get. A consumer group's offset
 (QUERY_CONSUMER_OFFSET / UPDATE_CONSUMER_OFFSET, ref BR4) is the next offset the group will
-consume, as RocketMQ stores it.
+consume, as RocketMQ stores it. UPDATE_CONSUMER_OFFSETS carries many queues' offsets to one
+broker in one request (issue 17); a broker that does not know it answers
+REQUEST_CODE_NOT_SUPPORTED, and :func:`update_consumer_offsets` returns False (send them one by
+one).
 
 Threading: coroutines for one event loop.
 """
@@ -17,9 +20,11 @@ from tidemq.protocol.headers import (
     OffsetResponseHeader,
     QueryConsumerOffsetRequestHeader,
     QueryConsumerOffsetResponseHeader,
+    QueueCommit,
     QueueOffsetRequestHeader,
     SearchOffsetRequestHeader,
     UpdateConsumerOffsetRequestHeader,
+    UpdateConsumerOffsetsRequestHeader,
 )
 
 __all__ = [
@@ -28,6 +33,7 @@ __all__ = [
     "search_offset",
     "query_consumer_offset",
     "update_consumer_offset",
+    "update_consumer_offsets",
 ]
 
 
@@ -96,3 +102,20 @@ async def update_consumer_offset(
                                           queue_id=mq.queue_id, commit_offset=offset),
         timeout=timeout,
     )
+
+
+async def update_consumer_offsets(
+    pool: ConnectionPool, addr: str, group: str, offsets: dict[MessageQueue, int], *,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> bool:
+    """Commit the offsets of many queues of the broker at ``addr`` in one request; False when
+    the broker does not serve UPDATE_CONSUMER_OFFSETS (nothing was committed)."""
+    f = await pool.request(
+        addr, RequestCode.UPDATE_CONSUMER_OFFSETS,
+        UpdateConsumerOffsetsRequestHeader(
+            consumer_group=group,
+            offsets=[QueueCommit(mq.topic, mq.queue_id, off) for mq, off in offsets.items()]),
+        timeout=timeout,
+        ok_codes=(ResponseCode.SUCCESS, ResponseCode.REQUEST_CODE_NOT_SUPPORTED),
+    )
+    return f.code == ResponseCode.SUCCESS

@@ -74,6 +74,7 @@ class RequestCode(IntEnum):
     SEND_BATCH = 320  # RocketMQ SEND_BATCH_MESSAGE
     SEND_MULTI_QUEUE = 321  # tidemq: batches for many queues of one broker (multi_queue.py)
     PULL_MULTI_QUEUE = 322  # tidemq: one held pull serving many queues of one broker
+    UPDATE_CONSUMER_OFFSETS = 323  # tidemq: a group's offsets of many queues of one broker
     GET_LAST_SEQUENCE = 330  # tidemq: highest persisted sequence of a producer name (BR12)
     CANCEL_TIMER_MESSAGE = 340  # tidemq: cancel a deliver_at message by its id (BR8)
     # -- replication (BR15): slave <-> master and operator -> slave ------------------------

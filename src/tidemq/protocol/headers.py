@@ -72,6 +72,8 @@ __all__ = [
     "QueryConsumerOffsetRequestHeader",
     "QueryConsumerOffsetResponseHeader",
     "UpdateConsumerOffsetRequestHeader",
+    "QueueCommit",
+    "UpdateConsumerOffsetsRequestHeader",
     "QueueOffsetRequestHeader",
     "SearchOffsetRequestHeader",
     "OffsetResponseHeader",
@@ -438,6 +440,24 @@ class UpdateConsumerOffsetRequestHeader(Header):
     topic: str
     queue_id: U32
     commit_offset: NonNeg
+
+
+class QueueCommit(msgspec.Struct, array_like=True, gc=False):
+    """One queue's offset in an UPDATE_CONSUMER_OFFSETS."""
+
+    topic: str
+    queue_id: U32
+    commit_offset: NonNeg
+
+
+class UpdateConsumerOffsetsRequestHeader(Header):
+    """UPDATE_CONSUMER_OFFSETS (issue 17): what an UPDATE_CONSUMER_OFFSET per queue would
+    carry, for many queues of one broker in one request (a consumer persisting the offsets
+    of 10,000 queues every 5 s would otherwise send 10,000 requests at once). All or nothing:
+    the first queue the broker refuses refuses the request."""
+
+    consumer_group: str
+    offsets: list[QueueCommit] = []
 
 
 # -- queue offsets (client -> broker) -----------------------------------------------------------
@@ -819,6 +839,7 @@ REQUEST_HEADER_TYPES: dict[int, type[msgspec.Struct]] = {
     RequestCode.GET_ROUTEINFO_BY_TOPIC: GetRouteInfoRequestHeader,
     RequestCode.QUERY_CONSUMER_OFFSET: QueryConsumerOffsetRequestHeader,
     RequestCode.UPDATE_CONSUMER_OFFSET: UpdateConsumerOffsetRequestHeader,
+    RequestCode.UPDATE_CONSUMER_OFFSETS: UpdateConsumerOffsetsRequestHeader,
     RequestCode.GET_MIN_OFFSET: QueueOffsetRequestHeader,
     RequestCode.GET_MAX_OFFSET: QueueOffsetRequestHeader,
     RequestCode.SEARCH_OFFSET_BY_TIMESTAMP: SearchOffsetRequestHeader,
@@ -870,6 +891,7 @@ RESPONSE_HEADER_TYPES: dict[int, type[msgspec.Struct]] = {
     RequestCode.QUERY_MESSAGE: FoundMessagesHeader,
     RequestCode.VIEW_MESSAGE_BY_ID: FoundMessagesHeader,
     RequestCode.UPDATE_CONSUMER_OFFSET: EmptyHeader,
+    RequestCode.UPDATE_CONSUMER_OFFSETS: EmptyHeader,
     RequestCode.UPDATE_AND_CREATE_TOPIC: EmptyHeader,
     RequestCode.DELETE_TOPIC: EmptyHeader,
     RequestCode.UNREGISTER_BROKER: EmptyHeader,
