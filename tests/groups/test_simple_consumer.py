@@ -85,6 +85,11 @@ def test_unacked_message_comes_back_to_another_member_with_attempt_plus_one(dev)
             with pytest.raises(aio.StaleReceiptError):
                 await a.ack(m)
             await b.change_invisible_duration(m2, 60.0)
+            # many in one frame: one result each, the live one's handle replaced
+            old = m2.receipt_handle
+            r = await b.change_invisible_all([m2, m], [60.0, 1.0])
+            assert r[0] is None and isinstance(r[1], aio.StaleReceiptError)
+            assert m2.receipt_handle != old
             await b.ack(m2)
             assert await b.receive(4, invisible_duration=1.0) == []
 

@@ -45,6 +45,16 @@ def test_golden_bytes(header, golden):
     assert decode_header(bytes.fromhex(golden), type(header)) == header
 
 
+def test_grouped_invisible_time_change_round_trips():
+    h = ChangeInvisibleRequestHeader(consumer_group="g", handles=["a", "b"], invisible=[5, 9])
+    assert decode_header(encode_header(h), ChangeInvisibleRequestHeader) == h
+    r = ChangeInvisibleResponseHeader(handles=["a2", ""], results=[0, 208])
+    assert decode_header(encode_header(r), ChangeInvisibleResponseHeader) == r
+    with pytest.raises(Exception):  # noqa: B017 -- msgspec's validation error
+        decode_header(encode_header(ChangeInvisibleRequestHeader(
+            consumer_group="g", handles=["a"], invisible=[0])), ChangeInvisibleRequestHeader)
+
+
 def test_codes_and_registration():
     assert (RequestCode.POP_MESSAGE, RequestCode.ACK_MESSAGE,
             RequestCode.CHANGE_INVISIBLE_TIME) == (360, 361, 362)

@@ -561,6 +561,14 @@ class PopProcessor:
     def handle_change(self, conn: BrokerConnection, frame: Frame) -> None:
         h: ChangeInvisibleRequestHeader = decode_request(frame, ChangeInvisibleRequestHeader)
         check_group(h.consumer_group)
+        if bool(h.handle) == bool(h.handles) or len(h.handles) != len(h.invisible):
+            raise RequestRejected(
+                _R.INVALID_ARGUMENT,
+                "CHANGE_INVISIBLE_TIME names one receipt handle (handle, invisible_ms) or many "
+                "(handles with one invisible time each in invisible), not both or neither")
+        if h.handles:
+            self._change_many(conn, frame, h)
+            return
         try:
             rh = self._handle_of(h.handle)
         except ReceiptError as exc:
@@ -582,3 +590,38 @@ class PopProcessor:
                             p.invisible_ms, rh.revive_queue_id, p.attempt)
         conn.respond(frame.opaque, _R.SUCCESS,
                      ChangeInvisibleResponseHeader(handle=encode_receipt(new)))
+
+    def _change_many(self, conn: BrokerConnection, frame: Frame,
+                     h: ChangeInvisibleRequestHeader) -> None:
+        """The grouped form: one code and new handle per handle, one POP_LOG append per queue
+        touched (like ACK_MESSAGE's), then one answer."""
+        group = h.consumer_group
+        results: list[int] = []
+        handles: list[str] = []
+        touched: dict[tuple[str, int], list[Popped]] = {}
+        now0 = _now_ms()
+        for text, inv in zip(h.handles, h.invisible, strict=True):
+            try:
+                rh = self._handle_of(text)
+            except ReceiptError:
+                results.append(_R.INVALID_ARGUMENT)
+                handles.append("")
+                continue
+            w = self.windows.get((group, rh.topic, rh.queue_id))
+            now = max(now0, rh.pop_time + 1)  # a new handle must differ from the old
+            p = w.change_invisible(rh.offset, rh.pop_time, inv, now) if w else None
+            if p is None:
+                results.append(_R.NO_MESSAGE)
+                handles.append("")
+                continue
+            touched.setdefault((rh.topic, rh.queue_id), []).append(p)
+            results.append(_R.SUCCESS)
+            handles.append(encode_receipt(ReceiptHandle(
+                rh.broker, rh.topic, rh.queue_id, rh.offset, p.pop_time, p.invisible_ms,
+                rh.revive_queue_id, p.attempt)))
+        for (topic, qid), ps in touched.items():
+            self.log.append(group, topic, qid, ps, [])
+            self.hold.deadline_set((group, topic, qid),
+                                   min(p.pop_time + p.invisible_ms for p in ps))
+        conn.respond(frame.opaque, _R.SUCCESS,
+                     ChangeInvisibleResponseHeader(handles=handles, results=results))

@@ -10,6 +10,7 @@
         ├── ConnectionLostError              the connection broke with the request in flight
         ├── RequestTimeoutError              no response within the timeout
         ├── NoRouteError                     the name servers know no route for the topic
+        ├── InvalidConfigurationError        not allowed with this consumer's configuration
         └── MessageRejectedError             the client refused the message (size, topic, ...)
             └── ProducerQueueFullError       max_pending_messages async sends are unanswered
 
@@ -29,6 +30,7 @@ __all__ = [
     "ConnectionLostError",
     "RequestTimeoutError",
     "NoRouteError",
+    "InvalidConfigurationError",
     "MessageRejectedError",
     "ProducerQueueFullError",
 ]
@@ -56,6 +58,12 @@ class RequestTimeoutError(ClientError):
 
 class NoRouteError(ClientError):
     code = "NO_ROUTE"
+
+
+class InvalidConfigurationError(ClientError):
+    """Pulsar's InvalidConfigurationException: e.g. a cumulative ack on a Shared subscription."""
+
+    code = "INVALID_CONFIGURATION"
 
 
 class MessageRejectedError(ClientError):

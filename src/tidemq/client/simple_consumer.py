@@ -489,5 +489,41 @@ class SimpleConsumer:
         raise_for_error(frame)
         msg.receipt_handle = frame.header.handle
 
+    async def change_invisible_all(self, msgs: Sequence[ReceivedMessage],
+                                   durations: Sequence[float]) -> list[BaseException | None]:
+        """:meth:`change_invisible_duration` of many, one CHANGE_INVISIBLE_TIME frame per
+        broker; per message None (its receipt handle replaced) or the error
+        (StaleReceiptError, ...)."""
+        out: list[BaseException | None] = [None] * len(msgs)
+        by_addr: dict[str, list[int]] = {}
+        for i, m in enumerate(msgs):
+            by_addr.setdefault(m.broker_addr, []).append(i)
+        for addr, idx in by_addr.items():
+            try:
+                conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
+                frame = raise_for_error(await conn.request(
+                    RequestCode.CHANGE_INVISIBLE_TIME,
+                    ChangeInvisibleRequestHeader(
+                        consumer_group=self.group,
+                        handles=[msgs[i].receipt_handle for i in idx],
+                        invisible=[_ms(durations[i], "duration") for i in idx]),
+                    timeout=self.request_timeout))
+            except TidemqError as exc:
+                for i in idx:
+                    out[i] = exc
+                continue
+            for i, code, new in zip(idx, frame.header.results, frame.header.handles,
+                                    strict=False):
+                if code == ResponseCode.SUCCESS:
+                    msgs[i].receipt_handle = new
+                elif code == ResponseCode.NO_MESSAGE:
+                    self.stale += 1
+                    out[i] = StaleReceiptError(
+                        "receipt handle is stale: acked already, or delivered again since",
+                        response_code=code)
+                else:
+                    out[i] = BrokerError.from_response(code, "invisible-time change refused")
+        return out
+
     def stats(self) -> dict[str, int]:
         return {"received": self.received, "acked": self.acked, "stale": self.stale}

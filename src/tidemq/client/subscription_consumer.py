@@ -25,8 +25,9 @@ half the queue was taken by :meth:`receive`; the messages in the queue are invis
 group while they wait there.
 
 **Acks**: :meth:`acknowledge` (one message), :meth:`acknowledge_cumulative` (every message of
-that queue received and not acked yet, up to and including it), :meth:`negative_acknowledge`
-(delivered again after ``negative_ack_redelivery_delay``, doubled per delivery attempt up to
+that queue received and not acked yet, up to and including it; Exclusive and Failover only),
+:meth:`negative_acknowledge` (delivered again after
+``negative_ack_redelivery_delay``, doubled per delivery attempt up to
 ``max_negative_ack_delay``). Acks are grouped: those of one turn of the event loop travel as
 one ACK_MESSAGE frame per broker (``simple_consumer.py``). ``ack_timeout`` (seconds, None =
 none) is the invisible time: a message not acked that long after it was popped is delivered
@@ -44,7 +45,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
-from tidemq.client.errors import ClientClosedError
+from tidemq.client.errors import ClientClosedError, InvalidConfigurationError
 from tidemq.client.membership import make_client_id
 from tidemq.client.simple_consumer import ReceivedMessage, SimpleConsumer, StaleReceiptError
 from tidemq.protocol.codes import RequestCode, ResponseCode
@@ -56,6 +57,7 @@ __all__ = ["Consumer", "SUBSCRIPTION_TYPES"]
 log = logging.getLogger(__name__)
 
 SUBSCRIPTION_TYPES = ("Exclusive", "Failover", "Shared", "Key_Shared")
+_CUMULATIVE_TYPES = ("Exclusive", "Failover")  # Pulsar's rule for acknowledge_cumulative
 _NO_ACK_TIMEOUT_S = 3600.0  # invisible time without an ack timeout (a leaving consumer's
 #                             messages come back at once anyway)
 #: refusals that no retry cures: raised from receive()
@@ -129,6 +131,8 @@ class Consumer:
         self._started = False
         self._closed = False
         self.negative_acked = 0
+        self.negative_ack_frames = 0  # CHANGE_INVISIBLE_TIME frames the negative acks took
+        self._nack_buf: list[tuple[ReceivedMessage, float]] = []
         self.stale_acks = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -156,6 +160,7 @@ class Consumer:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._flush_nacks()  # queued in this loop turn
         if self._nacks:
             await asyncio.gather(*self._nacks, return_exceptions=True)
         await self._sc.close()  # pending acks first, then it leaves the subscription
@@ -284,7 +289,15 @@ class Consumer:
     async def acknowledge_cumulative(self, msg: ReceivedMessage) -> int:
         """Ack every message received from ``msg``'s queue and not acked yet, up to and
         including ``msg`` (one frame); how many were acked. A stale one (delivered again
-        since) is counted in ``stats()['stale_acks']``, not raised."""
+        since) is counted in ``stats()['stale_acks']``, not raised. Exclusive and Failover
+        subscriptions only, as in Pulsar (InvalidConfigurationError on Shared/Key_Shared:
+        there a queue's earlier messages are other consumers', and acking them would lose
+        what they have not processed)."""
+        if self.subscription_type not in _CUMULATIVE_TYPES:
+            raise InvalidConfigurationError(
+                f"acknowledge_cumulative is not allowed on a {self.subscription_type} "
+                f"subscription ({self.subscription!r}): only Exclusive and Failover ones have "
+                "one consumer per queue; acknowledge each message instead")
         key = (msg.broker_addr, msg.message.topic, msg.message.queue_id)
         u = self._unacked.get(key, {})
         upto = msg.message.queue_offset
@@ -310,17 +323,33 @@ class Consumer:
         self._release(msg, delay)
 
     def _release(self, msg: ReceivedMessage, delay: float) -> None:
-        task = asyncio.get_running_loop().create_task(self._nack(msg, delay))
+        """Queue the invisible-time change; those of one loop turn travel as one frame per
+        broker (as acks do)."""
+        self._nack_buf.append((msg, delay))
+        if len(self._nack_buf) == 1:
+            loop = asyncio.get_running_loop()
+            loop.call_soon(self._flush_nacks)
+
+    def _flush_nacks(self) -> None:
+        buf, self._nack_buf = self._nack_buf, []
+        if not buf:
+            return
+        task = asyncio.get_running_loop().create_task(self._nack(buf))
         self._nacks.add(task)
         task.add_done_callback(self._nacks.discard)
 
-    async def _nack(self, msg: ReceivedMessage, delay: float) -> None:
+    async def _nack(self, buf: list[tuple[ReceivedMessage, float]]) -> None:
+        self.negative_ack_frames += len({m.broker_addr for m, _d in buf})
         try:
-            await self._sc.change_invisible_duration(msg, delay)
-        except StaleReceiptError:
-            self.stale_acks += 1
-        except TidemqError as exc:  # it comes back at its ack timeout instead
-            log.warning("negative ack of %r failed: %s", msg, exc)
+            results = await self._sc.change_invisible_all([m for m, _d in buf],
+                                                          [d for _m, d in buf])
+        except TidemqError as exc:
+            results = [exc] * len(buf)
+        for (msg, _d), r in zip(buf, results, strict=True):
+            if isinstance(r, StaleReceiptError):
+                self.stale_acks += 1
+            elif r is not None:  # it comes back at its ack timeout instead
+                log.warning("negative ack of %r failed: %s", msg, r)
 
     # -- seek ------------------------------------------------------------------------------------
     async def seek(self, message: ReceivedMessage | None = None, *,
@@ -367,6 +396,7 @@ class Consumer:
     def stats(self) -> dict[str, Any]:
         s = dict(self._sc.stats())
         s.update(queued=len(self._queue), negative_acked=self.negative_acked,
+                 negative_ack_frames=self.negative_ack_frames,
                  stale_acks=self.stale_acks + self._sc.stale,
                  unacked=sum(len(u) for u in self._unacked.values()))
         return s

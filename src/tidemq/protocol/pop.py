@@ -128,15 +128,25 @@ class AckMessageResponseHeader(Header):
 
 
 class ChangeInvisibleRequestHeader(Header):
+    """CHANGE_INVISIBLE_TIME of one receipt handle (``handle``, ``invisible_ms``), or of many in
+    one frame (``handles`` with ``invisible``, one time each: a client's negative acks of one
+    loop turn, as acks are grouped) -- exactly one of the two forms."""
+
     consumer_group: str
-    handle: str
-    invisible_ms: _Invisible
+    handle: str = ""
+    invisible_ms: _Invisible = 30_000
+    handles: list[str] = []
+    invisible: list[_Invisible] = []
 
 
 class ChangeInvisibleResponseHeader(Header):
-    """The new receipt handle; the old one is stale from now on."""
+    """The new receipt handle; the old one is stale from now on. For ``handles``: per handle in
+    request order, its code in ``results`` (SUCCESS, NO_MESSAGE: stale, INVALID_ARGUMENT) and
+    its new handle in ``handles`` ("" unless SUCCESS)."""
 
-    handle: str
+    handle: str = ""
+    handles: list[str] = []
+    results: list[int] = []
 
 
 class NotificationRequestHeader(Header):
