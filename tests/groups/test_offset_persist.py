@@ -92,3 +92,39 @@ def test_a_bad_queue_refuses_the_whole_request(dev) -> None:
     assert err is not None and err.response_code == ResponseCode.INVALID_ARGUMENT
     assert "queue id 9 is out of range" in err.message
     assert committed is None  # queue 0 was not committed either
+
+
+def test_a_rebalance_pass_asks_the_member_list_once_per_set_of_brokers(dev) -> None:
+    """A push consumer of 30 topics on one broker: one GET_CONSUMER_LIST_BY_GROUP per pass,
+    not one per topic, and every queue still assigned."""
+    from tidemq.client.listener import ConsumeStatus
+    from tidemq.client.push_consumer import PushConsumer
+
+    topics = [f"walk-members-{i}" for i in range(30)]
+    with tidemq.Admin(dev.namesrv) as admin:
+        for t in topics:
+            admin.create_topic(t, 2)
+
+    async def listener(msgs, ctx):
+        return ConsumeStatus.SUCCESS
+
+    async def go() -> tuple[int, int, int]:
+        c = PushConsumer(dev.namesrv, "walk-members-group", listener)
+        for t in topics:
+            c.subscribe(t)
+        await c.start()
+        try:
+            for _ in range(100):  # the passes of the start and of the join notification
+                seen = c.rebalance.rebalances
+                await asyncio.sleep(0.3)
+                if len(c.assignment()) == 61 and c.rebalance.rebalances == seen:
+                    break
+            before = c.rebalance.member_queries
+            await c.rebalance.do_rebalance()
+            return c.rebalance.member_queries - before, len(c.assignment()), len(c.rebalance.table)
+        finally:
+            await c.close()
+
+    queries, assigned, table = asyncio.run(go())
+    assert queries == 1
+    assert assigned == table == 61  # and the group's retry queue

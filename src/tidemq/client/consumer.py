@@ -514,7 +514,10 @@ class PullConsumer:
             have.setdefault(mq.topic, set()).add(mq)
         # Topics without a route keep the queues we have: the name server may be briefly
         # unreachable.
-        want, missing = await self.membership.share_all(list(self._subs), have, self._subs)
+        # The first rebalance fetches the routes 64 at a time (the consumer waits for it);
+        # the periodic ones 4 at a time, so that they do not burst every 20 s.
+        want, missing = await self.membership.share_all(
+            list(self._subs), have, self._subs, concurrency=64 if not self._queues else 4)
         for topic, exc in missing.items():
             if topic not in self._warned:  # once: the loop retries every second
                 self._warned.add(topic)

@@ -168,13 +168,23 @@ class Rebalance:
         #: Something could not be done (a route missing, a lock still held by the previous
         #: owner): rebalance again in 0.5 s instead of 20 s.
         self.retry_soon = False
+        #: GET_CONSUMER_LIST_BY_GROUP requests sent by passes (tests read it)
+        self.member_queries = 0
 
     async def do_rebalance(self) -> None:
+        """One pass over the subscribed topics. Within it the member list is asked once per
+        set of brokers, not once per topic, and the table's queues are listed by topic once
+        (not a scan of the table per topic: 1,250 topics x 10,000 queues was 12.5 million
+        steps a pass)."""
         c = self.c
         self.retry_soon = False
+        members: dict[frozenset[tuple[str, str]], list[str]] = {}
+        by_topic: dict[str, list[MessageQueue]] = {}
+        for mq in self.table:
+            by_topic.setdefault(mq.topic, []).append(mq)
         for topic in list(c.subscriptions):
             try:
-                await self._rebalance_topic(topic)
+                await self._rebalance_topic(topic, members, by_topic.get(topic, []))
             except NoRouteError as exc:
                 self.retry_soon = True
                 log.info("rebalance of %s for group %s: %s", topic, c.group, exc)
@@ -186,29 +196,44 @@ class Rebalance:
             await self._drop(mq)
         self.rebalances += 1
 
-    async def _rebalance_topic(self, topic: str) -> None:
+    async def _rebalance_topic(self, topic: str,
+                               members: dict[frozenset[tuple[str, str]], list[str]],
+                               have: list[MessageQueue]) -> None:
         c = self.c
         route = await c.routes.get(topic)
         mqs = sorted(route.read_queues)
         if c.broadcasting:
             mine = mqs
         else:
-            cids = await self.find_consumer_ids(route.read_addrs)
+            key = frozenset(route.read_addrs.items())
+            cids = members.get(key)
+            if cids is None:
+                cids = await self.find_consumer_ids(route.read_addrs)
+                if cids:  # an empty answer is asked again for the next topic
+                    members[key] = cids
             if not cids:
                 log.info("group %s has no member on the brokers of %s yet", c.group, topic)
                 return
             mine = allocate(c.allocate_strategy, c.client_id, mqs, sorted(cids),
                             config=c.allocate_config, rooms=c.consumer_rooms)
-        await self.update_process_queues(topic, set(mine))
+        await self.update_process_queues(topic, set(mine), have)
 
     async def find_consumer_ids(self, broker_addrs: dict[str, str]) -> list[str]:
         c = self.c
+        self.member_queries += 1
         return await find_consumer_ids(c.pool, c.group, broker_addrs, c.request_timeout)
 
-    async def update_process_queues(self, topic: str, mine: set[MessageQueue]) -> bool:
+    async def update_process_queues(self, topic: str, mine: set[MessageQueue],
+                                    have: list[MessageQueue] | None = None) -> bool:
+        """Drop the queues of ``topic`` that are no longer ``mine``, add the new ones;
+        ``have``: the table's queues of ``topic`` (listed from the table when None)."""
         changed = False
-        for mq in [mq for mq in self.table if mq.topic == topic]:
-            pq = self.table[mq]
+        if have is None:
+            have = [mq for mq in self.table if mq.topic == topic]
+        for mq in have:
+            pq = self.table.get(mq)
+            if pq is None:
+                continue
             if mq not in mine:
                 await self._drop(mq)
                 changed = True
@@ -237,8 +262,9 @@ class Rebalance:
             self.c.pull_service.start_queue(mq, pq, offset)
             changed = True
         if changed:
+            n = sum(1 for m in have if m in self.table) + sum(1 for m in new if m in self.table)
             log.info("group %s member %s now consumes %d queues of %s", self.c.group,
-                     self.c.client_id, sum(1 for m in self.table if m.topic == topic), topic)
+                     self.c.client_id, n, topic)
         return changed
 
     async def compute_pull_from(self, mq: MessageQueue) -> int:
