@@ -48,7 +48,7 @@ class _MultiPull:
     """One PULL_MULTI_QUEUE between its arrival and its answer."""
 
     __slots__ = ("proc", "conn", "opaque", "results", "bodies", "held", "holding", "sent",
-                 "timer", "nbytes", "starts", "held_set")
+                 "timer", "nbytes", "starts", "held_set", "woken")
 
     def __init__(self, proc: MultiPullProcessor, conn: BrokerConnection, opaque: int,
                  n: int) -> None:
@@ -62,6 +62,7 @@ class _MultiPull:
         self.held_set: set[Any] = set()
         self.held: list[HeldPull] = []
         self.holding = False
+        self.woken = False
         self.sent = False
         self.timer: Any = None
         self.nbytes = 0  # body bytes so far
@@ -83,13 +84,20 @@ class _MultiPull:
         self.results[i] = r
         self.bodies[i] = list(bodies) if bodies else None
         self.nbytes += r.body_bytes
-        if self.holding and code != _NOT_FOUND:
-            self.proc.loop.call_soon(self.send)  # woken: answer (others woken now join)
+        if self.holding and code != _NOT_FOUND and not self.woken:
+            # woken: answer after the linger (queues woken meanwhile join the answer)
+            self.woken = True
+            linger = self.proc.config.multi_pull_linger_ms
+            if linger > 0:
+                self.proc.loop.call_later(linger / 1000.0, self.send)
+            else:
+                self.proc.loop.call_soon(self.send)
 
     def send(self) -> None:
         if self.sent:
             return
         self.sent = True
+        self.proc.holding.discard(self)
         hold = self.proc.hold
         for h in self.held:
             hold._finish(h)  # noqa: SLF001 - out of the hold table (pruned lazily)
@@ -160,6 +168,13 @@ class MultiPullProcessor:
         self.hold = broker.hold
         self.loop = broker.loop
         self.config = broker.config
+        #: the multi pulls held now (runtime info ``held_multi_pulls``)
+        self.holding: set[_MultiPull] = set()
+
+    def held_counts(self) -> tuple[int, int]:
+        """(held multi pulls, queues held by them)."""
+        return len(self.holding), sum(
+            sum(1 for h in agg.held if not h.done) for agg in self.holding)
 
     def handle(self, conn: BrokerConnection, frame: Frame) -> None:
         h: PullMultiQueueRequestHeader = decode_request(frame, PullMultiQueueRequestHeader)
@@ -210,6 +225,7 @@ class MultiPullProcessor:
         else:
             timeout_ms = cfg.short_polling_time_ms
         agg.holding = True
+        self.holding.add(agg)
         now = self.loop.time()
         for i, one, tags in admitted:
             held = HeldPull(_PullSlot(agg, i), i, one, tags, _FAR, now)

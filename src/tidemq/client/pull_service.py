@@ -60,12 +60,18 @@ from typing import TYPE_CHECKING, Any
 from tidemq.client.codec import decode_pull_body
 from tidemq.client.connection import raise_for_error
 from tidemq.client.message import MessageExt, MessageQueue
+from tidemq.client.multi_pull import MultiPullUnsupported, PullBatcher
 from tidemq.client.process_queue import ProcessQueue
 from tidemq.client.rebalance import RETRY_PREFIX
 from tidemq.protocol.codes import PullStatus, RequestCode, pull_status
 from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import BrokerError, TidemqError
-from tidemq.protocol.headers import MASTER_ID, PullMessageRequestHeader, PullSysFlag
+from tidemq.protocol.headers import (
+    MASTER_ID,
+    MultiQueuePull,
+    PullMessageRequestHeader,
+    PullSysFlag,
+)
 
 if TYPE_CHECKING:
     from tidemq.client.push_consumer import PushConsumer
@@ -126,6 +132,26 @@ class PullService:
         self._parked: dict[ProcessQueue, tuple[PullRequest, asyncio.TimerHandle]] = {}
         #: Parked requests resumed by space_freed (before their fallback timer).
         self.unparked = 0
+        #: PULL_MULTI_QUEUE batchers by broker address (many queues, client/multi_pull.py)
+        self._batchers: dict[str, PullBatcher] = {}
+
+    def _batcher(self, addr: str) -> PullBatcher | None:
+        """The PULL_MULTI_QUEUE batcher of ``addr`` while this consumer holds
+        ``multi_queue_min`` or more queues, None to pull queue by queue."""
+        c = self.c
+        if c.multi_queue_min <= 0 or len(c.rebalance.table) < c.multi_queue_min:
+            return None
+        b = self._batchers.get(addr)
+        if b is None:
+            b = self._batchers[addr] = PullBatcher(
+                c.pool, addr, c.group, suspend_ms=c.suspend_ms,
+                timeout=c.suspend_ms / 1000 + 10.0)
+        return None if b.unsupported else b
+
+    @property
+    def multi_requests(self) -> int:
+        """PULL_MULTI_QUEUE requests sent so far."""
+        return sum(b.requests for b in self._batchers.values())
 
     def start_queue(self, mq: MessageQueue, pq: ProcessQueue, offset: int) -> None:
         self.execute_now(PullRequest(mq, pq, offset))
@@ -195,6 +221,8 @@ class PullService:
         for _req, timer in self._parked.values():
             timer.cancel()
         self._parked.clear()
+        for b in self._batchers.values():
+            b.close()
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -236,33 +264,54 @@ class PullService:
                 if off > 0:
                     flags |= PullSysFlag.COMMIT_OFFSET
                     commit = off
-            conn = c.pool.get_nowait(addr) or await c.pool.get(addr)
-            header = PullMessageRequestHeader(
-                consumer_group=c.group, topic=mq.topic, queue_id=mq.queue_id,
-                queue_offset=req.next_offset, max_msg_nums=c.pull_batch_size, sys_flag=flags,
-                commit_offset=commit, suspend_timeout_millis=c.suspend_ms,
-                subscription=sub.expression if sub.filters else None,
-                expression_type=sub.expression_type,
-            )
-            self.pulls += 1
-            frame = await conn.request(RequestCode.PULL_MESSAGE, header,
-                                       timeout=c.suspend_ms / 1000 + 10.0)
-            status = pull_status(frame.code)
-            if status is None:
-                raise_for_error(frame)
-            h: Any = frame.header
+            batcher = None if slave else self._batcher(addr)
+            h: Any
+            body: Any
+            if batcher is not None:
+                # many queues: this pull travels in one PULL_MULTI_QUEUE per broker, held as
+                # one long poll (client/multi_pull.py); a queue over its limits is not in it
+                self.pulls += 1
+                try:
+                    h, body = await batcher.pull(MultiQueuePull(
+                        mq.topic, mq.queue_id, req.next_offset, c.pull_batch_size,
+                        flags & ~PullSysFlag.SUSPEND, commit,
+                        sub.expression if sub.filters else None, sub.expression_type))
+                except MultiPullUnsupported:
+                    self.execute_now(req)  # an older broker: queue by queue from now on
+                    return
+                status = pull_status(h.code)
+                if status is None:
+                    raise BrokerError(h.message or f"pull refused ({h.code})",
+                                      response_code=h.code)
+            else:
+                conn = c.pool.get_nowait(addr) or await c.pool.get(addr)
+                header = PullMessageRequestHeader(
+                    consumer_group=c.group, topic=mq.topic, queue_id=mq.queue_id,
+                    queue_offset=req.next_offset, max_msg_nums=c.pull_batch_size,
+                    sys_flag=flags, commit_offset=commit, suspend_timeout_millis=c.suspend_ms,
+                    subscription=sub.expression if sub.filters else None,
+                    expression_type=sub.expression_type,
+                )
+                self.pulls += 1
+                frame = await conn.request(RequestCode.PULL_MESSAGE, header,
+                                           timeout=c.suspend_ms / 1000 + 10.0)
+                status = pull_status(frame.code)
+                if status is None:
+                    raise_for_error(frame)
+                h = frame.header
+                body = frame.body
             req.broker_id = h.suggest_which_broker_id
             if pq.dropped:
                 return
             if status is PullStatus.FOUND:
                 msgs, _end = decode_pull_body(
-                    frame.body, from_offset=req.next_offset, broker_name=mq.broker_name,
+                    body, from_offset=req.next_offset, broker_name=mq.broker_name,
                     tags=tags, check_crc=c.check_crc, topic=None,
                     on_corrupt=functools.partial(_skipped, c.corrupt, mq),
                     max_uncompressed=c.max_uncompressed_bytes,
                 )
                 if sub.sql is not None:
-                    msgs = sub.keep(msgs, frame.body, h.members)
+                    msgs = sub.keep(msgs, body, h.members)
                 if msgs:
                     msgs = pq.assemble(msgs, c.chunk_expire)  # chunks -> whole messages (PR5)
                 req.next_offset = h.next_begin_offset
