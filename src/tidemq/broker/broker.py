@@ -363,6 +363,8 @@ class Broker:
             self._hold.drop_connection(conn)
         if self.pop is not None:
             self.pop.drop_connection(conn)
+        if self.multi_pull.standing:
+            self.multi_pull.drop_connection(conn)
         if not self._stopped:
             self.consumers.connection_closed(conn)
 

@@ -134,6 +134,7 @@ class PullService:
         self.unparked = 0
         #: PULL_MULTI_QUEUE batchers by broker address (many queues, client/multi_pull.py)
         self._batchers: dict[str, PullBatcher] = {}
+        self._deferred: list[PullRequest] | None = None
 
     def _batcher(self, addr: str) -> PullBatcher | None:
         """The PULL_MULTI_QUEUE batcher of ``addr`` while this consumer holds
@@ -145,7 +146,7 @@ class PullService:
         if b is None:
             b = self._batchers[addr] = PullBatcher(
                 c.pool, addr, c.group, suspend_ms=c.suspend_ms,
-                timeout=c.suspend_ms / 1000 + 10.0)
+                timeout=c.suspend_ms / 1000 + 10.0, standing=True)
         return None if b.unsupported else b
 
     @property
@@ -154,7 +155,22 @@ class PullService:
         return sum(b.requests for b in self._batchers.values())
 
     def start_queue(self, mq: MessageQueue, pq: ProcessQueue, offset: int) -> None:
-        self.execute_now(PullRequest(mq, pq, offset))
+        if self._deferred is not None:
+            self._deferred.append(PullRequest(mq, pq, offset))
+        else:
+            self.execute_now(PullRequest(mq, pq, offset))
+
+    def defer_starts(self) -> None:
+        """A rebalance pass begins: the queues it adds start pulling when it ends, so the
+        first pulls already know how many queues there are (many: one multi-queue request
+        per broker, rather than single held pulls for the queues added first)."""
+        if self._deferred is None:
+            self._deferred = []
+
+    def start_deferred(self) -> None:
+        deferred, self._deferred = self._deferred or [], None
+        for req in deferred:
+            self.execute_now(req)
 
     def execute_now(self, req: PullRequest) -> None:
         if self._closed or req.pq.dropped:
