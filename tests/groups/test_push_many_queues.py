@@ -8,6 +8,8 @@ import asyncio
 import collections
 import time
 
+import pytest
+
 import tidemq
 import tidemq.aio as tq
 
@@ -62,12 +64,14 @@ def test_many_queues_are_held_as_one_request_and_tailed(dev) -> None:
     assert sorted(got) == sorted(b"%s-%d" % (t.encode(), r) for t in topics for r in range(3))
 
 
-def test_every_message_once_across_a_rebalance(dev) -> None:
-    topics = [f"pmr-{i}" for i in range(40)]
+@pytest.mark.parametrize("multi", [64, 0])
+def test_every_message_once_across_a_rebalance(dev, multi) -> None:
+    topics = [f"pmr{multi}-{i}" for i in range(40)]
     with tidemq.Admin(dev.namesrv) as admin:
         for t in topics:
             admin.create_topic(t, 8)
     seen: collections.Counter[bytes] = collections.Counter()
+    opts = {**FAST, "multi_queue_min": multi}
 
     def listener(tag):
         async def handle(msgs, ctx):
@@ -81,7 +85,7 @@ def test_every_message_once_across_a_rebalance(dev) -> None:
     async def go() -> None:
         async with tq.Producer(tidemq_ns := dev.namesrv) as p, \
                 tq.PushConsumer(tidemq_ns, "pmr-g", listener("a"), instance_name="a",
-                                **FAST) as a:
+                                **opts) as a:
             for t in topics:
                 a.subscribe(t)
 
@@ -92,7 +96,7 @@ def test_every_message_once_across_a_rebalance(dev) -> None:
                     await asyncio.sleep(0.01)
 
             await produce(0, 10)
-            b = tq.PushConsumer(tidemq_ns, "pmr-g", listener("b"), instance_name="b", **FAST)
+            b = tq.PushConsumer(tidemq_ns, "pmr-g", listener("b"), instance_name="b", **opts)
             for t in topics:
                 b.subscribe(t)
             await b.start()
@@ -110,5 +114,6 @@ def test_every_message_once_across_a_rebalance(dev) -> None:
                 await b.close()
 
     asyncio.run(go())
-    assert len(seen) == total
+    missing = sorted({b"%s-%d" % (t.encode(), i) for t in topics for i in range(30)} - set(seen))
+    assert len(seen) == total, missing[:40]
     assert max(seen.values()) == 1, [k for k, v in seen.items() if v > 1][:5]

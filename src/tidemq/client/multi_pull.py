@@ -61,12 +61,18 @@ class PullBatcher:
         #: standing queues' futures by (topic, queue id), and the requests in flight
         self._standing: dict[tuple[str, int], asyncio.Future[Any]] = {}
         self._in_flight = 0
+        #: the newest pull of each queue: an older one answered later (a queue dropped and
+        #: assigned again while its old pull was held) must not stand in its place
+        self._latest: dict[tuple[str, int], asyncio.Future[Any]] = {}
 
     def pull(self, p: MultiQueuePull) -> asyncio.Future[tuple[MultiQueuePullResult, Any]]:
         """The (result, body slice) of one queue's pull."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[tuple[MultiQueuePullResult, Any]] = loop.create_future()
-        old = self._standing.pop((p.topic, p.queue_id), None)
+        key = (p.topic, p.queue_id)
+        if self.standing:
+            self._latest[key] = fut
+        old = self._standing.pop(key, None)
         if old is not None and not old.done():
             # pulled anew (the queue was dropped and assigned again): the old pull is void
             old.set_result((MultiQueuePullResult(ResponseCode.PULL_NOT_FOUND, p.queue_offset),
@@ -133,16 +139,17 @@ class PullBatcher:
             pos += r.body_bytes
             if f.done():
                 continue
-            if stand and r.code == ResponseCode.PULL_NOT_FOUND:
-                self._standing[(p.topic, p.queue_id)] = f  # answered when woken
+            key = (p.topic, p.queue_id)
+            if stand and r.code == ResponseCode.PULL_NOT_FOUND and self._latest.get(key) is f:
+                self._standing[key] = f  # answered when woken
             else:
                 f.set_result((r, part))
         for w in h.woken:
             part = body[pos : pos + w.result.body_bytes]
             pos += w.result.body_bytes
-            f = self._standing.pop((w.topic, w.queue_id), None)
-            if f is not None and not f.done():
-                f.set_result((w.result, part))
+            got = self._standing.pop((w.topic, w.queue_id), None)
+            if got is not None and not got.done():
+                got.set_result((w.result, part))
         if self._standing and self._in_flight == 0 and not self._scheduled:
             # keep a request in flight to carry the next woken queues; the loops answered
             # just now pull again in the next iterations and join it when they are quick

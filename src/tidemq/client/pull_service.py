@@ -175,7 +175,7 @@ class PullService:
     def execute_now(self, req: PullRequest) -> None:
         if self._closed or req.pq.dropped:
             return
-        t = self.loop.create_task(self._pull(req))
+        t = self.loop.create_task(self._pulls(req))
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
@@ -244,29 +244,36 @@ class PullService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # -- one pull ----------------------------------------------------------------------------
-    async def _pull(self, req: PullRequest) -> None:
+    async def _pulls(self, req: PullRequest) -> None:
+        """Pull ``req`` again and again while each pull says to go on at once (one task, not
+        a task per pull: a consumer of 10,000 queues pulls about once per message)."""
+        while await self._pull(req) and not self._closed and not req.pq.dropped:
+            pass
+
+    async def _pull(self, req: PullRequest) -> bool:
+        """One pull of ``req``; True: pull again at once (else it was rescheduled or ends)."""
         c = self.c
         pq = req.pq
         if pq.dropped:
-            return
+            return False
         pq.last_pull_ts = time.monotonic()
         if c.paused:
             self._pause(req)
-            return
+            return False
         if self._over_limits(pq):
             self.flow_controlled += 1
             if self.flow_controlled % 1000 == 1:
                 log.info("flow control of %s: %d messages, %d bytes, span %d in flight",
                          req.mq, pq.msg_count, pq.msg_size, pq.max_span())
             self._park(req)
-            return
+            return False
         if c.orderly and not c.broadcasting and not pq.locked:
             self.execute_later(req, ERROR_DELAY)
-            return
+            return False
         mq = req.mq
         sub = c.subscriptions.get(mq.topic)
         if sub is None:
-            return  # unsubscribed meanwhile; the rebalance drops the queue
+            return False  # unsubscribed meanwhile; the rebalance drops the queue
         tags = sub.tags
         flags = PullSysFlag.SUSPEND
         if sub.filters:
@@ -294,7 +301,7 @@ class PullService:
                         sub.expression if sub.filters else None, sub.expression_type))
                 except MultiPullUnsupported:
                     self.execute_now(req)  # an older broker: queue by queue from now on
-                    return
+                    return False
                 status = pull_status(h.code)
                 if status is None:
                     raise BrokerError(h.message or f"pull refused ({h.code})",
@@ -318,7 +325,7 @@ class PullService:
                 body = frame.body
             req.broker_id = h.suggest_which_broker_id
             if pq.dropped:
-                return
+                return False
             if status is PullStatus.FOUND:
                 msgs, _end = decode_pull_body(
                     body, from_offset=req.next_offset, broker_name=mq.broker_name,
@@ -339,7 +346,7 @@ class PullService:
                 if c.pull_interval > 0:
                     self.execute_later(req, c.pull_interval)
                 else:
-                    self.execute_now(req)
+                    return True
             elif status is PullStatus.OFFSET_ILLEGAL:
                 log.warning("pull offset %d of %s is illegal (queue holds [%d, %d]); "
                             "the queue restarts at %d", req.next_offset, mq, h.min_offset,
@@ -351,7 +358,7 @@ class PullService:
                 req.next_offset = h.next_begin_offset
                 if pq.msg_count == 0:
                     c.offset_store.update(mq, pq.floor(req.next_offset), True)
-                self.execute_now(req)
+                return True
         except asyncio.CancelledError:
             raise
         except TidemqError as exc:
@@ -369,6 +376,7 @@ class PullService:
         except Exception:  # a bug must not silently stop a queue forever
             log.exception("pull of %s failed unexpectedly; retrying in %g s", mq, ERROR_DELAY)
             self.execute_later(req, ERROR_DELAY)
+        return False
 
     def _fix_offset(self, req: PullRequest) -> None:
         async def go() -> None:
