@@ -360,6 +360,7 @@ class PopProcessor:
     def _pop_queue(self, h: PopMessageRequestHeader, qid: int, want: int, now: int,
                    sel: _Selector, bodies: list[Any], batches: list[PoppedBatch]) -> int:
         """Pop up to ``want`` messages of queue ``qid`` into ``bodies``/``batches``; how many."""
+        self.types.ended_early = False  # set by a key-shared choice (an orderly pop makes none)
         if h.order:
             return pop_orderly(self, h, qid, want, now, sel, bodies, batches)
         group, topic = h.consumer_group, h.topic
