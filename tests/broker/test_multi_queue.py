@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 from tidemq.client.admin import Admin
 from tidemq.client.consumer import PullConsumer
@@ -342,3 +343,45 @@ def test_spread_traffic_over_many_topics_is_split_into_bounded_frames(tmp_path):
     finally:
         br.stop()
         ns.stop()
+
+
+def _standing(w: Wire, pulls, suspend_ms: int = 5000) -> int:
+    return w.send(RequestCode.PULL_MULTI_QUEUE, PullMultiQueueRequestHeader(
+        consumer_group="cg", pulls=pulls, suspend=True, suspend_timeout_millis=suspend_ms,
+        standing=True))
+
+
+def _woken(frame) -> dict[int, list[bytes]]:
+    """The messages of each woken queue of a standing answer, by queue id."""
+    pos = sum(r.body_bytes for r in frame.header.results)
+    out = {}
+    for wk in frame.header.woken:
+        part = frame.body[pos : pos + wk.result.body_bytes]
+        pos += wk.result.body_bytes
+        out[wk.queue_id] = [m.body for m in decode_pull(SimpleNamespace(body=part), 0)]
+    return out
+
+
+def test_standing_pulls_stay_held_past_the_answer(broker, topic):
+    with Wire(broker.addr) as w, Wire(broker.addr) as sender:
+        assert w.create_topic(topic, 8).code == R.SUCCESS
+        opaque = _standing(w, [MultiQueuePull(topic, q, 0) for q in range(8)])
+        time.sleep(0.3)
+        sender.send_messages(topic, [b"five"], queue_id=5)
+        r = w.recv(opaque, timeout=10)
+        assert r.code == R.SUCCESS and r.header.standing
+        # its own queues found nothing (they stand); queue 5 comes back woken
+        assert {x.code for x in r.header.results} == {R.PULL_NOT_FOUND}
+        assert [(x.topic, x.queue_id) for x in r.header.woken] == [(topic, 5)]
+        assert _woken(r) == {5: [b"five"]}
+        # a queue woken while no request is held waits for the next one, answered at once
+        sender.send_messages(topic, [b"two"], queue_id=2)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        r = w.recv(_standing(w, []), timeout=10)
+        assert time.monotonic() - t0 < 1 and _woken(r) == {2: [b"two"]}
+        # queues 2 and 5 no longer stand: a message there wakes nothing
+        sender.send_messages(topic, [b"again"], queue_id=5)
+        t0 = time.monotonic()
+        r = w.recv(_standing(w, [], suspend_ms=600), timeout=10)
+        assert 0.5 < time.monotonic() - t0 < 3 and r.header.woken == []

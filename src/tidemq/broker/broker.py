@@ -363,6 +363,8 @@ class Broker:
             self._hold.drop_connection(conn)
         if self.pop is not None:
             self.pop.drop_connection(conn)
+        if self.multi_pull.standing:
+            self.multi_pull.drop_connection(conn)
         if not self._stopped:
             self.consumers.connection_closed(conn)
 
@@ -696,7 +698,10 @@ class Broker:
             "sent_back_dlq": self.send_back.dead,
             "connections": len(self.connections),
             **self.frames.stats(),
-            "held_pulls": self.hold.held_count(),
+            "held_pulls": (held := self.hold.held_count()),
+            # requests, not queues: a held PULL_MULTI_QUEUE is one, whatever its queues
+            "held_multi_pulls": (multi := self.multi_pull.held_counts())[0],
+            "held_pull_requests": held - multi[1] + multi[0],
             "held_woken_by_arrival": self.hold.woken_by_arrival,
             "held_woken_by_check": self.hold.woken_by_check,
             "held_timed_out": self.hold.timed_out,

@@ -91,6 +91,10 @@ class BrokerConfig:
     long_polling_check_ms: int = 5000
     #: Hold time and check period when long polling is off (shortPollingTimeMills: 1 s).
     short_polling_time_ms: int = 1000
+    #: A held PULL_MULTI_QUEUE woken by an arrival waits this long (ms, <= 5) for more of its
+    #: queues to receive messages before it answers, so spread traffic travels as a few
+    #: multi-message answers rather than one answer per message; 0 = answer at once.
+    multi_pull_linger_ms: float = 1.0
     #: Upper bound of a pull's suspend_timeout_millis (a client cannot pin a request forever).
     max_suspend_ms: int = 60_000
 
@@ -265,6 +269,9 @@ class BrokerConfig:
         """Raise ValueError, naming the field, for settings that cannot work."""
         FlushMode(self.flush_mode)  # ValueError names the bad value
         self.connection_limits().validate("broker")
+        if not 0 <= self.multi_pull_linger_ms <= 5:
+            raise ValueError("broker setting multi_pull_linger_ms must be in [0, 5], got "
+                             f"{self.multi_pull_linger_ms}")
         if self.max_held_pulls_per_connection <= 0:
             raise ValueError("broker setting max_held_pulls_per_connection must be > 0, got "
                              f"{self.max_held_pulls_per_connection}")

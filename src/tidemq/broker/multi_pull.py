@@ -31,6 +31,7 @@ from tidemq.protocol.headers import (
     PullMultiQueueRequestHeader,
     PullMultiQueueResponseHeader,
     PullSysFlag,
+    WokenPull,
 )
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class _MultiPull:
     """One PULL_MULTI_QUEUE between its arrival and its answer."""
 
     __slots__ = ("proc", "conn", "opaque", "results", "bodies", "held", "holding", "sent",
-                 "timer", "nbytes", "starts", "held_set")
+                 "timer", "nbytes", "starts", "held_set", "woken", "standing")
 
     def __init__(self, proc: MultiPullProcessor, conn: BrokerConnection, opaque: int,
                  n: int) -> None:
@@ -62,7 +63,9 @@ class _MultiPull:
         self.held_set: set[Any] = set()
         self.held: list[HeldPull] = []
         self.holding = False
+        self.woken = False
         self.sent = False
+        self.standing: _Standing | None = None
         self.timer: Any = None
         self.nbytes = 0  # body bytes so far
         self.starts: dict[int, tuple[int, bool]] = {}  # resolved start offsets by index
@@ -70,13 +73,7 @@ class _MultiPull:
     def put(self, i: int, code: int, header: Any, bodies: list[Any] | None) -> None:
         if self.sent:
             return
-        if isinstance(header, PullMessageResponseHeader):
-            n = sum(len(b) for b in bodies) if bodies else 0
-            r = MultiQueuePullResult(code, header.next_begin_offset, header.min_offset,
-                                     header.max_offset, n, "", list(header.members),
-                                     header.suggest_which_broker_id)
-        else:
-            r = MultiQueuePullResult(code, message=getattr(header, "message", ""))
+        r = _result(code, header, bodies)
         start = self.starts.get(i)
         if start is not None:
             r.start_offset, r.start_committed = start
@@ -84,21 +81,103 @@ class _MultiPull:
         self.bodies[i] = list(bodies) if bodies else None
         self.nbytes += r.body_bytes
         if self.holding and code != _NOT_FOUND:
-            self.proc.loop.call_soon(self.send)  # woken: answer (others woken now join)
+            self.wake()
+
+    def wake(self) -> None:
+        """A queue received messages: answer after the linger (``multi_pull_linger_ms``;
+        queues woken meanwhile join the answer)."""
+        if self.woken or self.sent:
+            return
+        self.woken = True
+        linger = self.proc.config.multi_pull_linger_ms
+        if linger > 0:
+            self.proc.loop.call_later(linger / 1000.0, self.send)
+        else:
+            self.proc.loop.call_soon(self.send)
 
     def send(self) -> None:
         if self.sent:
             return
         self.sent = True
+        self.proc.holding.discard(self)
         hold = self.proc.hold
         for h in self.held:
             hold._finish(h)  # noqa: SLF001 - out of the hold table (pruned lazily)
         if self.timer is not None:
             self.timer.cancel()
         bodies = [b for bs in self.bodies if bs for b in bs]
-        self.conn.respond(self.opaque, ResponseCode.SUCCESS,
-                          PullMultiQueueResponseHeader(results=self.results),  # type: ignore[arg-type]
-                          bodies or None)
+        header = PullMultiQueueResponseHeader(results=self.results)  # type: ignore[arg-type]
+        st = self.standing
+        if st is not None:
+            if self in st.waiting:
+                st.waiting.remove(self)
+            header.standing = True
+            header.woken, more = st.take(self.proc.broker.store.config.max_read_bytes
+                                         - self.nbytes)
+            bodies.extend(more)
+        self.conn.respond(self.opaque, ResponseCode.SUCCESS, header, bodies or None)
+
+
+def _result(code: int, header: Any, bodies: list[Any] | None) -> MultiQueuePullResult:
+    if isinstance(header, PullMessageResponseHeader):
+        n = sum(len(b) for b in bodies) if bodies else 0
+        return MultiQueuePullResult(code, header.next_begin_offset, header.min_offset,
+                                    header.max_offset, n, "", list(header.members),
+                                    header.suggest_which_broker_id)
+    return MultiQueuePullResult(code, message=getattr(header, "message", ""))
+
+
+class _Standing:
+    """The standing pulls of one connection and group (``standing`` requests): the queues
+    held after their request was answered, the answers of those woken since, and the
+    requests waiting to carry them."""
+
+    __slots__ = ("proc", "conn", "held", "held_set", "ready", "waiting")
+
+    def __init__(self, proc: MultiPullProcessor, conn: BrokerConnection) -> None:
+        self.proc = proc
+        self.conn = conn
+        self.held: dict[tuple[str, int], HeldPull] = {}
+        self.held_set: set[Any] = set()  # what long polling files as this "connection's"
+        self.ready: dict[tuple[str, int], tuple[MultiQueuePullResult, list[Any] | None]] = {}
+        self.waiting: list[_MultiPull] = []
+
+    def drop(self, key: tuple[str, int]) -> None:
+        """The client pulls ``key`` anew: its standing pull and unsent answer are void."""
+        old = self.held.pop(key, None)
+        if old is not None:
+            self.proc.hold._finish(old)  # noqa: SLF001
+        self.ready.pop(key, None)
+
+    def stand(self, key: tuple[str, int], one: PullMessageRequestHeader,
+              tags: frozenset[int] | None) -> None:
+        self.drop(key)
+        held = HeldPull(_StandSlot(self, key), 0, one, tags, _FAR, self.proc.loop.time())
+        self.held[key] = held
+        self.proc.hold.suspend(held, timed=False)
+
+    def put(self, key: tuple[str, int], code: int, header: Any,
+            bodies: list[Any] | None) -> None:
+        if self.held.pop(key, None) is None:
+            return  # superseded meanwhile
+        self.ready[key] = (_result(code, header, bodies), list(bodies) if bodies else None)
+        if self.waiting:
+            self.waiting[0].wake()
+
+    def take(self, budget: int) -> tuple[list[WokenPull], list[Any]]:
+        """Woken answers within ``budget`` body bytes (at least one), out of ``ready``."""
+        woken: list[WokenPull] = []
+        bodies: list[Any] = []
+        for key in list(self.ready):
+            r, bs = self.ready[key]
+            if woken and r.body_bytes > budget:
+                break
+            del self.ready[key]
+            woken.append(WokenPull(key[0], key[1], r))
+            if bs:
+                bodies.extend(bs)
+            budget -= r.body_bytes
+        return woken, bodies
 
 
 class _PullSlot:
@@ -133,6 +212,37 @@ class _PullSlot:
         self.agg.put(self.i, code, _Msg(message), None)
 
 
+class _StandSlot(_PullSlot):
+    """Stands in for the connection while a standing queue is read again (woken)."""
+
+    __slots__ = ("st", "key")
+
+    def __init__(self, st: _Standing, key: tuple[str, int]) -> None:  # noqa: D107
+        self.st = st
+        self.key = key
+
+    @property
+    def held(self) -> set[Any]:
+        return self.st.held_set
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.st.conn.closed)
+
+    @property
+    def write_paused(self) -> bool:
+        return bool(self.st.conn.write_paused)
+
+    def when_writable(self, cb: Any) -> None:
+        self.st.conn.when_writable(cb)
+
+    def respond(self, opaque: int, code: int, header: Any, bodies: Any = None) -> None:
+        self.st.put(self.key, code, header, bodies)
+
+    def respond_error(self, opaque: int, code: int, message: str) -> None:
+        self.st.put(self.key, code, _Msg(message), None)
+
+
 class _Msg:
     __slots__ = ("message",)
 
@@ -160,16 +270,33 @@ class MultiPullProcessor:
         self.hold = broker.hold
         self.loop = broker.loop
         self.config = broker.config
+        #: the multi pulls held now (runtime info ``held_multi_pulls``)
+        self.holding: set[_MultiPull] = set()
+        #: standing pulls by (connection, group)
+        self.standing: dict[tuple[Any, str], _Standing] = {}
+
+    def held_counts(self) -> tuple[int, int]:
+        """(held multi pulls, queues held by them or standing)."""
+        return len(self.holding), sum(
+            sum(1 for h in agg.held if not h.done) for agg in self.holding) + sum(
+            len(st.held) for st in self.standing.values() if not st.conn.closed)
 
     def handle(self, conn: BrokerConnection, frame: Frame) -> None:
         h: PullMultiQueueRequestHeader = decode_request(frame, PullMultiQueueRequestHeader)
         if frame.is_oneway:
             raise RequestRejected(
                 ResponseCode.INVALID_ARGUMENT, "a pull cannot be one-way: it exists to answer")
-        if not h.pulls:
+        standing = h.standing and h.suspend
+        if not h.pulls and not standing:
             raise RequestRejected(ResponseCode.INVALID_ARGUMENT,
                                   "PULL_MULTI_QUEUE names no queue")
         agg = _MultiPull(self, conn, frame.opaque, len(h.pulls))
+        st: _Standing | None = None
+        if standing:
+            st = self._standing_of(conn, h.consumer_group)
+            agg.standing = st
+            for p in h.pulls:
+                st.drop((p.topic, p.queue_id))
         admitted: list[tuple[int, PullMessageRequestHeader, frozenset[int] | None]] = []
         budget = self.broker.store.config.max_read_bytes
         for i, p in enumerate(h.pulls):
@@ -201,18 +328,55 @@ class MultiPullProcessor:
                 continue
             admitted.append((i, one, tags))
         all_empty = all(r is not None and r.code == _NOT_FOUND for r in agg.results)
+        if st is not None:
+            # the queues that found nothing stand (held past this answer); the request
+            # waits for a woken one unless it has answers already
+            for i, one, tags in admitted:
+                if agg.results[i].code == _NOT_FOUND:  # type: ignore[union-attr]
+                    st.stand((one.topic, one.queue_id), one, tags)
+            if not all_empty or st.ready:
+                agg.send()
+                return
+            # one held request per connection and group: an older one is answered now (its
+            # queues stand all the same), so its client holds one request, not one per call
+            for older in list(st.waiting):
+                older.send()
+            agg.holding = True
+            self.holding.add(agg)
+            st.waiting.append(agg)
+            agg.timer = self.loop.call_later(self._timeout_ms(h) / 1000.0, agg.send)
+            return
         if not (h.suspend and all_empty and admitted):
             agg.send()
             return
-        cfg = self.config
-        if cfg.long_polling_enable:
-            timeout_ms = min(h.suspend_timeout_millis, cfg.max_suspend_ms)
-        else:
-            timeout_ms = cfg.short_polling_time_ms
+        timeout_ms = self._timeout_ms(h)
         agg.holding = True
+        self.holding.add(agg)
         now = self.loop.time()
         for i, one, tags in admitted:
             held = HeldPull(_PullSlot(agg, i), i, one, tags, _FAR, now)
             agg.held.append(held)
             self.hold.suspend(held, timed=False)
         agg.timer = self.loop.call_later(timeout_ms / 1000.0, agg.send)
+
+    def _timeout_ms(self, h: PullMultiQueueRequestHeader) -> int:
+        cfg = self.config
+        if cfg.long_polling_enable:
+            return min(h.suspend_timeout_millis, cfg.max_suspend_ms)
+        return cfg.short_polling_time_ms
+
+    def _standing_of(self, conn: BrokerConnection, group: str) -> _Standing:
+        """The standing pulls of ``conn`` and ``group``."""
+        st = self.standing.get((conn, group))
+        if st is None:
+            st = self.standing[(conn, group)] = _Standing(self, conn)
+        return st
+
+    def drop_connection(self, conn: BrokerConnection) -> None:
+        """The connection closed: its standing pulls leave the hold."""
+        for key in [k for k in self.standing if k[0] is conn]:
+            st = self.standing.pop(key)
+            for held in st.held.values():
+                self.hold._finish(held)  # noqa: SLF001
+            st.held.clear()
+            st.ready.clear()

@@ -93,6 +93,10 @@ class PushConsumerOptions:
     #: Seconds a chunked message still incomplete after its first chunk arrived is dropped
     #: (``stats()`` counts ``chunks_assembled`` and ``chunks_expired`` of the queues held).
     chunk_expire: float = 60.0
+    #: From this many assigned queues on, the pulls to one broker travel together as one
+    #: held PULL_MULTI_QUEUE request (up to 1,000 queues each) instead of one held pull per
+    #: queue (docs/consumer-groups.md, "Many queues"); 0 = always queue by queue.
+    multi_queue_min: int = 256
 
     def __post_init__(self) -> None:
         if self.max_uncompressed_bytes < 1:

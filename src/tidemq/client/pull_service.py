@@ -60,12 +60,18 @@ from typing import TYPE_CHECKING, Any
 from tidemq.client.codec import decode_pull_body
 from tidemq.client.connection import raise_for_error
 from tidemq.client.message import MessageExt, MessageQueue
+from tidemq.client.multi_pull import MultiPullUnsupported, PullBatcher
 from tidemq.client.process_queue import ProcessQueue
 from tidemq.client.rebalance import RETRY_PREFIX
 from tidemq.protocol.codes import PullStatus, RequestCode, pull_status
 from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import BrokerError, TidemqError
-from tidemq.protocol.headers import MASTER_ID, PullMessageRequestHeader, PullSysFlag
+from tidemq.protocol.headers import (
+    MASTER_ID,
+    MultiQueuePull,
+    PullMessageRequestHeader,
+    PullSysFlag,
+)
 
 if TYPE_CHECKING:
     from tidemq.client.push_consumer import PushConsumer
@@ -126,14 +132,50 @@ class PullService:
         self._parked: dict[ProcessQueue, tuple[PullRequest, asyncio.TimerHandle]] = {}
         #: Parked requests resumed by space_freed (before their fallback timer).
         self.unparked = 0
+        #: PULL_MULTI_QUEUE batchers by broker address (many queues, client/multi_pull.py)
+        self._batchers: dict[str, PullBatcher] = {}
+        self._deferred: list[PullRequest] | None = None
+
+    def _batcher(self, addr: str) -> PullBatcher | None:
+        """The PULL_MULTI_QUEUE batcher of ``addr`` while this consumer holds
+        ``multi_queue_min`` or more queues, None to pull queue by queue."""
+        c = self.c
+        if c.multi_queue_min <= 0 or len(c.rebalance.table) < c.multi_queue_min:
+            return None
+        b = self._batchers.get(addr)
+        if b is None:
+            b = self._batchers[addr] = PullBatcher(
+                c.pool, addr, c.group, suspend_ms=c.suspend_ms,
+                timeout=c.suspend_ms / 1000 + 10.0, standing=True)
+        return None if b.unsupported else b
+
+    @property
+    def multi_requests(self) -> int:
+        """PULL_MULTI_QUEUE requests sent so far."""
+        return sum(b.requests for b in self._batchers.values())
 
     def start_queue(self, mq: MessageQueue, pq: ProcessQueue, offset: int) -> None:
-        self.execute_now(PullRequest(mq, pq, offset))
+        if self._deferred is not None:
+            self._deferred.append(PullRequest(mq, pq, offset))
+        else:
+            self.execute_now(PullRequest(mq, pq, offset))
+
+    def defer_starts(self) -> None:
+        """A rebalance pass begins: the queues it adds start pulling when it ends, so the
+        first pulls already know how many queues there are (many: one multi-queue request
+        per broker, rather than single held pulls for the queues added first)."""
+        if self._deferred is None:
+            self._deferred = []
+
+    def start_deferred(self) -> None:
+        deferred, self._deferred = self._deferred or [], None
+        for req in deferred:
+            self.execute_now(req)
 
     def execute_now(self, req: PullRequest) -> None:
         if self._closed or req.pq.dropped:
             return
-        t = self.loop.create_task(self._pull(req))
+        t = self.loop.create_task(self._pulls(req))
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
@@ -195,34 +237,43 @@ class PullService:
         for _req, timer in self._parked.values():
             timer.cancel()
         self._parked.clear()
+        for b in self._batchers.values():
+            b.close()
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # -- one pull ----------------------------------------------------------------------------
-    async def _pull(self, req: PullRequest) -> None:
+    async def _pulls(self, req: PullRequest) -> None:
+        """Pull ``req`` again and again while each pull says to go on at once (one task, not
+        a task per pull: a consumer of 10,000 queues pulls about once per message)."""
+        while await self._pull(req) and not self._closed and not req.pq.dropped:
+            pass
+
+    async def _pull(self, req: PullRequest) -> bool:
+        """One pull of ``req``; True: pull again at once (else it was rescheduled or ends)."""
         c = self.c
         pq = req.pq
         if pq.dropped:
-            return
+            return False
         pq.last_pull_ts = time.monotonic()
         if c.paused:
             self._pause(req)
-            return
+            return False
         if self._over_limits(pq):
             self.flow_controlled += 1
             if self.flow_controlled % 1000 == 1:
                 log.info("flow control of %s: %d messages, %d bytes, span %d in flight",
                          req.mq, pq.msg_count, pq.msg_size, pq.max_span())
             self._park(req)
-            return
+            return False
         if c.orderly and not c.broadcasting and not pq.locked:
             self.execute_later(req, ERROR_DELAY)
-            return
+            return False
         mq = req.mq
         sub = c.subscriptions.get(mq.topic)
         if sub is None:
-            return  # unsubscribed meanwhile; the rebalance drops the queue
+            return False  # unsubscribed meanwhile; the rebalance drops the queue
         tags = sub.tags
         flags = PullSysFlag.SUSPEND
         if sub.filters:
@@ -236,33 +287,54 @@ class PullService:
                 if off > 0:
                     flags |= PullSysFlag.COMMIT_OFFSET
                     commit = off
-            conn = c.pool.get_nowait(addr) or await c.pool.get(addr)
-            header = PullMessageRequestHeader(
-                consumer_group=c.group, topic=mq.topic, queue_id=mq.queue_id,
-                queue_offset=req.next_offset, max_msg_nums=c.pull_batch_size, sys_flag=flags,
-                commit_offset=commit, suspend_timeout_millis=c.suspend_ms,
-                subscription=sub.expression if sub.filters else None,
-                expression_type=sub.expression_type,
-            )
-            self.pulls += 1
-            frame = await conn.request(RequestCode.PULL_MESSAGE, header,
-                                       timeout=c.suspend_ms / 1000 + 10.0)
-            status = pull_status(frame.code)
-            if status is None:
-                raise_for_error(frame)
-            h: Any = frame.header
+            batcher = None if slave else self._batcher(addr)
+            h: Any
+            body: Any
+            if batcher is not None:
+                # many queues: this pull travels in one PULL_MULTI_QUEUE per broker, held as
+                # one long poll (client/multi_pull.py); a queue over its limits is not in it
+                self.pulls += 1
+                try:
+                    h, body = await batcher.pull(MultiQueuePull(
+                        mq.topic, mq.queue_id, req.next_offset, c.pull_batch_size,
+                        flags & ~PullSysFlag.SUSPEND, commit,
+                        sub.expression if sub.filters else None, sub.expression_type))
+                except MultiPullUnsupported:
+                    self.execute_now(req)  # an older broker: queue by queue from now on
+                    return False
+                status = pull_status(h.code)
+                if status is None:
+                    raise BrokerError(h.message or f"pull refused ({h.code})",
+                                      response_code=h.code)
+            else:
+                conn = c.pool.get_nowait(addr) or await c.pool.get(addr)
+                header = PullMessageRequestHeader(
+                    consumer_group=c.group, topic=mq.topic, queue_id=mq.queue_id,
+                    queue_offset=req.next_offset, max_msg_nums=c.pull_batch_size,
+                    sys_flag=flags, commit_offset=commit, suspend_timeout_millis=c.suspend_ms,
+                    subscription=sub.expression if sub.filters else None,
+                    expression_type=sub.expression_type,
+                )
+                self.pulls += 1
+                frame = await conn.request(RequestCode.PULL_MESSAGE, header,
+                                           timeout=c.suspend_ms / 1000 + 10.0)
+                status = pull_status(frame.code)
+                if status is None:
+                    raise_for_error(frame)
+                h = frame.header
+                body = frame.body
             req.broker_id = h.suggest_which_broker_id
             if pq.dropped:
-                return
+                return False
             if status is PullStatus.FOUND:
                 msgs, _end = decode_pull_body(
-                    frame.body, from_offset=req.next_offset, broker_name=mq.broker_name,
+                    body, from_offset=req.next_offset, broker_name=mq.broker_name,
                     tags=tags, check_crc=c.check_crc, topic=None,
                     on_corrupt=functools.partial(_skipped, c.corrupt, mq),
                     max_uncompressed=c.max_uncompressed_bytes,
                 )
                 if sub.sql is not None:
-                    msgs = sub.keep(msgs, frame.body, h.members)
+                    msgs = sub.keep(msgs, body, h.members)
                 if msgs:
                     msgs = pq.assemble(msgs, c.chunk_expire)  # chunks -> whole messages (PR5)
                 req.next_offset = h.next_begin_offset
@@ -274,7 +346,7 @@ class PullService:
                 if c.pull_interval > 0:
                     self.execute_later(req, c.pull_interval)
                 else:
-                    self.execute_now(req)
+                    return True
             elif status is PullStatus.OFFSET_ILLEGAL:
                 log.warning("pull offset %d of %s is illegal (queue holds [%d, %d]); "
                             "the queue restarts at %d", req.next_offset, mq, h.min_offset,
@@ -286,7 +358,7 @@ class PullService:
                 req.next_offset = h.next_begin_offset
                 if pq.msg_count == 0:
                     c.offset_store.update(mq, pq.floor(req.next_offset), True)
-                self.execute_now(req)
+                return True
         except asyncio.CancelledError:
             raise
         except TidemqError as exc:
@@ -304,6 +376,7 @@ class PullService:
         except Exception:  # a bug must not silently stop a queue forever
             log.exception("pull of %s failed unexpectedly; retrying in %g s", mq, ERROR_DELAY)
             self.execute_later(req, ERROR_DELAY)
+        return False
 
     def _fix_offset(self, req: PullRequest) -> None:
         async def go() -> None:

@@ -141,6 +141,7 @@ class PushConsumer:
         self.check_crc = o.check_crc
         self.max_uncompressed_bytes = o.max_uncompressed_bytes
         self.chunk_expire = o.chunk_expire
+        self.multi_queue_min = o.multi_queue_min
         #: records skipped because they do not decode ("tolerate on the way out")
         self.corrupt = CorruptRecords(log)
         self.request_timeout = o.request_timeout
@@ -190,6 +191,7 @@ class PushConsumer:
             "consumed": cs.consumed,
             "failed": getattr(cs, "failed", 0),
             "pulls": self.pull_service.pulls,
+            "multi_pull_requests": self.pull_service.multi_requests,
             "flow_controlled": self.pull_service.flow_controlled,
             "flow_resumed_early": self.pull_service.unparked,
             "rebalances": self.rebalance.rebalances,

@@ -182,15 +182,19 @@ class Rebalance:
         by_topic: dict[str, list[MessageQueue]] = {}
         for mq in self.table:
             by_topic.setdefault(mq.topic, []).append(mq)
-        for topic in list(c.subscriptions):
-            try:
-                await self._rebalance_topic(topic, members, by_topic.get(topic, []))
-            except NoRouteError as exc:
-                self.retry_soon = True
-                log.info("rebalance of %s for group %s: %s", topic, c.group, exc)
-            except TidemqError as exc:
-                self.retry_soon = True
-                log.warning("rebalance of %s for group %s failed: %s", topic, c.group, exc)
+        c.pull_service.defer_starts()
+        try:
+            for topic in list(c.subscriptions):
+                try:
+                    await self._rebalance_topic(topic, members, by_topic.get(topic, []))
+                except NoRouteError as exc:
+                    self.retry_soon = True
+                    log.info("rebalance of %s for group %s: %s", topic, c.group, exc)
+                except TidemqError as exc:
+                    self.retry_soon = True
+                    log.warning("rebalance of %s for group %s failed: %s", topic, c.group, exc)
+        finally:
+            c.pull_service.start_deferred()
         # Queues of topics no longer subscribed.
         for mq in [mq for mq in self.table if mq.topic not in c.subscriptions]:
             await self._drop(mq)

@@ -55,6 +55,7 @@ __all__ = [
     "PullMultiQueueRequestHeader",
     "MultiQueuePullResult",
     "PullMultiQueueResponseHeader",
+    "WokenPull",
     "PullSysFlag",
     "pull_sys_flag",
     "PullMessageRequestHeader",
@@ -290,6 +291,11 @@ class PullMultiQueueRequestHeader(Header):
     pulls: list[MultiQueuePull]
     suspend: bool = False
     suspend_timeout_millis: NonNeg = 15_000
+    #: Standing pulls (docs/protocol.md 4.0): a queue answered PULL_NOT_FOUND stays held on
+    #: the broker for this connection and group after the answer; when it receives messages
+    #: its result travels in ``woken`` of a later answer on this connection, so a request
+    #: names only the queues that moved (an empty ``pulls`` is then allowed: it only waits).
+    standing: bool = False
 
 
 class MultiQueuePullResult(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -316,6 +322,20 @@ class PullMultiQueueResponseHeader(Header):
     the SUCCESS results' batches, back to back in request order."""
 
     results: list[MultiQueuePullResult] = []
+    #: ``standing`` requests: True when the broker holds the PULL_NOT_FOUND queues standing
+    #: (an older broker does not, and the client pulls them again)
+    standing: bool = False
+    #: standing queues of earlier requests that received messages; their batches follow
+    #: those of ``results`` in the body, in this order
+    woken: list[WokenPull] = []
+
+
+class WokenPull(msgspec.Struct, array_like=True, gc=False):
+    """A standing queue's answer: which queue, and what its pull found."""
+
+    topic: str
+    queue_id: U32
+    result: MultiQueuePullResult
 
 
 # -- errors -------------------------------------------------------------------------------------
