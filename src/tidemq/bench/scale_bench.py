@@ -19,7 +19,8 @@ For each size N (queues; N / ``queues_per_topic`` topics of ``queues_per_topic``
    producer sends ``push_rate`` msgs/s (10,000) of SIZE bytes to random topics for
    ``push_seconds`` (5 s); latency is the send call to the listener's call, from a timestamp in
    the body: ``push_e2e_p50_ms`` / ``push_e2e_p99_ms`` (the issue's target: p99 <= 5 ms with
-   10,000 queues), ``push_e2e_received``;
+   10,000 queues), ``push_e2e_received``; ``push_multi_queue_min`` (0: one pull per queue, the
+   push consumer's default) sets the consumer's ``multi_queue_min`` (standing multi-queue pulls);
 6. restart: a clean stop and start (``restart_clean_s``), then a kill -9 and start
    (``restart_kill9_s``): process start to "ready", Python start-up included.
 
@@ -194,7 +195,8 @@ _TS = struct.Struct("<q")  # send time (ns) at the start of each push e2e messag
 
 
 async def _push_e2e(namesrv: str, topics: list[tuple[str, int]], size: int, rate: int,
-                    seconds: float, progress: Progress | None) -> dict[str, Any]:
+                    seconds: float, progress: Progress | None,
+                    multi_queue_min: int = 0) -> dict[str, Any]:
     names = [t for t, _ in topics]
     n_queues = sum(q for _, q in topics)
     lat: list[int] = []
@@ -206,7 +208,8 @@ async def _push_e2e(namesrv: str, topics: list[tuple[str, int]], size: int, rate
         return ConsumeStatus.SUCCESS
 
     consumer = PushConsumer(namesrv, f"scale-push-{uuid.uuid4().hex[:10]}", listener,
-                            consume_from="last", consume_message_batch_max_size=32)
+                            consume_from="last", consume_message_batch_max_size=32,
+                            multi_queue_min=multi_queue_min)
     for t in names:
         consumer.subscribe(t)
     rnd = random.Random(23)
@@ -257,7 +260,8 @@ async def _push_e2e(namesrv: str, topics: list[tuple[str, int]], size: int, rate
 
 def _one_size(n: int, *, per_topic: int, size: int, messages: int, window: int, restart: bool,
               data_dir: str | None, progress: Progress | None, push_max_queues: int = 10_000,
-              push_rate: int = 10_000, push_seconds: float = 5.0) -> dict[str, Any]:
+              push_rate: int = 10_000, push_seconds: float = 5.0,
+              push_multi_queue_min: int = 0) -> dict[str, Any]:
     topics = _topics(n, per_topic)
     mib = 1 << 20
     with tempfile.TemporaryDirectory(prefix="tidemq-bench-scale-", dir=data_dir) as d:
@@ -298,7 +302,8 @@ def _one_size(n: int, *, per_topic: int, size: int, messages: int, window: int, 
             }
             if n <= push_max_queues and push_rate > 0:
                 out.update(run_loop(_push_e2e(dev.namesrv, topics, max(size, _TS.size),
-                                              push_rate, push_seconds, progress)))
+                                              push_rate, push_seconds, progress,
+                                              push_multi_queue_min)))
             if restart:
                 dev.stop()
                 clean = DevProcess(d).start()
@@ -325,13 +330,15 @@ def bench_scale(
     push_max_queues: int = 10_000,
     push_rate: int = 10_000,
     push_seconds: float = 5.0,
+    push_multi_queue_min: int = 0,
 ) -> dict[str, Any]:
     rows = []
     for n in sizes:
         rows.append(_one_size(n, per_topic=queues_per_topic, size=size, messages=messages,
                               window=window, restart=restart, data_dir=data_dir,
                               progress=progress, push_max_queues=push_max_queues,
-                              push_rate=push_rate, push_seconds=push_seconds))
+                              push_rate=push_rate, push_seconds=push_seconds,
+                              push_multi_queue_min=push_multi_queue_min))
     base = rows[0] if rows else {}
     for r in rows:
         for k in ("produce_msgs_per_s", "consume_msgs_per_s"):

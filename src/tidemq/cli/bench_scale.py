@@ -58,12 +58,15 @@ class _Bars:
 @click.option("--push-rate", default=10_000, show_default=True,
               help="Messages per second of the push end-to-end phase (0: skip it).")
 @click.option("--push-seconds", default=5.0, show_default=True)
+@click.option("--push-multi-queue-min", default=0, show_default=True,
+              help="The push consumer's multi_queue_min (standing multi-queue pulls from this "
+                   "many queues on; 0: one pull per queue, the default).")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def bench_scale_cmd(sizes: str, max_queues: int | None, queues_per_topic: int, size: int,
                     messages: int, window: int, restart: bool, data_dir: str | None,
                     push_max_queues: int, push_rate: int, push_seconds: float,
-                    progress: bool, as_json: bool) -> None:
+                    push_multi_queue_min: int, progress: bool, as_json: bool) -> None:
     """Produce and consume msgs/s, broker RSS per idle queue and restart time (clean and after
     kill -9) of a fresh broker holding each number of queues; one producer sends single 1 KiB
     messages to random queues (send_async)."""
@@ -82,7 +85,8 @@ def bench_scale_cmd(sizes: str, max_queues: int | None, queues_per_topic: int, s
         result = bench_scale(sizes=ns, queues_per_topic=queues_per_topic, size=size,
                              messages=messages, window=window, restart=restart,
                              data_dir=data_dir, progress=bars, push_max_queues=push_max_queues,
-                             push_rate=push_rate, push_seconds=push_seconds)
+                             push_rate=push_rate, push_seconds=push_seconds,
+                             push_multi_queue_min=push_multi_queue_min)
     finally:
         if bars is not None:
             bars.close()
