@@ -210,3 +210,28 @@ def test_the_owner_thread_never_writes_or_fsyncs(tmp_path, monkeypatch) -> None:
     again = TimerLog(tmp_path, BUCKET_MS)
     assert again.next_due() == expected  # what was pending is pending after a reopen
     again.close()
+
+
+def test_an_add_between_released_entries_is_not_served_after_them(tmp_path) -> None:
+    """Found by the model above: every bucket exhausted (entries handed out), two of them
+    released (buckets 0 and 10), then an add due at 10: it must come before the released entry
+    due at 11 (the loaded bucket was set back to the first released entry's, 0, so the add
+    went only to its file and waited behind the heap)."""
+    log = TimerLog(tmp_path, BUCKET_MS)
+    log.next_due()
+    log.add(0, 1000, 1)
+    log.add(0, 1001, 1)
+    log.add(11, 1002, 1)
+    log.next_due()
+    log.cancel(0, 1001, 1)
+    log.next_due()
+    assert log.pop_due(13, 2) == [(0, 1000, 1), (11, 1002, 1)]
+    log.next_due()
+    log.release([(0, 1000, 1), (11, 1002, 1)])
+    log.next_due()
+    assert log.pop_due(13, 1) == [(0, 1000, 1)]
+    log.next_due()
+    log.add(10, 1003, 1)
+    assert log.next_due() == 10
+    assert log.pop_due(13, 5) == [(10, 1003, 1), (11, 1002, 1)]
+    log.close()

@@ -320,10 +320,14 @@ class TimerLog:
             if p not in self._heap_phys:
                 heapq.heappush(self._heap, (d, p, s))
                 self._heap_phys.add(p)
-            # it was in memory before it was handed out, so its bucket is at or before the
-            # loaded one (which never moves back): the heap is its place
-            if self._loaded is None:
-                self._loaded = self.bucket_of(d)
+            # it was in memory before it was handed out, so the heap is its place; the loaded
+            # bucket must reach its bucket: adds up to the loaded bucket go to the heap, later
+            # ones only to their files. (When every bucket was exhausted, _loaded was reset to
+            # None; setting it to the first released entry's bucket only let a later add of an
+            # earlier due time, in a bucket between them, wait behind this entry.)
+            b = self.bucket_of(d)
+            if self._loaded is None or b > self._loaded:
+                self._loaded = b
 
     def is_pending(self, deliver_at: int, phys: int) -> bool:
         """True when the bucket of ``deliver_at`` holds an ADD for ``phys`` and nothing ends it
