@@ -173,3 +173,24 @@ def test_sql92_subscription_pops_only_the_selected(wire, topic):
     assert [decode_receipt(h).offset for h in handles(p, topic)] == [0, 3, 6]
     assert pop(wire, topic, "pgsql", subscription="region = 'eu'",
                expression_type="SQL92").code == ResponseCode.PULL_NOT_FOUND
+
+
+def test_change_invisible_time_names_one_form_exactly(wire, topic):
+    """One handle, or many with one invisible time each: both, neither, or a count mismatch
+    is refused with INVALID_ARGUMENT naming the two forms (nothing changes)."""
+    wire.create_topic(topic, 1)
+    wire.send_messages(topic, [b"x"])
+    [h] = handles(pop(wire, topic, invisible_ms=60_000), topic)
+    bad = [
+        ChangeInvisibleRequestHeader(consumer_group="pg1", handle=h, handles=[h],
+                                     invisible=[1000]),  # both
+        ChangeInvisibleRequestHeader(consumer_group="pg1"),  # neither
+        ChangeInvisibleRequestHeader(consumer_group="pg1", handles=[h, h],
+                                     invisible=[1000]),  # one time for two handles
+    ]
+    for header in bad:
+        r = wire.request(RequestCode.CHANGE_INVISIBLE_TIME, header)
+        assert r.code == ResponseCode.INVALID_ARGUMENT
+        assert "not both or neither" in error_message(r)
+    # the handle is untouched: still the current one
+    assert ack(wire, [h]) == [0]

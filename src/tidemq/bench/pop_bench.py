@@ -43,64 +43,50 @@ _SLOTS = 5  # per member: acked, redelivered, stale, last time, cpu seconds
 _REPORT = 0.005
 
 
+async def _receive_loop(receive: Any, ack: Any, stale: Any, arr: Any, base: int, stop: Any) -> None:
+    """Receive and ack until ``stop``, publishing this member's counters in ``arr[base:]``:
+    ``receive()`` gives a list of messages, ``ack(m)`` a future (one per message; the client
+    sends one loop turn's acks as one frame), ``stale()`` the client's stale-ack count."""
+    cpu0 = time.process_time()
+    acked = redelivered = 0
+    last_report = 0.0
+    while not stop.is_set():
+        msgs = await receive()
+        if not msgs:
+            continue
+        redelivered += sum(1 for m in msgs if m.delivery_attempt > 1)
+        results = await asyncio.gather(*[ack(m) for m in msgs], return_exceptions=True)
+        acked += sum(1 for r in results if r is None)
+        now = time.monotonic()
+        arr[base], arr[base + 1], arr[base + 2] = acked, redelivered, stale()
+        arr[base + 3] = now
+        if now - last_report > _REPORT:
+            arr[base + 4] = time.process_time() - cpu0
+            last_report = now
+    arr[base + 4] = time.process_time() - cpu0
+
+
 async def _member(namesrv: str, group: str, topic: str, pop_batch: int, invisible: float,
                   arr: Any, i: int, go: Any, stop: Any) -> None:
-    base = i * _SLOTS
     async with SimpleConsumer(namesrv, group, await_duration=0.5, init_mode="earliest") as c:
         c.subscribe(topic)
         await c.routes.get(topic)
         while not go.is_set():
             await asyncio.sleep(0.001)
-        cpu0 = time.process_time()
-        acked = redelivered = 0
-        last_report = 0.0
-        while not stop.is_set():
-            msgs = await c.receive(pop_batch, invisible)
-            if not msgs:
-                continue
-            redelivered += sum(1 for m in msgs if m.delivery_attempt > 1)
-            # one ack per message (each its own handle and result); the client sends the acks
-            # queued in this turn of the loop as one frame
-            results = await asyncio.gather(*[c.ack_nowait(m) for m in msgs],
-                                           return_exceptions=True)
-            acked += sum(1 for r in results if r is None)
-            now = time.monotonic()
-            arr[base], arr[base + 1], arr[base + 2] = acked, redelivered, c.stale
-            arr[base + 3] = now
-            if now - last_report > _REPORT:
-                arr[base + 4] = time.process_time() - cpu0
-                last_report = now
-        arr[base + 4] = time.process_time() - cpu0
+        await _receive_loop(lambda: c.receive(pop_batch, invisible), c.ack_nowait,
+                     lambda: c.stale, arr, i * _SLOTS, stop)
 
 
 async def _typed_member(namesrv: str, group: str, topic: str, pop_batch: int,
                         invisible: float, arr: Any, i: int, go: Any, stop: Any,
                         sub_type: str) -> None:
-    base = i * _SLOTS
     while not go.is_set():
         await asyncio.sleep(0.001)
     async with Consumer(namesrv, topic, group, subscription_type=sub_type,
                         consumer_name=f"bench-{i}", initial_position="earliest",
                         ack_timeout=invisible, await_duration=0.5) as c:
-        cpu0 = time.process_time()
-        acked = redelivered = 0
-        last_report = 0.0
-        while not stop.is_set():
-            msgs = await c.batch_receive(pop_batch, timeout=0.2)
-            if not msgs:
-                continue
-            redelivered += sum(1 for m in msgs if m.delivery_attempt > 1)
-            # one acknowledge per message; the client sends a loop turn's acks as one frame
-            results = await asyncio.gather(*[c.acknowledge_nowait(m) for m in msgs],
-                                           return_exceptions=True)
-            acked += sum(1 for r in results if r is None)
-            now = time.monotonic()
-            arr[base], arr[base + 1], arr[base + 2] = acked, redelivered, c.stats()["stale_acks"]
-            arr[base + 3] = now
-            if now - last_report > _REPORT:
-                arr[base + 4] = time.process_time() - cpu0
-                last_report = now
-        arr[base + 4] = time.process_time() - cpu0
+        await _receive_loop(lambda: c.batch_receive(pop_batch, timeout=0.2), c.acknowledge_nowait,
+                     lambda: c.stats()["stale_acks"], arr, i * _SLOTS, stop)
 
 
 def _member_process(args: tuple[Any, ...]) -> None:

@@ -10,9 +10,9 @@ This is RocketMQ's PullRequestHoldService plus its NotifyMessageArrivingListener
   is now below the max are re-checked against their tag filter (the batch's tag hashes, as
   RocketMQ checks the consume queue's tag code) and those that match are executed again at once.
 - Fallback check: every ``check_interval`` (5 s; 1 s short polling when long polling is off)
-  :meth:`check_held` compares every key's max offset with its held pulls, like
-  ``checkHoldRequest``; pulls below the max are executed again (no tag re-check, as RocketMQ
-  passes no tag code there: the pull itself answers NO_MATCHED_MSG if nothing matches). The
+  the held pulls of a key are compared with its max offset, like ``checkHoldRequest``; pulls
+  below the max are executed again (no tag re-check, as RocketMQ passes no tag code there: the
+  pull itself answers NO_MATCHED_MSG if nothing matches). The
   timer checks at most CHECK_KEYS_PER_TICK keys per tick (:meth:`check_some`, round robin),
   so its cost does not grow with the number of held queues.
 - Timeout: a held pull is executed again at its deadline (suspend_timeout_millis, or
@@ -226,27 +226,27 @@ class PullRequestHoldService:
             self.loop.call_soon(self._run, held)
 
     # -- way out 2: the periodic check ---------------------------------------------------------
-    def check_held(self) -> None:
-        """RocketMQ's checkHoldRequest: compare every key's max offset with its held pulls."""
-        for key in list(self.table):
-            lst = self.table.get(key)
-            if lst is None:
-                continue
-            live = [h for h in lst if not h.done]
-            if not live:
-                del self.table[key]
-                continue
-            self.table[key] = live
-            topic, _, qid = key.rpartition("@")
-            try:
-                mx = self.max_offset(topic, int(qid))
-            except Exception:
-                log.exception("check of held pulls for %s failed", key)
-                continue
-            self.notify_message_arriving(key, mx, None)
+    def _check_key(self, key: str) -> None:
+        """RocketMQ's checkHoldRequest for one key: drop its finished pulls, compare the
+        queue's max offset with the others and wake those below it."""
+        lst = self.table.get(key)
+        if lst is None:
+            return
+        live = [h for h in lst if not h.done]
+        if not live:
+            del self.table[key]
+            return
+        self.table[key] = live
+        topic, _, qid = key.rpartition("@")
+        try:
+            mx = self.max_offset(topic, int(qid))
+        except Exception:
+            log.exception("check of held pulls for %s failed", key)
+            return
+        self.notify_message_arriving(key, mx, None)
 
     def check_some(self, limit: int) -> None:
-        """:meth:`check_held` of the next ``limit`` keys of the table, round robin: the
+        """:meth:`_check_key` of the next ``limit`` keys of the table, round robin: the
         periodic check's work per tick stays bounded however many queues are held (a
         consumer of 100,000 queues holds all of them; a full pass then takes several
         ticks -- the check only catches what an arrival did not wake)."""
@@ -255,22 +255,7 @@ class PullRequestHoldService:
             keys = self._check_keys = list(self.table)
             keys.reverse()  # popped from the end: in table order
         for _ in range(min(limit, len(keys))):
-            key = keys.pop()
-            lst = self.table.get(key)
-            if lst is None:
-                continue
-            live = [h for h in lst if not h.done]
-            if not live:
-                del self.table[key]
-                continue
-            self.table[key] = live
-            topic, _, qid = key.rpartition("@")
-            try:
-                mx = self.max_offset(topic, int(qid))
-            except Exception:
-                log.exception("check of held pulls for %s failed", key)
-                continue
-            self.notify_message_arriving(key, mx, None)
+            self._check_key(keys.pop())
 
     async def run_checks(self) -> None:
         """Run :meth:`check_some` (CHECK_KEYS_PER_TICK keys) every ``check_interval_s``

@@ -52,7 +52,7 @@ from tidemq.broker.sql_select import sql_filter_for
 from tidemq.broker.subscription_types import SubscriptionTypes
 from tidemq.protocol.codes import DLQ_PREFIX, RequestCode, ResponseCode
 from tidemq.protocol.errors import CorruptBatchError, TidemqError
-from tidemq.protocol.headers import Perm
+from tidemq.protocol.headers import Perm, TopicConfig
 from tidemq.protocol.members import bitmap, filter_fields
 from tidemq.protocol.pop import (
     ANY_QUEUE,
@@ -261,19 +261,7 @@ class PopProcessor:
         group = h.consumer_group
         check_group(group)
         check_consume_allowed(self.broker, group)
-        tc = self.broker.topics.get(h.topic)
-        name = self.broker.config.broker_name
-        if tc is None:
-            raise RequestRejected(
-                _R.TOPIC_NOT_EXIST, f"topic {h.topic!r} does not exist on broker {name}")
-        if not tc.perm & Perm.READ or h.topic.startswith(DLQ_PREFIX):
-            raise RequestRejected(
-                _R.NO_PERMISSION, f"topic {h.topic!r} is not readable on broker {name}")
-        if h.queue_id != ANY_QUEUE and h.queue_id >= tc.read_queue_nums:
-            raise RequestRejected(
-                _R.INVALID_ARGUMENT,
-                f"queue id {h.queue_id} is out of range: topic {h.topic!r} has "
-                f"{tc.read_queue_nums} read queues on broker {name} (or -1: any)")
+        self.readable_topic(h.topic, h.queue_id)
         if h.init_mode.upper() not in (INIT_EARLIEST, INIT_LATEST):
             raise RequestRejected(
                 _R.INVALID_ARGUMENT,
@@ -285,6 +273,24 @@ class PopProcessor:
         self.check_mode(group, POP)
         self.types.admit(h)
         self.check_order(group, h.order)
+
+    def readable_topic(self, topic: str, queue_id: int) -> TopicConfig:
+        """The config of ``topic`` when this broker may serve ``queue_id`` of it (or -1: every
+        queue) to POP consumers; else the refusal, naming the topic and the broker."""
+        tc = self.broker.topics.get(topic)
+        name = self.broker.config.broker_name
+        if tc is None:
+            raise RequestRejected(
+                _R.TOPIC_NOT_EXIST, f"topic {topic!r} does not exist on broker {name}")
+        if not tc.perm & Perm.READ or topic.startswith(DLQ_PREFIX):
+            raise RequestRejected(
+                _R.NO_PERMISSION, f"topic {topic!r} is not readable on broker {name}")
+        if queue_id != ANY_QUEUE and queue_id >= tc.read_queue_nums:
+            raise RequestRejected(
+                _R.INVALID_ARGUMENT,
+                f"queue id {queue_id} is out of range: topic {topic!r} has "
+                f"{tc.read_queue_nums} read queues on broker {name} (or -1: all of them)")
+        return tc
 
     def check_order(self, group: str, order: bool) -> None:
         """One group pops either orderly or not (an unordered pop would hand out the messages

@@ -58,6 +58,7 @@ from tidemq.broker.connection import decode_request
 from tidemq.broker.errors import RequestRejected, check_group
 from tidemq.broker.key_shared import KeySharedSelector
 from tidemq.broker.key_shared_dispatch import PendingOffsets, choose_key_shared
+from tidemq.broker.pop_hold import WindowKey
 from tidemq.broker.pop_window import Popped, PopWindow
 from tidemq.protocol.codes import ResponseCode
 from tidemq.protocol.pop import ANY_QUEUE, SeekRequestHeader, SeekResponseHeader
@@ -81,8 +82,6 @@ TYPES = (EXCLUSIVE, FAILOVER, SHARED, KEY_SHARED)
 POP_CONSUME_TYPE = "POP"  # ConsumerData.consume_type of POP members
 
 _R = ResponseCode
-
-WindowKey = tuple[str, str, int]  # (group, topic, queue id)
 
 
 def _kind(t: str) -> str:
@@ -322,16 +321,7 @@ class SubscriptionTypes:
         group = h.consumer_group
         check_group(group)
         broker = self.broker
-        name = broker.config.broker_name
-        tc = broker.topics.get(h.topic)
-        if tc is None:
-            raise RequestRejected(
-                _R.TOPIC_NOT_EXIST, f"topic {h.topic!r} does not exist on broker {name}")
-        if h.queue_id != ANY_QUEUE and h.queue_id >= tc.read_queue_nums:
-            raise RequestRejected(
-                _R.INVALID_ARGUMENT,
-                f"queue id {h.queue_id} is out of range: topic {h.topic!r} has "
-                f"{tc.read_queue_nums} read queues on broker {name} (or -1: all)")
+        tc = self.pop.readable_topic(h.topic, h.queue_id)
         if (h.offset < 0) == (h.timestamp < 0):
             raise RequestRejected(_R.INVALID_ARGUMENT,
                                   "a seek names an offset or a timestamp (exactly one)")

@@ -258,11 +258,7 @@ class Accumulator:
             elif b.timer is None:  # it waits for the batch in flight: not past its deadline
                 b.timer = b.loop.call_at(deadline, self._expire, b)
         elif not self._flush_scheduled:
-            self._flush_scheduled = True
-            if self.batch_max_delay > 0:
-                b.loop.call_later(self.batch_max_delay, self.flush_open)
-            else:
-                b.loop.call_soon(self.flush_open)
+            self._schedule_flush(b.loop)
         return result
 
     def add_async(self, msg: Message) -> SendFuture:
@@ -282,12 +278,17 @@ class Accumulator:
         if len(msgs) >= self.batch_max_messages or size >= self.batch_max_bytes:
             self._dispatch(b)  # an unpinned bucket: never held back by a batch in flight
         elif not self._flush_scheduled:
-            self._flush_scheduled = True
-            if self.batch_max_delay > 0:
-                b.loop.call_later(self.batch_max_delay, self.flush_open)
-            else:
-                b.loop.call_soon(self.flush_open)
+            self._schedule_flush(b.loop)
         return fut
+
+    def _schedule_flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The lingering ``send_async`` batches leave ``batch_max_delay`` from now (at the end
+        of this loop iteration when it is 0): one timer for all of them."""
+        self._flush_scheduled = True
+        if self.batch_max_delay > 0:
+            loop.call_later(self.batch_max_delay, self.flush_open)
+        else:
+            loop.call_soon(self.flush_open)
 
     def _expire(self, b: _Bucket) -> None:
         """Fail the messages of ``b`` whose callers' deadlines passed while they waited."""

@@ -95,20 +95,14 @@ class ProcessQueue:
         d = self.msgs
         size = 0
         new = 0
-        if self.assembler is None:  # no chunks seen on this queue: no reassembled messages
-            for m in msgs:
-                off = m.queue_offset
-                if off not in d:
-                    d[off] = m
-                    new += 1
-                    size += len(m.body)
-        else:
-            for m in msgs:
-                off = m.queue_offset
-                if off not in d:
-                    d[off] = m
-                    new += 1
-                    size += len(m.body)
+        chunks = self.assembler is not None  # no chunks seen on this queue: none to track
+        for m in msgs:
+            off = m.queue_offset
+            if off not in d:
+                d[off] = m
+                new += 1
+                size += len(m.body)
+                if chunks:
                     first = first_chunk_offset(m)
                     if first is not None:
                         self.chunk_starts[off] = first
