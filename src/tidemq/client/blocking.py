@@ -49,7 +49,7 @@ T = TypeVar("T")
 
 #: A borrowed loop (see _LoopHost) goes back to its thread after the borrower has not sent
 #: for this long: what a caller of the facade elsewhere may wait, at most, for the loop.
-RECLAIM_AFTER = 0.002
+RECLAIM_AFTER = 0.01
 #: A thread borrows the producers' loop after this many consecutive sends of its own with no
 #: other thread waiting on the loop (one thread sending in a loop; never 16 threads taking turns).
 BORROW_AFTER = 2
