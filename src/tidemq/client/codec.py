@@ -59,7 +59,7 @@ from tidemq.protocol.batch.layout import (
     STORE_CRC_FROM,
     STORE_HEADER,
     STORE_HEADER_SIZE,
-    crc32c,
+    crc32c_held,
     heads_struct,
 )
 from tidemq.protocol.errors import CorruptBatchError
@@ -174,8 +174,9 @@ def decode_pull_body(
                     + h[H_RECORDS_SIZE]
                     == total
                     and (not check_crc
-                         or (crc32c(mv[pos + p + 4 : pos + total]) == h[H_BATCH_CRC]
-                             and crc32c(mv[pos + STORE_CRC_FROM : pos + p]) == h[H_STORE_CRC]))):
+                         or (crc32c_held(mv[pos + p + 4 : pos + total]) == h[H_BATCH_CRC]
+                             and crc32c_held(mv[pos + STORE_CRC_FROM : pos + p])
+                             == h[H_STORE_CRC]))):
                 h = None
         if h is None:
             # Damaged (or too short for the combined read): BatchView checks and words it.
