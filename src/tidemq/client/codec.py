@@ -458,7 +458,8 @@ def _decode_uniform(
         return None
     qo = meta.queue_offset
     return [MessageExt(raw[s : s + bl], qo + i, None, meta, i)
-            for i, s in zip(range(start, count), range(s0, s0 + n * stride, stride))]
+            for i, s in zip(range(start, count), range(s0, s0 + n * stride, stride),
+                            strict=True)]
 
 
 def _decode_one(
