@@ -9,7 +9,9 @@
   message what applications send besides a body -- a tag (one of 8), a key and 2 properties --
   which is what the broker's door checks message by message (UTF-8, sizes).
 - consume: a fresh consumer group reads COUNT messages of the topic's backlog from the earliest
-  offset (``consume_from="first"``, pull batches of BATCH); every body is touched.
+  offset (``consume_from="first"``, pull batches of BATCH); every body is touched. Timed from
+  before the first ``poll`` (the start offsets' lookups and the first pulls included) to the
+  poll that completes COUNT, as the Redis peer times from before its first XRANGE.
 - e2e: one producer sends single messages at RATE per second for SECONDS while a consumer in the
   same process long-polls; each body starts with the send time (``time.time_ns``), so latency is
   send -> poll return.
