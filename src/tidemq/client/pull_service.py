@@ -6,6 +6,11 @@ One :class:`PullService` per client instance owns every queue's pull request. A 
 asynchronous PULL_MESSAGE (long polling: the broker holds it up to 15 s), and its result
 schedules the next execution of the same request, so each queue has at most one pull in flight.
 
+Many queues (``multi_queue_min`` or more assigned): a queue's pulls to a broker are made by
+that broker's :class:`~tidemq.client.pull_driver.PullDriver` instead, one standing
+PULL_MULTI_QUEUE for all of them, with no task per queue; the checks below and the handling of
+each result (:meth:`PullService.multi_pull_of`, :meth:`PullService.on_result`) are the same.
+
 Before a pull (flow control, logged every 1000th time):
 
 - the ProcessQueue holds more than ``pull_threshold_for_queue`` (1000) messages, or more than
