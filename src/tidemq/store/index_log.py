@@ -87,6 +87,9 @@ _NAME_DIGITS = 20
 #: changed queues per block at most: the lock is held while one block is built and written
 BLOCK_QUEUES = 2048
 _PHYS_LIMIT = 1 << 63
+#: batches of up to this many messages get their units packed by struct, larger by numpy
+_SMALL_BATCH = 16
+_iter_index = INDEX_ENTRY.iter_unpack
 _EMPTY = np.empty(0, UNIT_DTYPE)
 _EMPTY.flags.writeable = False
 
@@ -220,6 +223,11 @@ class LogQueue:
             )
         if n == 1:
             units = UNIT.pack(phys_offset, size, INDEX_ENTRY.unpack_from(view)[0])
+        elif n <= _SMALL_BATCH:
+            # numpy's fixed cost per call (~3-8 us here) is more than packing a few units:
+            # small batches are what spread traffic over many queues brings (issue 17)
+            pack = UNIT.pack
+            units = b"".join([pack(phys_offset, size, h) for h, _ in _iter_index(view)])
         else:
             arr = np.empty(n, UNIT_DTYPE)
             arr["phys"] = phys_offset
