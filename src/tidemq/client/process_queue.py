@@ -46,7 +46,7 @@ class ProcessQueue:
         "msgs", "msg_count", "msg_size", "queue_offset_max", "dropped", "locked",
         "last_lock_ts", "last_pull_ts", "last_consume_ts", "consuming", "orderly_running",
         "consume_lock", "batch_times", "local_retries", "try_unlock_times", "assembler",
-        "chunk_starts",
+        "chunk_starts", "standing",
     )
 
     def __init__(self) -> None:
@@ -59,6 +59,9 @@ class ProcessQueue:
         self.last_lock_ts = 0.0
         now = time.monotonic()
         self.last_pull_ts = now
+        #: held on the broker by a standing multi-queue pull (client/pull_driver.py): not
+        #: pulled again until messages arrive, and not idle however long that takes
+        self.standing = False
         self.last_consume_ts = now
         self.consuming: dict[int, MessageExt] = {}  # orderly: taken, not yet committed
         self.orderly_running = False  # orderly: a consume request is scheduled or running
@@ -207,4 +210,4 @@ class ProcessQueue:
         return time.monotonic() - self.last_lock_ts > LOCK_MAX_LIVE
 
     def pull_expired(self) -> bool:
-        return time.monotonic() - self.last_pull_ts > PULL_MAX_IDLE
+        return not self.standing and time.monotonic() - self.last_pull_ts > PULL_MAX_IDLE
