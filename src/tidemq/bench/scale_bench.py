@@ -25,6 +25,10 @@ For each size N (queues; N / ``queues_per_topic`` topics of ``queues_per_topic``
 6. restart: a clean stop and start (``restart_clean_s``), then a kill -9 and start
    (``restart_kill9_s``): process start to "ready", Python start-up included.
 
+``*_cpu_us_per_msg``: CPU time (user + system) per message of the broker process and of this
+process (the producer, or the consumer) during the produce and consume phases: on a shared,
+loaded machine a steadier yardstick than msgs/s.
+
 Returns one dict per size, and ``ratio_to_first`` relative to the first (smallest) size.
 """
 
@@ -261,6 +265,10 @@ async def _push_e2e(namesrv: str, topics: list[tuple[str, int]], size: int, rate
             "push_e2e_p99_ms": pct(0.99), "push_e2e_max_ms": pct(1.0)}
 
 
+def _per_msg(cpu_seconds: float, n: int) -> float:
+    return round(cpu_seconds * 1e6 / max(n, 1), 2)
+
+
 def _one_size(n: int, *, per_topic: int, size: int, messages: int, window: int, restart: bool,
               data_dir: str | None, progress: Progress | None, push_max_queues: int = 10_000,
               push_rate: int = 10_000, push_seconds: float = 5.0,
@@ -280,10 +288,13 @@ def _one_size(n: int, *, per_topic: int, size: int, messages: int, window: int, 
             touch_s = time.perf_counter() - t0
             time.sleep(3.0)  # a flush and a checkpoint of the touched queues
             rss1 = dev.memory()["VmRSS"]
+            cpu0 = (dev.cpu_seconds(), time.process_time())
             prod_s, prod_err = run_loop(
                 _produce(dev.namesrv, topics, size, messages, window, progress))
+            cpu1 = (dev.cpu_seconds(), time.process_time())
             total = messages + n  # the backlog: the touches and the produced messages
             cons_s, got = run_loop(_consume(dev.namesrv, topics, total, 5.0, progress))
+            cpu2 = (dev.cpu_seconds(), time.process_time())
             rss2 = dev.memory()["VmRSS"]
             out: dict[str, Any] = {
                 "queues": n,
@@ -296,10 +307,16 @@ def _one_size(n: int, *, per_topic: int, size: int, messages: int, window: int, 
                 "rss_after_mb": round(rss2 / mib, 1),
                 "produce_msgs_per_s": round(messages / max(prod_s, 1e-9)),
                 "produce_errors": prod_err,
+                # CPU time per message of the broker and of this (the producer's) process:
+                # steadier than msgs/s on a shared machine
+                "produce_broker_cpu_us_per_msg": _per_msg(cpu1[0] - cpu0[0], messages),
+                "produce_client_cpu_us_per_msg": _per_msg(cpu1[1] - cpu0[1], messages),
                 "route_warmup_seconds": round(_route_warmup[0], 2),
                 "consume_msgs_per_s": round(got / max(cons_s, 1e-9)),
                 # start offsets of every queue are looked up first (a request or two each)
                 "consume_first_messages_s": round(_consume_start[0], 2),
+                "consume_broker_cpu_us_per_msg": _per_msg(cpu2[0] - cpu1[0], got),
+                "consume_client_cpu_us_per_msg": _per_msg(cpu2[1] - cpu1[1], got),
                 "consumed": got,
                 "consume_complete": got >= total,
             }
