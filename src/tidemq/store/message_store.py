@@ -780,8 +780,10 @@ class MessageStore:
         else:
             cq.append_batch(qoff, phys, size, v.index_view())
         if hashes:
-            if len(hashes) == 1:
-                self.index.put_hash(hashes[0], phys, ts)
+            if len(hashes) <= 4:  # a small batch's few keys: the one-hash path beats the loop
+                put_hash = self.index.put_hash
+                for h in hashes:
+                    put_hash(h, phys, ts)
             else:
                 self.index.put_hashes(hashes, phys, ts)
 
