@@ -95,6 +95,7 @@ __all__ = ["SendProcessor"]
 log = logging.getLogger(__name__)
 
 _perf_counter = time.perf_counter
+_SUCCESS = ResponseCode.SUCCESS  # an IntEnum member lookup costs ~0.2 us, once per send
 #: Batch attributes of a batch the broker holds before storing it (delay level, transaction
 #: type: a PREPARED half message goes to the transaction service).
 _HELD_ATTRS = ATTR_DELAY_MASK | ATTR_TXN_MASK
@@ -370,8 +371,10 @@ class SendProcessor:
             raise rejection_for_store_error(exc) from None
         count = r.count
         self.stats.record_put(topic, count, r.size, _perf_counter() - t0)
-        conn.respond(frame.opaque, ResponseCode.SUCCESS, SendMessageResponseHeader(
-            msg_id=f"{v.producer_id:016X}{v.base_seq:016X}",  # record.unique_id, inlined
+        conn.respond(frame.opaque, _SUCCESS, SendMessageResponseHeader(
+            # record.unique_id, inlined: both are u64 fields of the batch, so one 128-bit
+            # number formats the same 32 digits in half the time of two
+            msg_id="%032X" % (v.producer_id << 64 | v.base_seq),
             queue_id=qid, queue_offset=r.queue_offset, count=count,
         ))
 
