@@ -273,11 +273,9 @@ def _why_undecodable(raw: bytes, q: int, tl: int, pl: int, i: int) -> str:
     return f"message {i} does not decode"
 
 
-def _keys_checked(src: bytes, q: int, size: int, count: int
-                  ) -> tuple[dict[int, str], dict[int, str]]:
-    """The keys section at ``src[q:q + size]``: (index -> keys that decode, index -> why the
-    keys of that message do not). CorruptBatchError when its framing is broken."""
-    out: dict[int, str] = {}
+def _keys_checked(src: bytes, q: int, size: int, count: int) -> dict[int, str]:
+    """The keys section at ``src[q:q + size]`` checked: index -> why the keys of that message
+    are not UTF-8. CorruptBatchError when its framing is broken."""
     bad: dict[int, str] = {}
     end = q + size
     unpack = KEYS_ENTRY.unpack_from
@@ -288,18 +286,20 @@ def _keys_checked(src: bytes, q: int, size: int, count: int
         q += 6
         if q + n > end or i >= count:
             raise CorruptBatchError("keys section entry points outside the batch")
-        # Plain decode first: the reason (decode_utf8's wording, with an f-string per key)
-        # is only built for a key that fails -- building it for every key was 40 % of decoding
-        # a batch of keyed messages.
-        try:
-            out[i] = src[q : q + n].decode()
-        except UnicodeDecodeError:
+        # Only checked here (ASCII, the usual case, without making a str); the keys are
+        # decoded when a message's ``keys`` is read (_BatchMeta.keys). The reason
+        # (decode_utf8's wording, an f-string) is only built for a key that fails.
+        k = src[q : q + n]
+        if not k.isascii():
             try:
-                decode_utf8(src[q : q + n], f"keys of message {i}")
-            except CorruptBatchError as exc:
-                bad[i] = exc.message
+                k.decode()
+            except UnicodeDecodeError:
+                try:
+                    decode_utf8(k, f"keys of message {i}")
+                except CorruptBatchError as exc:
+                    bad[i] = exc.message
         q += n
-    return out, bad
+    return bad
 
 
 def _decode_general(
@@ -325,9 +325,8 @@ def _decode_general(
     meta = _BatchMeta(topic, broker_name, h, buf, a, raw, off)
     bad_keys: dict[int, str] = {}
     if h[H_KEYS_SIZE]:  # keys: checked once per batch here, so MessageExt.keys never fails later
-        meta._keys, bad_keys = _keys_checked(buf, rec - INDEX_ENTRY_SIZE
-                                             + h[H_COUNT] * INDEX_ENTRY_SIZE, h[H_KEYS_SIZE],
-                                             h[H_COUNT])
+        bad_keys = _keys_checked(buf, rec - INDEX_ENTRY_SIZE + h[H_COUNT] * INDEX_ENTRY_SIZE,
+                                 h[H_KEYS_SIZE], h[H_COUNT])
     if bad is None:
         msgs = _decode_one(meta, raw, off, rlen, h[H_COUNT], start, tags, None, members)
         for m in msgs:
@@ -511,15 +510,24 @@ def _decode_one(
     pls = pl.tolist()
     out: list[MessageExt] = []
     append = out.append
+    seen: dict[bytes, str] = {}  # tag bytes -> str: a batch's messages share a few tags
     for i, s, e, ts, t, p in zip(
         indices, bstart.tolist(), bend.tolist(), tstart, tls, pls, strict=True
     ):
         try:
-            tag = raw[ts : ts + t].decode() if t else None
+            if t:
+                tb = raw[ts : ts + t]
+                tag = seen.get(tb)
+                if tag is None:
+                    tag = seen[tb] = tb.decode()
+            else:
+                tag = None
             if tags is not None and tag not in tags:
                 continue
             if p:
-                raw[ts + t : s].decode()
+                pb = raw[ts + t : s]
+                if not pb.isascii():  # checked without making a str when ASCII
+                    pb.decode()
         except UnicodeDecodeError:
             why = _why_undecodable(raw, ts, t, p, i)
             if bad is None:
