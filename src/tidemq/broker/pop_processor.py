@@ -33,10 +33,11 @@ Threads: the broker's event loop only.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tidemq.broker.connection import decode_request
@@ -428,8 +429,10 @@ class PopProcessor:
         self._commit(group, topic, qid, w)
         return got
 
-    def _read(self, topic: str, qid: int, offsets: list[int]) -> Any:
-        """(batch bytes, base offset, member indices) of the batches holding ``offsets``."""
+    def _read(self, topic: str, qid: int, offsets: Sequence[int]) -> Any:
+        """(batch bytes, base offset, member indices) of the batches holding ``offsets``
+        (increasing; a list or a range). Per stored batch, not per offset: its offsets are
+        found by bisection, and a contiguous run of them becomes its indices at once."""
         store = self.broker.store
         i, n = 0, len(offsets)
         while i < n:
@@ -442,15 +445,15 @@ class PopProcessor:
             progressed = False
             for b in r.batches:
                 base = b.queue_offset - b.first_index
-                end = b.queue_offset + b.count
-                idx: list[int] = []
-                while i < n and offsets[i] < end:
-                    if offsets[i] >= base:
-                        idx.append(offsets[i] - base)
-                    i += 1
+                j = bisect.bisect_left(offsets, b.queue_offset + b.count, i)
+                if j > i:
                     progressed = True
-                if idx:
-                    yield b.data, base, idx
+                    k = bisect.bisect_left(offsets, base, i, j)
+                    if k < j:
+                        lo, hi = offsets[k] - base, offsets[j - 1] - base
+                        yield b.data, base, (list(range(lo, hi + 1)) if hi - lo == j - 1 - k
+                                             else [o - base for o in offsets[k:j]])
+                    i = j
                 if i >= n:
                     break
             if not progressed:

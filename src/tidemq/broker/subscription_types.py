@@ -310,8 +310,8 @@ class SubscriptionTypes:
         out = choose_key_shared(
             pending, w, me, any(c == me for _p, c in marks), want, now, h.invisible_ms,
             max_offset, self._epoch.get(group, 0), owner_of,
-            lambda offsets: self.pop._read(topic, qid, sorted(offsets)),
-            None if marks else full.table())
+            lambda offsets: self.pop._read(topic, qid, offsets),
+            None if marks else full.index_table())
         self.ended_early = pending.trimmed
         return out
 
@@ -355,4 +355,4 @@ class SubscriptionTypes:
 
     def stats(self) -> dict[str, Any]:
         return {"types": dict(self.types), "revived": self.revived,
-                "key_shared_pending": sum(len(p.slots) for p in self._pending.values())}
+                "key_shared_pending": sum(p.n for p in self._pending.values())}
