@@ -147,13 +147,19 @@ def bench_pop(
 SIMPLE = "SimpleConsumer"
 
 
-async def _brokers_cpu(namesrv: str, topic: str) -> float:
-    """utime + stime (s) summed over the brokers serving ``topic`` (0 when one does not tell)."""
+_BROKER_COUNTERS = ("process_cpu_s", "pop_requests", "pop_answers", "pop_held_tries")
+
+
+async def _brokers_counters(namesrv: str, topic: str) -> dict[str, float]:
+    """CPU seconds (utime + stime) and POP counters summed over the brokers serving
+    ``topic`` (0 when one does not tell)."""
     async with Admin(namesrv) as admin:
         route = await admin.routes.get(topic)
-        total = 0.0
+        total = dict.fromkeys(_BROKER_COUNTERS, 0.0)
         for addr in sorted(set(route.read_addrs.values())):
-            total += float((await admin.runtime_info(addr)).get("process_cpu_s", 0.0))
+            info = await admin.runtime_info(addr)
+            for k in _BROKER_COUNTERS:
+                total[k] += float(info.get(k, 0.0))
         return total
 
 
@@ -173,7 +179,7 @@ def _drain(*, namesrv: str, topic: str, group: str | None, kind: str, consumers:
     for p in procs:
         p.start()
     time.sleep(3.0)  # spawned interpreters import tidemq and connect
-    broker_cpu0 = run_loop(_brokers_cpu(namesrv, topic))
+    before = run_loop(_brokers_counters(namesrv, topic))
     t_go = time.monotonic()
     go.set()
     done = 0
@@ -191,7 +197,8 @@ def _drain(*, namesrv: str, topic: str, group: str | None, kind: str, consumers:
             done = now_done
     finally:
         stop.set()
-        broker_cpu = run_loop(_brokers_cpu(namesrv, topic)) - broker_cpu0
+        after = run_loop(_brokers_counters(namesrv, topic))
+        moved = {k: after[k] - before[k] for k in _BROKER_COUNTERS}
         for p in procs:
             p.join(30)
             if p.is_alive():
@@ -215,5 +222,9 @@ def _drain(*, namesrv: str, topic: str, group: str | None, kind: str, consumers:
         "redelivered": int(sum(arr[i * _SLOTS + 1] for i in range(consumers))),
         "stale_acks": int(sum(arr[i * _SLOTS + 2] for i in range(consumers))),
         "client_cpu_us_per_msg": round(cpu / max(done, 1) * 1e6, 3),
-        "broker_cpu_us_per_msg": round(broker_cpu / max(done, 1) * 1e6, 3),
+        "broker_cpu_us_per_msg": round(moved["process_cpu_s"] / max(done, 1) * 1e6, 3),
+        # per 1000 messages: POP requests, answers with messages, tries of held pops
+        "pops_per_1k": round(moved["pop_requests"] * 1000 / max(done, 1), 2),
+        "answers_per_1k": round(moved["pop_answers"] * 1000 / max(done, 1), 2),
+        "held_tries_per_1k": round(moved["pop_held_tries"] * 1000 / max(done, 1), 2),
     }

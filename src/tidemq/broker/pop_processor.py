@@ -145,6 +145,8 @@ class PopProcessor:
         self.hold = PopHoldService(broker.loop, self._windows_of, self._fail)
         self.notifications = NotificationHandler(self)
         self.popped = 0
+        self.requests = 0  # POP_MESSAGE frames handled (held ones once)
+        self.answers = 0  # pop answers that carried messages (first tries and held ones)
         self.acked = 0
         self.stale = 0
         self.dead = 0  # copied to %DLQ%<group> after retry_max_times deliveries
@@ -249,6 +251,7 @@ class PopProcessor:
         h: PopMessageRequestHeader = decode_request(frame, PopMessageRequestHeader)
         if frame.is_oneway:
             raise RequestRejected(_R.INVALID_ARGUMENT, "a pop cannot be one-way")
+        self.requests += 1
         self._admit(h)
         if self._answer(conn, frame.opaque, h):
             return
@@ -335,6 +338,7 @@ class PopProcessor:
             broker=self.broker.config.broker_name, pop_time=now, invisible_ms=h.invisible_ms,
             batches=batches)
         conn.respond(opaque, _R.SUCCESS, header, bodies)
+        self.answers += 1
         return True
 
     def _empty(self, conn: BrokerConnection, opaque: int, h: PopMessageRequestHeader) -> None:
@@ -506,7 +510,8 @@ class PopProcessor:
         self.hold.drop_connection(conn)
 
     def stats(self) -> dict[str, int]:
-        return {"pop_popped": self.popped, "pop_acked": self.acked, "pop_stale": self.stale,
+        return {"pop_popped": self.popped, "pop_requests": self.requests,
+                "pop_answers": self.answers, "pop_acked": self.acked, "pop_stale": self.stale,
                 "pop_dead": self.dead, "pop_windows": len(self.windows), **self.hold.stats()}
 
     # -- ACK_MESSAGE -----------------------------------------------------------------------------

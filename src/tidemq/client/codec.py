@@ -13,7 +13,7 @@ Pure functions: any thread may call them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import numpy as np
@@ -272,10 +272,13 @@ def _why_undecodable(raw: bytes, q: int, tl: int, pl: int, i: int) -> str:
     return f"message {i} does not decode"
 
 
-def _keys_checked(src: bytes, q: int, size: int, count: int
+def _keys_checked(src: bytes, q: int, size: int, count: int,
+                  wanted: Container[int] | None = None
                   ) -> tuple[dict[int, str], dict[int, str]]:
     """The keys section at ``src[q:q + size]``: (index -> keys that decode, index -> why the
-    keys of that message do not). CorruptBatchError when its framing is broken."""
+    keys of that message do not), for the messages in ``wanted`` (None: all) -- the framing of
+    every entry is checked, CorruptBatchError when it is broken, but only wanted keys are
+    decoded: a POP answer hands out a share of a batch (a key-shared consumer's quarter)."""
     out: dict[int, str] = {}
     bad: dict[int, str] = {}
     end = q + size
@@ -287,6 +290,9 @@ def _keys_checked(src: bytes, q: int, size: int, count: int
         q += 6
         if q + n > end or i >= count:
             raise CorruptBatchError("keys section entry points outside the batch")
+        if wanted is not None and i not in wanted:
+            q += n
+            continue
         # Plain decode first: the reason (decode_utf8's wording, with an f-string per key)
         # is only built for a key that fails -- building it for every key was 40 % of decoding
         # a batch of keyed messages.
@@ -324,9 +330,12 @@ def _decode_general(
     meta = _BatchMeta(topic, broker_name, h, buf, a, raw, off)
     bad_keys: dict[int, str] = {}
     if h[H_KEYS_SIZE]:  # keys: checked once per batch here, so MessageExt.keys never fails later
+        # (only those of the messages handed out: the others are never asked for)
+        wanted: Container[int] | None = (
+            set(members) if members is not None else range(start, h[H_COUNT]) if start else None)
         meta._keys, bad_keys = _keys_checked(buf, rec - INDEX_ENTRY_SIZE
                                              + h[H_COUNT] * INDEX_ENTRY_SIZE, h[H_KEYS_SIZE],
-                                             h[H_COUNT])
+                                             h[H_COUNT], wanted)
     if bad is None:
         msgs = _decode_one(meta, raw, off, rlen, h[H_COUNT], start, tags, None, members)
         for m in msgs:
