@@ -178,6 +178,11 @@ class PopProcessor:
             self.modes.setdefault(group, POP)
         return w
 
+    def _seek_window(self, group: str, topic: str, qid: int, offset: int) -> None:
+        """A replayed seek record: the window starts over at ``offset``."""
+        self.windows[(group, topic, qid)] = PopWindow(offset)
+        self.modes.setdefault(group, POP)
+
     def catch_up(self, *, commit: bool) -> int:
         """Apply the ``rmq_sys_POP_LOG`` records stored since the last replay: a slave's log
         grows by replication while its windows stand still. At a promotion (``commit``: the
@@ -187,7 +192,7 @@ class PopProcessor:
         if self.broker.store.max_offset(POP_LOG_TOPIC, 0) < self.log.replayed_to:
             self.windows.clear()
             return self.recover()
-        n = self.log.replay(self._window_for, self.log.replayed_to)
+        n = self.log.replay(self._window_for, self.log.replayed_to, self._seek_window)
         if commit:
             for (group, topic, qid), w in self.windows.items():
                 self._commit(group, topic, qid, w)
@@ -210,7 +215,7 @@ class PopProcessor:
             for group, topic, qid, state in saved:
                 self.windows[(group, topic, qid)] = PopWindow.from_state(state)
                 self.modes.setdefault(group, POP)
-        n = self.log.replay(window_for, start)
+        n = self.log.replay(window_for, start, self._seek_window)
         for (group, topic, qid), w in self.windows.items():
             self._commit(group, topic, qid, w)
         if n:

@@ -42,8 +42,9 @@ a consumer of another type is refused with CONSUME_MODE_CONFLICT naming the type
 
 **Seek** (SEEK_SUBSCRIPTION): a queue's window is replaced by an empty one starting at the
 offset (or at the first message stored at or after a time); the old deliveries become stale.
-The seek is not a ``rmq_sys_POP_LOG`` record: a broker restart before the next snapshot may
-bring back deliveries made before the seek (delivered again, never lost).
+The seek is a ``rmq_sys_POP_LOG`` record, written before the answer (``pop_log.py``): a broker
+restart, even a kill -9 before the next snapshot, and a slave promoted in its place serve
+from the seek's offset.
 
 Threads: the broker's event loop only.
 """
@@ -347,6 +348,7 @@ class SubscriptionTypes:
         """The group's POP state of a queue starts over at ``offset`` (a seek, or an offset
         reset by ``tidemq group reset-offset``): earlier deliveries become stale."""
         key = (group, topic, qid)
+        self.pop.log.seek(group, topic, qid, offset)  # durable before the answer
         self.pop.windows[key] = PopWindow(offset)
         self._pending.pop(key, None)
         for pos in self._joined.get(group, {}).values():
