@@ -1,14 +1,17 @@
 """The blocking facade: ``tidemq.Producer`` / ``PullConsumer`` / ``Admin`` for ordinary threads.
 
-Each blocking object wraps its asyncio twin (``tidemq.aio``) and runs it on one background
-event loop shared by the whole process (a daemon thread named ``tidemq-io``, started on first
-use, uvloop when installed). A blocking call submits a coroutine to that loop and waits for it;
-``send_async`` returns a ``concurrent.futures.Future`` at once.
+Each blocking object wraps its asyncio twin (``tidemq.aio``) and runs it on a background event
+loop of the process, started on first use: consumers and admin on the one a daemon thread
+named ``tidemq-io`` runs (uvloop when installed), producers on their own (``tidemq-io-send``,
+the stock asyncio loop), which a thread that sends alone runs itself inside its ``send``
+(:class:`_LoopHost`; docs/producer-path.md, "The blocking facade"). A blocking call submits a
+coroutine to its loop and waits for it; ``send_async`` returns a
+``concurrent.futures.Future`` at once.
 
 Threading: any thread may call these objects, but calls into one object are serialised by the
-loop, and they must not be made from the ``tidemq-io`` thread itself (a callback passed to
+loop, and they must not be made from a thread while it runs the loop (a callback passed to
 ``send_async`` runs there: do not call blocking methods from it). After ``os.fork`` the child
-starts its own loop thread.
+starts its own loops.
 """
 
 from __future__ import annotations
@@ -44,65 +47,217 @@ __all__ = ["Producer", "TransactionProducer", "PullConsumer", "PushConsumer", "A
 T = TypeVar("T")
 
 
-class _IoThread:
-    """The process's shared event loop thread (created lazily, per process)."""
+#: A borrowed loop (see _LoopHost) goes back to its thread after the borrower has not sent
+#: for this long: what a caller of the facade elsewhere may wait, at most, for the loop.
+RECLAIM_AFTER = 0.01
+#: A thread borrows the producers' loop after this many consecutive sends of its own with no
+#: other thread waiting on the loop (one thread sending in a loop; never 16 threads taking turns).
+BORROW_AFTER = 2
 
-    _lock = threading.Lock()
-    _loop: asyncio.AbstractEventLoop | None = None
-    _pid = 0
-    #: threading.get_ident() of the loop thread (a cheaper test than its name, per send)
-    ident = -1
 
-    @classmethod
-    def loop(cls) -> asyncio.AbstractEventLoop:
-        loop = cls._loop
-        if loop is not None and cls._pid == os.getpid():
-            return loop
-        with cls._lock:
-            if cls._loop is None or cls._pid != os.getpid():
-                cls._loop = cls._start()
-                cls._pid = os.getpid()
-            return cls._loop
+class _LoopHost:
+    """One event loop of the facade and the thread that runs it whenever nobody else does.
 
-    @staticmethod
-    def _start() -> asyncio.AbstractEventLoop:
-        try:
-            import uvloop
+    The thread (``name``) runs the loop; a thread that sends alone may *borrow* it (only a
+    ``lendable`` host lends): the loop stops on its thread and the borrower runs it itself,
+    inside each ``send``, until its answer is in -- the round trip on the calling thread, with
+    the same connections, no hop to another thread and no wake-up of one. Between its sends
+    the borrower keeps the loop (the next send starts at once) until someone else needs it:
 
-            loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-        except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
+    - another thread sends or calls the facade: the loop goes back to the host thread at once
+      (or, while the borrower is inside a send, when that send ends);
+    - the borrower has not sent for RECLAIM_AFTER: the host thread takes it back (its
+      periodic work -- route refreshes, timers -- runs late by at most that).
+
+    ``_mu`` guards the role; only ``_owner``'s thread runs the loop. docs/producer-path.md,
+    "The blocking facade", has the measurements behind this design."""
+
+    def __init__(self, name: str, uv: bool, lendable: bool) -> None:
+        self.name = name
+        self.lendable = lendable
+        loop: asyncio.AbstractEventLoop
+        if uv:
+            try:
+                import uvloop
+
+                loop = uvloop.new_event_loop()
+            except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
+                loop = asyncio.new_event_loop()
+        else:
             loop = asyncio.new_event_loop()
+        self.loop = loop
+        self.ident = -1
+        self._mu = threading.Lock()
+        self._owner = 0  # 0: the host thread runs the loop; else the borrower's thread ident
+        self._driving = False  # the borrower is inside a send, running the loop
+        self._want_back = False  # someone needs the loop: give it back when the send ends
+        self._users = 0  # threads waiting for work on the loop (calls, handed-over sends)
+        self._sends = 0  # sends of the borrower (the host thread's reclaim check)
+        self._last = 0  # the thread of the last send, and its consecutive sends
+        self._streak = 0
+        self._wake = threading.Lock()  # released to wake the host thread while lent
+        self._wake.acquire()
+        self._wake_pending = False  # _wake is released and not yet taken
+        self._lent = threading.Lock()  # released when the host thread stopped for a borrower
+        self._lent.acquire()
         started = threading.Event()
-
-        def run() -> None:
-            _IoThread.ident = threading.get_ident()
-            asyncio.set_event_loop(loop)
-            loop.call_soon(started.set)
-            loop.run_forever()
-
-        threading.Thread(target=run, name="tidemq-io", daemon=True).start()
+        threading.Thread(target=self._main, args=(started,), name=name, daemon=True).start()
         started.wait()
-        return loop
+
+    def _main(self, started: threading.Event) -> None:
+        self.ident = threading.get_ident()
+        loop = self.loop
+        asyncio.set_event_loop(loop)
+        loop.call_soon(started.set)
+        while True:
+            loop.run_forever()  # until a borrower stops it (borrow)
+            self._lent.release()
+            self._parked()
+
+    def _parked(self) -> None:
+        """While the loop is lent: wait until it is handed back, or take it back when the
+        borrower has not sent for RECLAIM_AFTER. Decided on the state under ``_mu`` (the
+        wake-up lock is only a hint)."""
+        seen = -1
+        while True:
+            got = self._wake.acquire(timeout=RECLAIM_AFTER)
+            with self._mu:
+                if got:
+                    self._wake_pending = False
+                if self._owner == 0:
+                    return
+                if not self._driving and self._sends == seen:
+                    self._owner = 0
+                    return
+                seen = self._sends
+
+    def _hand_back(self) -> None:
+        """(Under ``_mu``.) The host thread runs the loop again from now on."""
+        self._owner = 0
+        self._want_back = False
+        if not self._wake_pending:
+            self._wake_pending = True
+            self._wake.release()
+
+    def _need_loop(self) -> None:
+        """(Under ``_mu``.) Someone needs work done on the loop: if it is lent, have it back
+        (now, or when the borrower's send ends)."""
+        if self._owner:
+            if self._driving:
+                self._want_back = True
+            else:
+                self._hand_back()
+
+    def check_thread(self) -> None:
+        if asyncio._get_running_loop() is self.loop:
+            raise RuntimeError(
+                "a blocking tidemq call was made on the tidemq-io loop (from a send_async "
+                "callback?); use tidemq.aio there, or hand the work to another thread"
+            )
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the loop and wait for it (any thread but the loop's)."""
+        if asyncio._get_running_loop() is self.loop:
+            coro.close()
+            self.check_thread()
+        with self._mu:
+            self._users += 1
+            self._need_loop()
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        finally:
+            with self._mu:
+                self._users -= 1
+
+    def need_loop(self) -> None:
+        with self._mu:
+            self._need_loop()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        self.need_loop()
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    # -- the send role -----------------------------------------------------------------------
+    def enter_send(self) -> bool:
+        """A blocking send begins on this thread: True when it runs the loop itself (it holds
+        the loop, or borrows it now), False when it hands the message over and waits (then
+        :meth:`leave_handed` after the answer)."""
+        me = threading.get_ident()
+        with self._mu:
+            if self._owner == me:
+                self._driving = True
+                return True
+            if self._last == me:
+                self._streak += 1
+            else:
+                self._last = me
+                self._streak = 0
+            if not (self._owner == 0 and not self._users and self.lendable
+                    and self._streak >= BORROW_AFTER
+                    and asyncio._get_running_loop() is None):
+                self._users += 1
+                self._need_loop()
+                return False
+            self._owner = me
+            self._driving = True
+        # Borrow: stop the loop on the host thread and wait until it has stopped (one
+        # wake-up each way, once for a whole run of sends).
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._lent.acquire()
+        return True
+
+    def leave_handed(self) -> None:
+        with self._mu:
+            self._users -= 1
+
+    def leave_driven(self, clean: bool) -> None:
+        """The driving send ended; ``clean``: the loop stopped normally (else it is handed
+        back to the host thread, which finishes whatever is in flight)."""
+        with self._mu:
+            self._driving = False
+            self._sends += 1
+            if self._want_back or not clean:
+                self._hand_back()
+
+
+_hosts: dict[str, _LoopHost] = {}
+_hosts_pid = 0
+_hosts_lock = threading.Lock()
+#: The consumers', admin's and anything else's loop (uvloop), never lent.
+SHARED = "tidemq-io"
+#: The blocking producers' loop: lent to a thread that sends alone. The stock asyncio loop:
+#: uvloop, run from the main thread, sets up its signal wake-up socket pair on every
+#: run_forever (~50 us per send here), which a borrowed loop does per send.
+PRODUCERS = "tidemq-io-send"
+
+
+def _host(name: str = SHARED) -> _LoopHost:
+    global _hosts_pid
+    if _hosts_pid == os.getpid():
+        h = _hosts.get(name)
+        if h is not None:
+            return h
+    with _hosts_lock:
+        if _hosts_pid != os.getpid():  # first use, or a child after fork(): fresh loops
+            _hosts.clear()
+            _hosts_pid = os.getpid()
+        h = _hosts.get(name)
+        if h is None:
+            h = _hosts[name] = _LoopHost(name, uv=name == SHARED, lendable=name == PRODUCERS)
+        return h
 
 
 def io_loop() -> asyncio.AbstractEventLoop:
-    """The shared background event loop the blocking facade runs on."""
-    return _IoThread.loop()
+    """The shared background event loop the blocking facade's consumers and admin run on."""
+    return _host().loop
 
 
-def _submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-    return asyncio.run_coroutine_threadsafe(coro, io_loop())
+def _submit(coro: Coroutine[Any, Any, T], host: str = SHARED) -> concurrent.futures.Future[T]:
+    return _host(host).submit(coro)
 
 
-def _run(coro: Coroutine[Any, Any, T]) -> T:
-    loop = io_loop()
-    if threading.current_thread().name == "tidemq-io":
-        coro.close()
-        raise RuntimeError(
-            "a blocking tidemq call was made on the tidemq-io thread (from a send_async "
-            "callback?); use tidemq.aio there, or hand the work to another thread"
-        )
-    return asyncio.run_coroutine_threadsafe(coro, loop).result()
+def _run(coro: Coroutine[Any, Any, T], host: str = SHARED) -> T:
+    return _host(host).run(coro)
 
 
 async def _make(factory: Callable[[], T]) -> T:
@@ -115,17 +270,19 @@ _open: set[Any] = set()
 @atexit.register
 def _close_all() -> None:
     """Close what the program left open (commits consumer offsets), bounded in time."""
-    if not _open or _IoThread._loop is None or _IoThread._pid != os.getpid():
+    if not _open or _hosts_pid != os.getpid():
         return
     for obj in list(_open):
         try:
-            _submit(obj._aio.close()).result(timeout=5)
+            _submit(obj._aio.close(), obj._host_name).result(timeout=5)
         except Exception:  # exiting anyway
             pass
 
 
 class _Facade:
     _aio: Any
+    #: the loop (``_LoopHost``) this object's asyncio twin lives on
+    _host_name = SHARED
 
     def __enter__(self: Any) -> Any:
         self.start()
@@ -135,12 +292,12 @@ class _Facade:
         self.close()
 
     def start(self: Any) -> Any:
-        _run(self._aio.start())
+        _run(self._aio.start(), self._host_name)
         _open.add(self)
         return self
 
     def close(self) -> None:
-        _run(self._aio.close())
+        _run(self._aio.close(), self._host_name)
         _open.discard(self)
 
 
@@ -179,6 +336,38 @@ class _Waiter:
         return self.result
 
 
+class _Driven:
+    """Where a send that runs the loop itself (a borrower's, see _LoopHost) gets its answer:
+    it stops the loop, and the send returns. A send left by an exception (KeyboardInterrupt)
+    is abandoned: its late answer must not stop the loop on whichever thread runs it then."""
+
+    __slots__ = ("_loop", "_done", "result", "error")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = loop
+        self._done = False
+        self.result: SendResult | None = None
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def abandon(self) -> None:
+        self._loop = None
+
+    def set_result(self, result: SendResult) -> None:
+        self.result = result
+        self._done = True
+        if self._loop is not None:
+            self._loop.stop()
+
+    def set_exception(self, exc: BaseException) -> None:
+        self.error = exc
+        self._done = True
+        if self._loop is not None:
+            self._loop.stop()
+
+
 class _Inbox:
     """Messages handed from callers' threads to the producer on the loop thread: one
     ``call_soon_threadsafe`` wake-up for all that arrive before the loop picks them up, which
@@ -197,6 +386,13 @@ class _Inbox:
             # Two threads may both arm it: one wake-up finds nothing, which is harmless.
             self._armed = True
             self._loop.call_soon_threadsafe(self._drain)
+
+    def put_driven(self, msg: Message, options: dict[str, Any], sink: Any) -> None:
+        """:meth:`put` by the thread that holds the loop and is about to run it."""
+        self._items.append((msg, options, sink, True))
+        if not self._armed:
+            self._armed = True
+            self._loop.call_soon(self._drain)
 
     def _drain(self) -> None:
         # One loop callback from the hand-over to the write: the batches leave at the kick
@@ -223,8 +419,9 @@ _fork_generation = 0
 
 
 def _after_fork_in_child() -> None:
-    global _fork_generation
+    global _fork_generation, _hosts_lock
     _fork_generation += 1
+    _hosts_lock = threading.Lock()  # another thread may have held it at the fork
 
 
 if hasattr(os, "register_at_fork"):
@@ -236,22 +433,30 @@ class Producer(_Facade):
     ``fork()``: in the child the producer builds a fresh asyncio producer (new connections on
     the child's own loop thread) on its next call.
 
-    A blocking ``send`` hands the message to the loop thread through an inbox (one wake-up for
-    everything that arrives before the loop picks it up) and waits on a lock the loop thread
-    releases with the answer; concurrent senders' messages share frames (the batch container,
-    docs/producer-path.md)."""
+    Blocking producers live on their own loop (the ``tidemq-io-send`` thread's). A thread
+    that sends alone runs that loop itself inside ``send`` (it borrows it: the round trip on
+    the calling thread, over the same connections); sends of several threads are handed to
+    the loop through an inbox (one wake-up for everything that arrives before the loop picks
+    it up) and wait on a lock the loop releases with the answer; concurrent senders' messages
+    share frames (the batch container). docs/producer-path.md, "The blocking facade"."""
+
+    _host_name = PRODUCERS
 
     def __init__(self, namesrv: str | Sequence[str], group: str | None = None,
                  **options: Any) -> None:
         self._args = (namesrv, group, options)
         self._build()
 
-    def _build(self) -> None:
+    def _factory(self) -> AioProducer:
         namesrv, group, options = self._args
+        return AioProducer(namesrv, group, **options)
+
+    def _build(self) -> None:
         self._gen = _fork_generation
         self._started = False
-        self._aio: AioProducer = _run(_make(lambda: AioProducer(namesrv, group, **options)))
-        self._inbox = _Inbox(self._aio, io_loop())
+        self._host = _host(PRODUCERS)
+        self._aio: AioProducer = self._host.run(_make(self._factory))
+        self._inbox = _Inbox(self._aio, self._host.loop)
         self._wait_slack = self._aio.send_timeout + 30.0
 
     def _fresh(self) -> None:
@@ -264,7 +469,7 @@ class Producer(_Facade):
     def start(self) -> Producer:
         if self._gen != _fork_generation:
             self._fresh()
-        _run(self._aio.start())
+        self._host.run(self._aio.start())
         self._started = True
         _open.add(self)
         return self
@@ -272,7 +477,7 @@ class Producer(_Facade):
     def close(self) -> None:
         if self._gen != _fork_generation:
             return  # the parent's producer: nothing of it runs in this process
-        _run(self._aio.close())
+        self._host.run(self._aio.close())
         _open.discard(self)
 
     @property
@@ -283,15 +488,40 @@ class Producer(_Facade):
         """Send and wait (options: queue_id, selector, arg, hash_key, timeout)."""
         if self._gen != _fork_generation:
             self._fresh()
-        if type(msg) is not Message or threading.get_ident() == _IoThread.ident:
-            return _run(self._aio.send(msg, **options))
-        w = _Waiter()
-        self._inbox.put(msg, options, w, True)
-        timeout = options.get("timeout")
-        return w.wait(self._wait_slack if timeout is None else timeout + 30.0)
+        host = self._host
+        if type(msg) is not Message:
+            return host.run(self._aio.send(msg, **options))
+        if asyncio._get_running_loop() is host.loop:
+            host.check_thread()  # raises: a send_async callback, on the loop
+        if host.enter_send():
+            # This thread runs the loop (see _LoopHost): the hand-over, the write, the answer
+            # and the wake-up are calls on this thread's stack.
+            d = _Driven(host.loop)
+            clean = False
+            try:
+                self._inbox.put_driven(msg, options, d)
+                loop = host.loop
+                while not d._done:
+                    loop.run_forever()
+                clean = True
+            finally:
+                if not clean:
+                    d.abandon()
+                host.leave_driven(clean)
+            if d.error is not None:
+                raise d.error
+            assert d.result is not None
+            return d.result
+        try:
+            w = _Waiter()
+            self._inbox.put(msg, options, w, True)
+            timeout = options.get("timeout")
+            return w.wait(self._wait_slack if timeout is None else timeout + 30.0)
+        finally:
+            host.leave_handed()
 
     def send_batch(self, msgs: Sequence[Message], **options: Any) -> SendResult:
-        return _run(self._aio.send_batch(msgs, **options))
+        return self._host.run(self._aio.send_batch(msgs, **options))
 
     def send_async(
         self,
@@ -300,52 +530,59 @@ class Producer(_Facade):
         **options: Any,
     ) -> concurrent.futures.Future[SendResult]:
         """Start a send; the future resolves to its SendResult. ``callback(result, error)``
-        runs on the tidemq-io thread."""
+        runs on the thread running the producers' loop (``tidemq-io-send``, or a thread
+        inside a ``send`` of its own, see the class): it must not block."""
         if self._gen != _fork_generation:
             self._fresh()
         if callback is None and type(msg) is Message:
             fut: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
+            self._host.need_loop()
             self._inbox.put(msg, options, fut, False)
             return fut
 
         async def go() -> SendResult:
             return await self._aio.send_async(msg, callback, **options)
 
-        return _submit(go())
+        return self._host.submit(go())
 
     def send_oneway(self, msg: Message | Sequence[Message], **options: Any) -> None:
-        _run(self._aio.send_oneway(msg, **options))
+        self._host.run(self._aio.send_oneway(msg, **options))
 
     def send_columns_async(self, cols: Any, **options: Any
                            ) -> concurrent.futures.Future[SendResult]:
         """Start ``Producer.send_columns`` (client/columns.py); the future resolves to its
         SendResult."""
-        return _submit(self._aio.send_columns(cols, **options))
+        return self._host.submit(self._aio.send_columns(cols, **options))
 
     def write_queues(self, topic: str) -> list[MessageQueue]:
         """The writable queues a send to ``topic`` chooses from (a new topic: those of the
         default route, as a send would use)."""
-        return _run(self._aio.write_queues(topic))
+        return self._host.run(self._aio.write_queues(topic))
 
     def cancel(self, result: SendResult, **options: Any) -> None:
         """Cancel a pending timed message by the SendResult of its send."""
-        _run(self._aio.cancel(result, **options))
+        self._host.run(self._aio.cancel(result, **options))
 
 
 class TransactionProducer(Producer):
     """Blocking transactional producer; options as ``tidemq.aio.TransactionProducer``.
 
     ``execute(msg, arg)`` and ``checker(message_ext)`` are plain functions here and run in a
-    worker thread (they may block on a database), never on the tidemq-io loop. Any thread."""
+    worker thread (they may block on a database), never on the producers' loop. Any thread."""
 
     def __init__(self, namesrv: str | Sequence[str], group: str, *,
                  checker: Callable[[MessageExt], Any], **options: Any) -> None:
         async def check(m: MessageExt) -> Any:
             return await asyncio.to_thread(checker, m)
 
-        self._aio: AioTransactionProducer = _run(_make(
-            lambda: AioTransactionProducer(namesrv, group, checker=check, **options)
-        ))
+        self._checker = check
+        self._args = (namesrv, group, options)
+        self._build()
+
+    def _factory(self) -> AioTransactionProducer:
+        namesrv, group, options = self._args
+        assert group is not None
+        return AioTransactionProducer(namesrv, group, checker=self._checker, **options)
 
     def send_in_transaction(
         self, msg: Message, execute: Callable[[Message, Any], Any], arg: Any = None,
@@ -354,7 +591,9 @@ class TransactionProducer(Producer):
         async def run(m: Message, a: Any) -> Any:
             return await asyncio.to_thread(execute, m, a)
 
-        return _run(self._aio.send_in_transaction(msg, run, arg, **options))
+        aio = self._aio
+        assert isinstance(aio, AioTransactionProducer)
+        return self._host.run(aio.send_in_transaction(msg, run, arg, **options))
 
 
 class PullConsumer(_Facade):

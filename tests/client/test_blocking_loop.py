@@ -1,0 +1,96 @@
+"""The blocking producer's loop (client/blocking.py, ``_LoopHost``): a thread that sends alone
+runs the producers' event loop itself inside ``send`` (the round trip on the calling thread),
+and hands it back when another thread needs it or when it stops sending -- no caller ever
+waits on a loop nobody runs."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import tidemq
+from tidemq.client import blocking
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _owner() -> int:
+    return blocking._host(blocking.PRODUCERS)._owner
+
+
+def _wait_for(cond, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return cond()
+
+
+def test_a_thread_sending_alone_runs_the_loop_and_gives_it_back_when_idle(dev):
+    with tidemq.Producer(dev.namesrv) as p:
+        offsets = [p.send(tidemq.Message("bl-alone", b"m%d" % i)).queue_offset
+                   for i in range(10)]
+        assert all(o >= 0 for o in offsets)
+        # The last sends ran the loop on this very thread: it holds the loop between sends.
+        assert _owner() == threading.get_ident()
+        # Idle for longer than RECLAIM_AFTER: the loop's thread takes it back.
+        assert _wait_for(lambda: _owner() == 0)
+        assert p.send(tidemq.Message("bl-alone", b"after")).queue_offset >= 0
+
+
+def test_another_thread_gets_the_loop_back_while_one_thread_holds_it(dev):
+    """Thread A holds the loop (and keeps sending); B's sends, calls and send_async are
+    served at once, A's sends keep working, and every message is stored."""
+    with tidemq.Producer(dev.namesrv) as p:
+        for i in range(5):
+            p.send(tidemq.Message("bl-two", b"a%d" % i))
+        assert _owner() == threading.get_ident()
+        stop = threading.Event()
+        a_sent = [5]
+
+        def keep_sending() -> None:  # A keeps the loop busy while B works
+            while not stop.is_set():
+                p.send(tidemq.Message("bl-two", b"a%d" % a_sent[0]))
+                a_sent[0] += 1
+
+        # A is this thread until here; continue as thread A in the background.
+        a = threading.Thread(target=keep_sending)
+        a.start()
+        try:
+            t0 = time.monotonic()
+            for i in range(20):
+                assert p.send(tidemq.Message("bl-two", b"b%d" % i)).queue_offset >= 0
+                assert p.send_async(tidemq.Message("bl-two", b"c%d" % i)).result(10)
+            assert p.write_queues("bl-two")
+            assert time.monotonic() - t0 < 10
+        finally:
+            stop.set()
+            a.join(30)
+        assert not a.is_alive()
+        assert a_sent[0] > 5
+        # The main thread took no further sends: whoever held the loop gives it back.
+        assert _wait_for(lambda: _owner() == 0)
+
+
+def test_a_thread_holding_the_loop_can_close_and_reopen(dev):
+    p = tidemq.Producer(dev.namesrv).start()
+    for i in range(5):
+        p.send(tidemq.Message("bl-close", b"x%d" % i))
+    assert _owner() == threading.get_ident()
+    p.close()  # a call on the loop by the holder itself: the loop goes back first
+    with tidemq.Producer(dev.namesrv) as q:
+        assert q.send(tidemq.Message("bl-close", b"again")).queue_offset >= 0
+
+
+def test_a_send_that_fails_while_the_caller_runs_the_loop_raises_its_own_error(dev):
+    with tidemq.Producer(dev.namesrv) as p:
+        for i in range(5):
+            p.send(tidemq.Message("bl-err", b"ok%d" % i))
+        assert _owner() == threading.get_ident()
+        with pytest.raises(tidemq.MessageRejectedError):
+            p.send(tidemq.Message("bl-err", b"x", properties={"p": "v" * 40_000}))
+        assert p.send(tidemq.Message("bl-err", b"after")).queue_offset >= 0
+        assert p._aio.accumulator.npending == 0
