@@ -328,6 +328,7 @@ class PopProcessor:
             qids = [(first + i) % n for i in range(n)]
         else:
             qids = [h.queue_id]
+        qids = self.types.own_queues(h, qids)  # a failover consumer's active queues
         bodies: list[memoryview] = []
         batches: list[PoppedBatch] = []
         want = h.max_msg_nums

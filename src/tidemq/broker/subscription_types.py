@@ -11,8 +11,11 @@ when its connection closes (kill -9), when it unregisters, or after
 ==========  ================================================================================
 Exclusive   the first member owns the group; a second consumer's heartbeat (and pop) is
             refused with CONSUMER_BUSY naming the owner
-Failover    members sorted by name; the first live one pops, the others' pops find nothing
-            (held like an empty pop) until it leaves; then the next takes over at once
+Failover    one active consumer per queue (Pulsar's failover on a partitioned topic): members
+            sorted by name, queue q's is member ``q % n``, so the queues spread over them
+            (a one-queue topic: the first by name); a pop takes only its own queues and
+            finds nothing else (held like an empty pop); when a member joins or leaves the
+            queues are dealt again at once
 Shared      the plain pop (any member, any message)
 Key_Shared  a message's ordering key (its sharding key, else its first key) hashed into
             65 536 slots split between the members by consistent hashing
@@ -143,7 +146,7 @@ class SubscriptionTypes:
         self.pop.modes.setdefault(group, POP_CONSUME_TYPE)
         self._drop_selectors(group)
         if cd.subscription_type == FAILOVER:
-            self.wake(group)  # the first by name may have changed
+            self.wake(group)  # the queues are dealt again
         if cd.subscription_type != KEY_SHARED or len(self.members(group)) < 2:
             return
         marks = {(t, q): w.next for (g, t, q), w in self.pop.windows.items()
@@ -229,14 +232,22 @@ class SubscriptionTypes:
                 f"consumer group {group!r} is {_kind(have or '')}; {_kind(t)} cannot pop from it")
 
     def may_pop(self, h: PopMessageRequestHeader) -> bool:
-        """False for a failover standby (its pop finds nothing while the active one lives)
-        and for a consumer that left (a held pop of it must not take messages)."""
+        """False for a consumer that left (a held pop of it must not take messages)."""
         if not h.subscription_type:
             return True
+        return h.consumer in self.members(h.consumer_group)
+
+    def own_queues(self, h: PopMessageRequestHeader, qids: list[int]) -> list[int]:
+        """The queues of ``qids`` the pop may take: a failover consumer's own ones (queue q is
+        active on member ``q % n`` of the members sorted by name, as Pulsar picks the active
+        consumer of partition q); every one for the other types."""
+        if h.subscription_type != FAILOVER:
+            return qids
         members = self.members(h.consumer_group)
-        if h.subscription_type == FAILOVER:
-            return bool(members) and members[0] == h.consumer
-        return h.consumer in members
+        if h.consumer not in members:
+            return []
+        n = len(members)
+        return [q for q in qids if members[q % n] == h.consumer]
 
     def choose(self, h: PopMessageRequestHeader, w: PopWindow, qid: int, want: int, now: int,
                max_offset: int) -> list[Popped]:
