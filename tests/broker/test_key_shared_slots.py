@@ -84,3 +84,70 @@ def test_a_key_shared_pop_ends_at_a_stored_batch_start():
     assert pop(10, 2) == list(range(8, 16))
     assert pop(5, 3) == list(range(16, 21)) and not p.trimmed  # cutting would leave nothing
     assert pop(10, 4) == [21, 22, 23]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([None, "a", "b", "c", "d", "e", "f", "g"]),
+                         min_size=1, max_size=30), min_size=1, max_size=6),
+       st.lists(st.tuples(st.sampled_from(["m1", "m2", "m3", "join", "leave"]),
+                          st.integers(1, 40)), min_size=1, max_size=40))
+def test_key_shared_dispatch_against_a_model(batches, steps):
+    """choose_key_shared over stored batches of keyed and keyless messages, pops of random
+    sizes by random members, members joining and leaving (no joiner marks: the plain owner
+    table): every message is delivered once, a keyed one only to the owner of its key's slot
+    at the time, and each key's messages in offset order."""
+    from tidemq.broker.key_shared import KeySharedSelector
+    from tidemq.broker.key_shared_dispatch import choose_key_shared
+    from tidemq.broker.pop_window import PopWindow
+
+    stored: dict[int, bytes] = {}
+    keys: list[str | None] = []
+    for b in batches:
+        stored[len(keys)] = encode_messages("t", [_Msg(k) for k in b], queue_id=0,
+                                            producer_id=1, base_seq=len(keys), born_ts=1)
+        keys += b
+    end = len(keys)
+
+    def read(offsets):
+        offs = list(offsets)
+        for base, data in stored.items():
+            n = len(batches[list(stored).index(base)])
+            idx = [o - base for o in offs if base <= o < base + n]
+            if idx:
+                yield memoryview(data), base, idx
+
+    members = {"m1", "m2"}
+    epoch = 0
+    p, w = PendingOffsets(), PopWindow(0)
+    got: list[tuple[str, int]] = []
+    for now, (who, want) in enumerate(steps + [(m, 100) for m in ("m1", "m2", "m3")] * 3,
+                                      start=1):
+        if who == "join":
+            members.add(f"m{want % 3 + 1}")
+            epoch += 1
+            continue
+        if who == "leave":
+            if len(members) > 1:
+                members.discard(sorted(members)[want % len(members)])
+                epoch += 1
+            continue
+        if who not in members:
+            members.add(who)
+            epoch += 1
+        sel = KeySharedSelector()
+        for m in members:
+            sel.add(m)
+        out = choose_key_shared(p, w, who, False, want, now, 10**9, end, epoch,
+                                lambda o, s, sel=sel: sel.owner(s), read, sel.index_table())
+        assert len(out) <= want
+        for x in out:
+            k = keys[x.offset]
+            assert x.attempt == 1
+            assert k is None or sel.select(k) == who, (x.offset, k, who)
+            got.append((who, x.offset))
+    offsets = [o for _w, o in got]
+    assert len(offsets) == len(set(offsets))  # once each
+    assert sorted(offsets) == list(range(end))  # all of them, in the end
+    for k in set(keys) - {None}:
+        mine = [o for o in offsets if keys[o] == k]
+        assert mine == sorted(mine), k  # a key's messages in offset order
