@@ -106,6 +106,39 @@ def test_the_producer_sends_spread_traffic_in_multi_queue_frames(tmp_path):
         ns.stop()
 
 
+def test_spread_traffic_keeps_its_multi_queue_frames_while_the_broker_is_avoided(tmp_path):
+    # One slow answer (>= 550 ms: a large frame queued behind others on a loaded machine)
+    # puts the broker on the latency-fault list for 30 s. The frames must keep going (the
+    # queue choice handles the avoidance): falling back to one request per batch made spread
+    # traffic slower still, and the timeouts that followed renewed the avoidance.
+    ns = start_namesrv(tmp_path)
+    br = start_broker(tmp_path, ns.addr)
+    try:
+        async def run() -> None:
+            topics = [f"avoid{i}" for i in range(20)]
+            async with Admin(ns.addr) as admin:
+                for t in topics:
+                    await admin.create_topic(t, 4)
+            async with Producer(ns.addr, batch_max_delay=0.005) as p:
+                for t in topics:  # routes cached
+                    await p.send(Message(t, b"first"))
+                broker = p.router.cached(topics[0]).write_queues[0].broker_name
+                p.router.record(broker, 600.0)  # a slow answer: avoided for 30 s
+                assert p.router.faults.avoiding
+                batches0 = p.accumulator.batches
+                futs = [p.send_async(Message(topics[i % 20], b"m%d" % i)) for i in range(200)]
+                results = await asyncio.gather(*futs)
+                assert p.multi.frames >= 1
+                # no batch went alone (each of the 20 topics' batches rode in a frame)
+                assert p.accumulator.batches == batches0
+                assert len({(r.topic, r.queue_id, r.queue_offset) for r in results}) == 200
+
+        asyncio.run(run())
+    finally:
+        br.stop()
+        ns.stop()
+
+
 def test_a_message_refused_in_a_multi_queue_frame_fails_only_its_own_caller(tmp_path):
     # the client's properties limit is above the broker's (32 KiB): only the broker refuses
     ns = start_namesrv(tmp_path)

@@ -76,6 +76,13 @@ class DevProcess:
                     out[key] = int(rest.split()[0]) * 1024
         return out
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds the process used so far (Linux /proc/<pid>/stat)."""
+        assert self.proc is not None
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def rss_by_mapping(self) -> dict[str, int]:
         """Resident bytes per kind of mapping (/proc/<pid>/smaps): the store's files by
         directory (commitlog, consumequeue, index, ...), anonymous memory, other files."""

@@ -19,10 +19,15 @@ For each size N (queues; N / ``queues_per_topic`` topics of ``queues_per_topic``
    producer sends ``push_rate`` msgs/s (10,000) of SIZE bytes to random topics for
    ``push_seconds`` (5 s); latency is the send call to the listener's call, from a timestamp in
    the body: ``push_e2e_p50_ms`` / ``push_e2e_p99_ms`` (the issue's target: p99 <= 5 ms with
-   10,000 queues), ``push_e2e_received``; ``push_multi_queue_min`` (0: one pull per queue, the
-   push consumer's default) sets the consumer's ``multi_queue_min`` (standing multi-queue pulls);
+   10,000 queues), ``push_e2e_received``; ``push_multi_queue_min`` (None: the push
+   consumer's default, 256; 0: one pull per queue) sets the consumer's ``multi_queue_min``
+   (standing multi-queue pulls);
 6. restart: a clean stop and start (``restart_clean_s``), then a kill -9 and start
    (``restart_kill9_s``): process start to "ready", Python start-up included.
+
+``*_cpu_us_per_msg``: CPU time (user + system) per message of the broker process and of this
+process (the producer, or the consumer) during the produce and consume phases: on a shared,
+loaded machine a steadier yardstick than msgs/s.
 
 Returns one dict per size, and ``ratio_to_first`` relative to the first (smallest) size.
 """
@@ -42,6 +47,7 @@ from tidemq.bench.client_bench import run_loop
 from tidemq.bench.dev_process import DevProcess
 from tidemq.client.admin import Admin
 from tidemq.client.consumer import PullConsumer
+from tidemq.client.consumer_options import PushConsumerOptions
 from tidemq.client.listener import ConsumeStatus
 from tidemq.client.message import Message
 from tidemq.client.producer import Producer
@@ -196,7 +202,7 @@ _TS = struct.Struct("<q")  # send time (ns) at the start of each push e2e messag
 
 async def _push_e2e(namesrv: str, topics: list[tuple[str, int]], size: int, rate: int,
                     seconds: float, progress: Progress | None,
-                    multi_queue_min: int = 0) -> dict[str, Any]:
+                    multi_queue_min: int | None = None) -> dict[str, Any]:
     names = [t for t, _ in topics]
     n_queues = sum(q for _, q in topics)
     lat: list[int] = []
@@ -209,7 +215,8 @@ async def _push_e2e(namesrv: str, topics: list[tuple[str, int]], size: int, rate
 
     consumer = PushConsumer(namesrv, f"scale-push-{uuid.uuid4().hex[:10]}", listener,
                             consume_from="last", consume_message_batch_max_size=32,
-                            multi_queue_min=multi_queue_min)
+                            multi_queue_min=(PushConsumerOptions.multi_queue_min
+                                             if multi_queue_min is None else multi_queue_min))
     for t in names:
         consumer.subscribe(t)
     rnd = random.Random(23)
@@ -258,10 +265,14 @@ async def _push_e2e(namesrv: str, topics: list[tuple[str, int]], size: int, rate
             "push_e2e_p99_ms": pct(0.99), "push_e2e_max_ms": pct(1.0)}
 
 
+def _per_msg(cpu_seconds: float, n: int) -> float:
+    return round(cpu_seconds * 1e6 / max(n, 1), 2)
+
+
 def _one_size(n: int, *, per_topic: int, size: int, messages: int, window: int, restart: bool,
               data_dir: str | None, progress: Progress | None, push_max_queues: int = 10_000,
               push_rate: int = 10_000, push_seconds: float = 5.0,
-              push_multi_queue_min: int = 0) -> dict[str, Any]:
+              push_multi_queue_min: int | None = None) -> dict[str, Any]:
     topics = _topics(n, per_topic)
     mib = 1 << 20
     with tempfile.TemporaryDirectory(prefix="tidemq-bench-scale-", dir=data_dir) as d:
@@ -277,10 +288,13 @@ def _one_size(n: int, *, per_topic: int, size: int, messages: int, window: int, 
             touch_s = time.perf_counter() - t0
             time.sleep(3.0)  # a flush and a checkpoint of the touched queues
             rss1 = dev.memory()["VmRSS"]
+            cpu0 = (dev.cpu_seconds(), time.process_time())
             prod_s, prod_err = run_loop(
                 _produce(dev.namesrv, topics, size, messages, window, progress))
+            cpu1 = (dev.cpu_seconds(), time.process_time())
             total = messages + n  # the backlog: the touches and the produced messages
             cons_s, got = run_loop(_consume(dev.namesrv, topics, total, 5.0, progress))
+            cpu2 = (dev.cpu_seconds(), time.process_time())
             rss2 = dev.memory()["VmRSS"]
             out: dict[str, Any] = {
                 "queues": n,
@@ -293,10 +307,16 @@ def _one_size(n: int, *, per_topic: int, size: int, messages: int, window: int, 
                 "rss_after_mb": round(rss2 / mib, 1),
                 "produce_msgs_per_s": round(messages / max(prod_s, 1e-9)),
                 "produce_errors": prod_err,
+                # CPU time per message of the broker and of this (the producer's) process:
+                # steadier than msgs/s on a shared machine
+                "produce_broker_cpu_us_per_msg": _per_msg(cpu1[0] - cpu0[0], messages),
+                "produce_client_cpu_us_per_msg": _per_msg(cpu1[1] - cpu0[1], messages),
                 "route_warmup_seconds": round(_route_warmup[0], 2),
                 "consume_msgs_per_s": round(got / max(cons_s, 1e-9)),
                 # start offsets of every queue are looked up first (a request or two each)
                 "consume_first_messages_s": round(_consume_start[0], 2),
+                "consume_broker_cpu_us_per_msg": _per_msg(cpu2[0] - cpu1[0], got),
+                "consume_client_cpu_us_per_msg": _per_msg(cpu2[1] - cpu1[1], got),
                 "consumed": got,
                 "consume_complete": got >= total,
             }
@@ -330,7 +350,7 @@ def bench_scale(
     push_max_queues: int = 10_000,
     push_rate: int = 10_000,
     push_seconds: float = 5.0,
-    push_multi_queue_min: int = 0,
+    push_multi_queue_min: int | None = None,
 ) -> dict[str, Any]:
     rows = []
     for n in sizes:

@@ -406,15 +406,16 @@ class SendProcessor:
         t0 = time.perf_counter()
         results = self.store.put_many([(part, v) for _i, part, v in run])
         each = (time.perf_counter() - t0) / len(run)
-        record = self.stats.record_put
+        stored: list[tuple[str, int, int]] = []
         ok = ResponseCode.SUCCESS
         for (i, _part, _v), r in zip(run, results, strict=True):
             if isinstance(r, PutResult):
-                record(r.topic, r.count, r.size, each)
+                stored.append((r.topic, r.count, r.size))
                 agg.put(i, MultiQueueSendResult(ok, r.queue_offset, r.count))
             else:
                 exc = rejection_for_store_error(r)
                 agg.put(i, MultiQueueSendResult(exc.response_code, message=exc.message))
+        self.stats.record_puts(stored, each)
 
     def _handle_send(self, conn: BrokerConnection, h: SendMessageRequestHeader,
                      body: bytes | bytearray | memoryview, flags: int, opaque: int) -> None:

@@ -91,6 +91,41 @@ class BrokerStats:
             i += 1
         self.put_latency_buckets[i] += 1
 
+    def record_puts(self, puts: list[tuple[str, int, int]], latency_s: float) -> None:
+        """:meth:`record_put` of several batches (topic, messages, bytes) stored together,
+        each taking ``latency_s``: the per-topic counters per batch, the totals and the
+        latency histogram once (a SEND_MULTI_QUEUE run of one-message batches)."""
+        if not puts:
+            return
+        put = self.put
+        changed = self._put_changed
+        msgs = nbytes = 0
+        for topic, m, b in puts:
+            c = put.get(topic)
+            if c is None:
+                c = put[topic] = [0, 0, 0]
+            changed.add(topic)
+            c[0] += m
+            c[1] += b
+            c[2] += 1
+            msgs += m
+            nbytes += b
+        n = len(puts)
+        t = self.put_total
+        t[0] += msgs
+        t[1] += nbytes
+        t[2] += n
+        ms = latency_s * 1000.0
+        self.put_latency_sum_ms += ms * n
+        if ms > self.put_latency_max_ms:
+            self.put_latency_max_ms = ms
+        i = 0
+        for bound in LATENCY_BUCKETS_MS:
+            if ms <= bound:
+                break
+            i += 1
+        self.put_latency_buckets[i] += n
+
     def record_get(self, group: str, topic: str, msgs: int, nbytes: int) -> None:
         key = f"{topic}@{group}"
         c = self.get.get(key)

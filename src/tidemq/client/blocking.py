@@ -17,6 +17,7 @@ starts its own loops.
 from __future__ import annotations
 
 import asyncio
+import asyncio.events as asyncio_events
 import atexit
 import collections
 import concurrent.futures
@@ -53,6 +54,10 @@ RECLAIM_AFTER = 0.01
 #: A thread borrows the producers' loop after this many consecutive sends of its own with no
 #: other thread waiting on the loop (one thread sending in a loop; never 16 threads taking turns).
 BORROW_AFTER = 2
+
+
+_ON_LOOP = ("a blocking tidemq call was made on a thread while it runs a tidemq-io loop (from a "
+            "send_async callback?); use tidemq.aio there, or hand the work to another thread")
 
 
 class _LoopHost:
@@ -150,10 +155,7 @@ class _LoopHost:
 
     def check_thread(self) -> None:
         if asyncio._get_running_loop() is self.loop:
-            raise RuntimeError(
-                "a blocking tidemq call was made on the tidemq-io loop (from a send_async "
-                "callback?); use tidemq.aio there, or hand the work to another thread"
-            )
+            raise RuntimeError(_ON_LOOP)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and wait for it (any thread but the loop's)."""
@@ -183,8 +185,12 @@ class _LoopHost:
         the loop, or borrows it now), False when it hands the message over and waits (then
         :meth:`leave_handed` after the answer)."""
         me = threading.get_ident()
+        if me == self.ident:
+            self.check_thread()  # a callback on the loop's own thread: raises
         with self._mu:
             if self._owner == me:
+                if self._driving:  # a callback of the loop this very send runs
+                    raise RuntimeError(_ON_LOOP)
                 self._driving = True
                 return True
             if self._last == me:
@@ -358,13 +364,13 @@ class _Driven:
     def set_result(self, result: SendResult) -> None:
         self.result = result
         self._done = True
-        if self._loop is not None:
-            self._loop.stop()
+        if self._loop is not None and self._loop.is_running():
+            self._loop.stop()  # not when answered before the loop runs (a refusal)
 
     def set_exception(self, exc: BaseException) -> None:
         self.error = exc
         self._done = True
-        if self._loop is not None:
+        if self._loop is not None and self._loop.is_running():
             self._loop.stop()
 
 
@@ -388,11 +394,19 @@ class _Inbox:
             self._loop.call_soon_threadsafe(self._drain)
 
     def put_driven(self, msg: Message, options: dict[str, Any], sink: Any) -> None:
-        """:meth:`put` by the thread that holds the loop and is about to run it."""
+        """:meth:`put` by the thread that holds the loop, about to run it: the hand-over and
+        the write happen here and now, on this thread, as the loop would run them (it is
+        marked running for them), which saves the loop the iteration (and the ``epoll``
+        call) that would run the drain."""
         self._items.append((msg, options, sink, True))
-        if not self._armed:
-            self._armed = True
-            self._loop.call_soon(self._drain)
+        if self._armed:
+            return  # a drain is queued (another thread's put): it takes this one too
+        self._armed = True
+        asyncio_events._set_running_loop(self._loop)
+        try:
+            self._drain()
+        finally:
+            asyncio_events._set_running_loop(None)
 
     def _drain(self) -> None:
         # One loop callback from the hand-over to the write: the batches leave at the kick
@@ -491,9 +505,7 @@ class Producer(_Facade):
         host = self._host
         if type(msg) is not Message:
             return host.run(self._aio.send(msg, **options))
-        if asyncio._get_running_loop() is host.loop:
-            host.check_thread()  # raises: a send_async callback, on the loop
-        if host.enter_send():
+        if host.enter_send():  # (raises on a thread while it runs the loop: a callback)
             # This thread runs the loop (see _LoopHost): the hand-over, the write, the answer
             # and the wake-up are calls on this thread's stack.
             d = _Driven(host.loop)

@@ -59,7 +59,7 @@ from tidemq.protocol.batch.layout import (
     STORE_CRC_FROM,
     STORE_HEADER,
     STORE_HEADER_SIZE,
-    crc32c,
+    crc32c_held,
     heads_struct,
 )
 from tidemq.protocol.errors import CorruptBatchError
@@ -174,8 +174,9 @@ def decode_pull_body(
                     + h[H_RECORDS_SIZE]
                     == total
                     and (not check_crc
-                         or (crc32c(mv[pos + p + 4 : pos + total]) == h[H_BATCH_CRC]
-                             and crc32c(mv[pos + STORE_CRC_FROM : pos + p]) == h[H_STORE_CRC]))):
+                         or (crc32c_held(mv[pos + p + 4 : pos + total]) == h[H_BATCH_CRC]
+                             and crc32c_held(mv[pos + STORE_CRC_FROM : pos + p])
+                             == h[H_STORE_CRC]))):
                 h = None
         if h is None:
             # Damaged (or too short for the combined read): BatchView checks and words it.
@@ -440,6 +441,36 @@ def _decode_small(
     return out
 
 
+def _decode_uniform(
+    meta: _BatchMeta, raw: bytes, off: int, rlen: int, count: int, start: int, rel: np.ndarray,
+) -> list[MessageExt] | None:
+    """Messages ``start..count-1`` of a batch whose records are all alike -- the same size,
+    no tag, no properties (what ``send_batch`` of equal messages stores) -- or None when they
+    are not, for the general path to decode (and word what is wrong).
+
+    Alike records sit at a fixed stride, so their headers are one strided numpy view (no
+    gather) and their bodies' starts a ``range``: this saves ~60 µs of a 1,000-message batch
+    (~0.06 µs of a consumer's ~1 µs per message) over the general path's gather and lists."""
+    n = len(rel)
+    r0 = int(rel[0])
+    stride = int(rel[1]) - r0
+    first = off + r0
+    if (stride < RECORD_HEADER_SIZE or first + (n - 1) * stride + RECORD_HEADER_SIZE > rlen
+            or not bool((np.diff(rel) == stride).all())):
+        return None
+    hdr = np.ndarray((n,), REC_DTYPE, raw, first, (stride,))
+    bl = int(hdr["bl"][0])
+    s0 = first + RECORD_HEADER_SIZE
+    if (hdr["tl"].any() or hdr["pl"].any() or not bool((hdr["bl"] == bl).all())
+            or not bool((hdr["size"] == RECORD_HEADER_SIZE - 4 + bl).all())
+            or s0 + (n - 1) * stride + bl > rlen):
+        return None
+    qo = meta.queue_offset
+    return [MessageExt(raw[s : s + bl], qo + i, None, meta, i)
+            for i, s in zip(range(start, count), range(s0, s0 + n * stride, stride),
+                            strict=True)]
+
+
 def _decode_one(
     meta: _BatchMeta, raw: bytes, off: int, rlen: int, count: int, start: int,
     tags: frozenset[str] | None, bad: list[tuple[int, str]] | None,
@@ -453,6 +484,10 @@ def _decode_one(
     if len(indices) <= _SMALL:
         return _decode_small(meta, raw, off, rlen, count, start, tags, bad, indices)
     idx = np.frombuffer(meta.src, dtype=IDX_DTYPE, count=count, offset=meta.index_pos())
+    if members is None and tags is None:
+        msgs = _decode_uniform(meta, raw, off, rlen, count, start, idx["rel"][start:])
+        if msgs is not None:
+            return msgs
     idx = idx[start:] if members is None else idx[np.asarray(indices, dtype=np.int64)]
     rel = idx["rel"].astype(np.int64) + off
     if len(rel) and (int(rel.max()) + RECORD_HEADER_SIZE > rlen or int(rel.min()) < off):

@@ -87,6 +87,9 @@ _NAME_DIGITS = 20
 #: changed queues per block at most: the lock is held while one block is built and written
 BLOCK_QUEUES = 2048
 _PHYS_LIMIT = 1 << 63
+#: batches of up to this many messages get their units packed by struct, larger by numpy
+_SMALL_BATCH = 16
+_iter_index = INDEX_ENTRY.iter_unpack
 _EMPTY = np.empty(0, UNIT_DTYPE)
 _EMPTY.flags.writeable = False
 
@@ -220,6 +223,11 @@ class LogQueue:
             )
         if n == 1:
             units = UNIT.pack(phys_offset, size, INDEX_ENTRY.unpack_from(view)[0])
+        elif n <= _SMALL_BATCH:
+            # numpy's fixed cost per call (~3-8 us here) is more than packing a few units:
+            # small batches are what spread traffic over many queues brings (issue 17)
+            pack = UNIT.pack
+            units = b"".join([pack(phys_offset, size, h) for h, _ in _iter_index(view)])
         else:
             arr = np.empty(n, UNIT_DTYPE)
             arr["phys"] = phys_offset
@@ -233,8 +241,12 @@ class LogQueue:
         """:meth:`append_batch` of a one-message batch."""
         lg = self._log
         with lg._lock:
-            if (queue_offset == self._max and phys_offset >= self._max_phys and self._pend
-                    and not self._closed and 0 < size <= MAX_BATCH_SIZE):
+            if (queue_offset == self._max and phys_offset >= self._max_phys
+                    and 0 <= phys_offset < _PHYS_LIMIT and not self._closed
+                    and 0 < size <= MAX_BATCH_SIZE):
+                if not self._pend:  # the first unit since the last block (at 100,000 queues:
+                    self._pend_first = queue_offset  # nearly every one)
+                    lg._dirty[self.qid] = self
                 self._pend += UNIT.pack(phys_offset, size, tag)
                 self._last_phys = phys_offset
                 self._max_phys = phys_offset + size
@@ -773,8 +785,8 @@ class IndexLog:
 
     def _build_block(
         self,
-    ) -> tuple[list[bytes], list[tuple[LogQueue, int, int]], int, bytes,
-               list[LogQueue], list[LogQueue]] | None:
+    ) -> tuple[list[bytes], list[tuple[LogQueue, int, int, int]], int, bytes,
+               list[LogQueue], list[LogQueue], int, int] | None:
         """The next block from the first BLOCK_QUEUES queues that changed (lock held);
         changes no state (but forgets dirty queues with nothing to log), so a failed write
         leaves everything pending for the next flush."""
@@ -783,13 +795,29 @@ class IndexLog:
         take = list(itertools.islice(self._dirty.values(), BLOCK_QUEUES))
         names: list[bytes] = []
         entries: list[bytes] = [ENTRY.pack(qid, DROP, 0) for qid in self._dropped]
-        units: list[bytes] = []
-        runs: list[tuple[LogQueue, int, int]] = []  # queue, first, unit index in block
+        units: list[bytes | bytearray] = []
+        # queue, first, unit index in block, units: once per changed queue, and at 100,000
+        # queues nearly every message is a changed queue (issue 17), so kept to the least
+        runs: list[tuple[LogQueue, int, int, int]] = []
         named: list[LogQueue] = []  # queues whose name record goes with this block
         n_units = 0
         max_phys = -1
+        pack = ENTRY.pack
+        add_entry, add_units, add_run = entries.append, units.append, runs.append
         for q in take:
-            if not (q._cut or q._pend):
+            pend = q._pend
+            if q._defined and not q._cut:  # the common case: units to log, nothing else
+                if pend:
+                    n = len(pend) // UNIT_SIZE
+                    first = q._pend_first
+                    add_entry(pack(q.qid, n, first))
+                    add_units(pend)  # joined below: the block never aliases it
+                    add_run((q, first, n_units, n))
+                    n_units += n
+                    if q._max_phys > max_phys:
+                        max_phys = q._max_phys
+                continue
+            if not (q._cut or pend):
                 continue
             if not q._defined:
                 t = q.topic.encode()
@@ -803,11 +831,11 @@ class IndexLog:
                     entries.append(ENTRY.pack(q.qid, 0, q._cut_to))
                 if end != q._cut_to:
                     entries.append(ENTRY.pack(q.qid, 0, end))
-            if q._pend:
-                n = len(q._pend) // UNIT_SIZE
+            if pend:
+                n = len(pend) // UNIT_SIZE
                 entries.append(ENTRY.pack(q.qid, n, q._pend_first))
-                units.append(bytes(q._pend))
-                runs.append((q, q._pend_first, n_units))
+                units.append(pend)
+                runs.append((q, q._pend_first, n_units, n))
                 n_units += n
                 max_phys = max(max_phys, q._max_phys)
         if not entries:
@@ -817,11 +845,12 @@ class IndexLog:
         meta = b"".join(entries)
         body = meta + b"".join(units)
         head = BLOCK_HEADER.pack(BLOCK_MAGIC, crc32c(body), len(body), len(entries), max_phys)
-        return [head, body], runs, BLOCK_HEADER.size + len(meta), b"".join(names), named, take
+        return ([head, body], runs, BLOCK_HEADER.size + len(meta), b"".join(names), named, take,
+                n_units, max_phys)
 
-    def _write_block(self, parts: list[bytes], runs: list[tuple[LogQueue, int, int]],
+    def _write_block(self, parts: list[bytes], runs: list[tuple[LogQueue, int, int, int]],
                      units_at: int, names: bytes, named: list[LogQueue],
-                     take: list[LogQueue]) -> None:
+                     take: list[LogQueue], n_units: int, max_phys: int) -> None:
         if names:  # durable before any block names these ids
             try:
                 if os.pwrite(self._names_fd, names, self._names_size) != len(names):
@@ -843,28 +872,31 @@ class IndexLog:
             raise StoreWriteError(f"short write to {seg.path} (disk full?)")
         # written: now the state moves (what was pending is in the log)
         dirty = self._dirty
-        for q in take:
-            q._cut = False
-            q._cut_to = -1
-            del dirty[q.qid]
+        if len(take) == len(dirty):  # the block took every dirty queue
+            for q in take:
+                q._cut = False
+                q._cut_to = -1
+            dirty.clear()
+        else:
+            for q in take:
+                q._cut = False
+                q._cut_to = -1
+                del dirty[q.qid]
         for q in named:  # only these: a dirty queue left without units wrote no name record
             q._defined = True
         self._dropped = []
         base = seg.start + seg.size + units_at
-        max_phys = -1
-        for q, first, idx in runs:
-            n = len(q._pend) // UNIT_SIZE
+        for q, first, idx, n in runs:
             pos = base + idx * UNIT_SIZE
-            if q._rcount and q._rfirst[-1] + q._rcount[-1] == first and \
-                    q._rpos[-1] + q._rcount[-1] * UNIT_SIZE == pos:
-                q._rcount[-1] += n
+            rc = q._rcount
+            if rc and q._rfirst[-1] + rc[-1] == first and q._rpos[-1] + rc[-1] * UNIT_SIZE == pos:
+                rc[-1] += n
             else:
                 q._rfirst.append(first)
-                q._rcount.append(n)
+                rc.append(n)
                 q._rpos.append(pos)
-            self._pending_bytes -= len(q._pend)
             q._pend = bytearray()
-            max_phys = max(max_phys, q._max_phys)
+        self._pending_bytes -= n_units * UNIT_SIZE
         seg.size += size
         seg.max_phys = max(seg.max_phys, max_phys)
         self._end = seg.start + seg.size

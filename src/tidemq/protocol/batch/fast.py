@@ -235,27 +235,41 @@ _ONE_KEYED = struct.Struct(_ONE_TAIL.format[: -len("IqIHHII")])
 assert _ONE_KEYED.size == PRODUCER_HEADER_SIZE + INDEX_ENTRY_SIZE
 _KEYS_ENTRY_SIZE = KEYS_ENTRY.size
 _one_heads: dict[tuple[str, int], bytes] = {}
+_ONE_HEADS_MAX = 65536
+# Bytes [4, 72 + T) of a wire batch's store header are fixed but for queue_id (bytes 44-48)
+# and the topic, and store_crc (8-12) covers [12, 72 + T): so a head is the constant bytes
+# [4, 8) and [12, 44), queue_id, and a per-topic tail [48, 72 + T), and its CRC continues
+# the constant prefix's CRC over queue_id and the tail (crc32c is incremental).
+_HEAD_MAGIC = STORE_HEADER.pack(0, BATCH_MAGIC, FORMAT_VERSION, 0, 0, 0, 0, 0,
+                                NO_PREPARED_OFFSET, 0, 0, 0, 0, _ZERO16)
+_HEAD_4_8 = _HEAD_MAGIC[4:8]
+_HEAD_12_44 = _HEAD_MAGIC[12:44]
+_HEAD_PREFIX_CRC = crc32c(_HEAD_12_44)
+_one_tails: dict[str, bytes] = {}
 
 
 def _one_head(topic: str, queue_id: int) -> bytes:
     """Bytes [4, 72 + topic_len) of a producer's batch for (topic, queue_id): magic, version,
-    store_crc and the store fields. On the wire they depend on nothing else, so their CRC is
-    computed once per queue instead of once per message."""
+    store_crc and the store fields. On the wire they depend on nothing else, so they are
+    cached per queue (up to _ONE_HEADS_MAX queues), and past that built from a per-topic
+    tail with two short CRC steps (a producer spread over 100,000 queues, issue 17)."""
     key = (topic, queue_id)
     head = _one_heads.get(key)
     if head is None:
-        topic_b = topic.encode()
-        if not topic_b or len(topic_b) > 0xFFFF:
-            raise ValueError("topic must be 1..65535 bytes of UTF-8")
-        buf = bytearray(STORE_HEADER_SIZE + len(topic_b))
-        STORE_HEADER.pack_into(
-            buf, 0, 0, BATCH_MAGIC, FORMAT_VERSION, 0, 0, 0, 0, 0, NO_PREPARED_OFFSET,
-            queue_id, 0, len(topic_b), 0, _ZERO16,
-        )
-        buf[STORE_HEADER_SIZE:] = topic_b
-        seal_store_header(buf, 0, len(buf))
-        head = bytes(buf[4:])
-        if len(_one_heads) < 65536:  # bounded: a producer writes to few queues
+        tail = _one_tails.get(topic)
+        if tail is None:
+            topic_b = topic.encode()
+            if not topic_b or len(topic_b) > 0xFFFF:
+                raise ValueError("topic must be 1..65535 bytes of UTF-8")
+            # reconsume 0 | topic_len | store_port 0 | store_host zero | topic
+            tail = _HEAD_MAGIC[48:52] + len(topic_b).to_bytes(2, "little") + \
+                _HEAD_MAGIC[54:72] + topic_b
+            if len(_one_tails) < _ONE_HEADS_MAX:
+                _one_tails[topic] = tail
+        qb = queue_id.to_bytes(4, "little")
+        crc = crc32c(tail, crc32c(qb, _HEAD_PREFIX_CRC))
+        head = b"".join((_HEAD_4_8, crc.to_bytes(4, "little"), _HEAD_12_44, qb, tail))
+        if len(_one_heads) < _ONE_HEADS_MAX:  # bounded: past it, the tails above
             _one_heads[key] = head
     return head
 
