@@ -209,9 +209,10 @@ def choose_key_shared(p: PendingOffsets, w: PopWindow, me: str, gated: bool, wan
                       owner_of: OwnerOf, read: Reader,
                       table: IndexTable | None = None) -> list[Popped]:
     """Up to ``want`` deliveries of window ``w`` for consumer ``me`` (``gated``: a recently
-    joined consumer whose marks are not passed yet takes keyless messages only). ``table``,
-    when no joiner mark applies: the owner of every slot (the same answer as ``owner_of``,
-    read off an array)."""
+    joined consumer whose marks are not passed yet takes keyless messages only). ``table``:
+    the owner of every slot under the full membership -- ``owner_of``'s answer for the new
+    offsets read ahead, which lie at or above every joiner's mark (None: ``owner_of`` for
+    them too); ``owner_of`` re-routes the pending offsets when the membership changes."""
     back: dict[int, tuple[int, int, list[int]]] | None = None
     if now >= p.scan_at:  # deliveries that came back: pending again, in offset order
         p.scan_at = now + _SCAN_MS

@@ -181,9 +181,21 @@ class SubscriptionTypes:
 
     def acked(self, group: str, keys: Any) -> None:
         """Acks of ``group`` on windows ``keys``: a recently joined key-shared consumer may
-        take its keys now (the window's start passed its mark)."""
-        if self._joined.get(group):
-            for topic in {k[1] for k in keys}:
+        take its keys now if a window's start passed its mark -- its held pops are woken
+        then, not at every ack (a futile try walks every queue)."""
+        joined = self._joined.get(group)
+        if not joined:
+            return
+        windows = self.pop.windows
+        woken: set[str] = set()
+        for key in keys:
+            w = windows.get(key)
+            topic = key[1]
+            if w is None or topic in woken:
+                continue
+            tq = (topic, key[2])
+            if any(tq in pos and w.start >= pos[tq] for pos in joined.values()):
+                woken.add(topic)
                 self.pop.hold.wake(group, topic)
 
     def wake(self, group: str) -> None:
@@ -323,7 +335,9 @@ class SubscriptionTypes:
             pending, w, me, any(c == me for _p, c in marks), want, now, h.invisible_ms,
             max_offset, self._epoch.get(group, 0), owner_of,
             lambda offsets: self.pop._read(topic, qid, offsets),
-            None if marks else full.index_table())
+            # new offsets are read from the window's ``next``, at or above every joiner's
+            # mark (its ``next`` when it joined): no mark applies to them, the plain table does
+            full.index_table())
         self.ended_early = pending.trimmed
         return out
 
