@@ -103,6 +103,7 @@ class _LoopHost:
         self._wake = threading.Lock()  # released to wake the host thread while lent
         self._wake.acquire()
         self._wake_pending = False  # _wake is released and not yet taken
+        self._returned = False  # handed back, and the parked host thread has not seen it yet
         self._lent = threading.Lock()  # released when the host thread stopped for a borrower
         self._lent.acquire()
         started = threading.Event()
@@ -129,7 +130,10 @@ class _LoopHost:
             with self._mu:
                 if got:
                     self._wake_pending = False
-                if self._owner == 0:
+                if self._returned:
+                    # Handed back: run it (even if another thread borrowed it again since: its
+                    # stop is queued, and it waits for this thread's run_forever to return).
+                    self._returned = False
                     return
                 if not self._driving and self._sends == seen:
                     self._owner = 0
@@ -140,6 +144,7 @@ class _LoopHost:
         """(Under ``_mu``.) The host thread runs the loop again from now on."""
         self._owner = 0
         self._want_back = False
+        self._returned = True
         if not self._wake_pending:
             self._wake_pending = True
             self._wake.release()
@@ -375,9 +380,22 @@ class _Driven:
 
 
 class _Inbox:
-    """Messages handed from callers' threads to the producer on the loop thread: one
-    ``call_soon_threadsafe`` wake-up for all that arrive before the loop picks them up, which
-    then go into the batch container together (deque appends and pops are thread-safe)."""
+    """Messages handed from callers' threads to the producer on the loop: one wake-up of the
+    loop per batch, not per message (deque appends and pops are thread-safe).
+
+    - The message's topic has nothing in flight: the message wakes the loop
+      (``call_soon_threadsafe``) unless a wake-up is pending already; all that arrive before
+      the loop picks them up go into the batch container together.
+    - A batch of its topic is in flight: the message wakes nobody. The loop drains the inbox
+      when a batch is answered (the accumulator's ``on_answered``, called after the answer's
+      bookkeeping), and what it finds leaves as the next batch at once. The senders an answer
+      wakes come back one by one (the GIL lets one run at a time), and each used to wake the
+      loop: a context switch of the loop thread per message, for a message that could not
+      leave before that answer anyway.
+    The in-flight check reads the topic's bucket after the message is in the inbox: if it
+    sees the batch in flight, that batch's answer has not been handled yet, and its drain will
+    find the message. (A message waiting in the inbox waits for that answer, or its request's
+    timeout; its own send timeout starts when it is drained.)"""
 
     def __init__(self, aio: AioProducer, loop: asyncio.AbstractEventLoop) -> None:
         self._aio = aio
@@ -385,10 +403,14 @@ class _Inbox:
         self._items: collections.deque[tuple[Message, dict[str, Any], Any, bool]] = (
             collections.deque())
         self._armed = False
+        self._draining = False
+        acc = aio.accumulator
+        acc.on_answered = self._answered
+        self._answer_pending = acc.answer_pending
 
     def put(self, msg: Message, options: dict[str, Any], sink: Any, wait: bool) -> None:
         self._items.append((msg, options, sink, wait))
-        if not self._armed:
+        if not self._armed and (options or not self._answer_pending(msg.topic)):
             # Two threads may both arm it: one wake-up finds nothing, which is harmless.
             self._armed = True
             self._loop.call_soon_threadsafe(self._drain)
@@ -408,11 +430,17 @@ class _Inbox:
         finally:
             asyncio_events._set_running_loop(None)
 
+    def _answered(self) -> None:
+        """(On the loop.) A batch of the producer was answered: take what gathered."""
+        if self._items and not self._draining:
+            self._drain()
+
     def _drain(self) -> None:
         # One loop callback from the hand-over to the write: the batches leave at the kick
         # (no call_soon per bucket) and their frames are written at once (not at the end of
         # the loop iteration), so a lone blocking send costs two loop iterations, not four.
         self._armed = False
+        self._draining = True
         items = self._items
         aio = self._aio
         hand_over = aio._hand_over
@@ -423,6 +451,7 @@ class _Inbox:
                 msg, options, sink, wait = items.popleft()
                 hand_over(msg, options, sink, wait)
         finally:
+            self._draining = False
             acc.kick()
         aio.pool.flush_now()
 

@@ -274,13 +274,11 @@ def _why_undecodable(raw: bytes, q: int, tl: int, pl: int, i: int) -> str:
 
 
 def _keys_checked(src: bytes, q: int, size: int, count: int,
-                  wanted: Container[int] | None = None
-                  ) -> tuple[dict[int, str], dict[int, str]]:
-    """The keys section at ``src[q:q + size]``: (index -> keys that decode, index -> why the
-    keys of that message do not), for the messages in ``wanted`` (None: all) -- the framing of
-    every entry is checked, CorruptBatchError when it is broken, but only wanted keys are
-    decoded: a POP answer hands out a share of a batch (a key-shared consumer's quarter)."""
-    out: dict[int, str] = {}
+                  wanted: Container[int] | None = None) -> dict[int, str]:
+    """The keys section at ``src[q:q + size]`` checked: index -> why the keys of that message
+    are not UTF-8, for the messages in ``wanted`` (None: all) -- the framing of every entry is
+    checked (CorruptBatchError when it is broken), the bytes only of wanted ones: a POP answer
+    hands out a share of a batch (a key-shared consumer's quarter)."""
     bad: dict[int, str] = {}
     end = q + size
     unpack = KEYS_ENTRY.unpack_from
@@ -294,18 +292,20 @@ def _keys_checked(src: bytes, q: int, size: int, count: int,
         if wanted is not None and i not in wanted:
             q += n
             continue
-        # Plain decode first: the reason (decode_utf8's wording, with an f-string per key)
-        # is only built for a key that fails -- building it for every key was 40 % of decoding
-        # a batch of keyed messages.
-        try:
-            out[i] = src[q : q + n].decode()
-        except UnicodeDecodeError:
+        # Only checked here (ASCII, the usual case, without making a str); the keys are
+        # decoded when a message's ``keys`` is read (_BatchMeta.keys). The reason
+        # (decode_utf8's wording, an f-string) is only built for a key that fails.
+        k = src[q : q + n]
+        if not k.isascii():
             try:
-                decode_utf8(src[q : q + n], f"keys of message {i}")
-            except CorruptBatchError as exc:
-                bad[i] = exc.message
+                k.decode()
+            except UnicodeDecodeError:
+                try:
+                    decode_utf8(k, f"keys of message {i}")
+                except CorruptBatchError as exc:
+                    bad[i] = exc.message
         q += n
-    return out, bad
+    return bad
 
 
 def _decode_general(
@@ -334,9 +334,8 @@ def _decode_general(
         # (only those of the messages handed out: the others are never asked for)
         wanted: Container[int] | None = (
             set(members) if members is not None else range(start, h[H_COUNT]) if start else None)
-        meta._keys, bad_keys = _keys_checked(buf, rec - INDEX_ENTRY_SIZE
-                                             + h[H_COUNT] * INDEX_ENTRY_SIZE, h[H_KEYS_SIZE],
-                                             h[H_COUNT], wanted)
+        bad_keys = _keys_checked(buf, rec - INDEX_ENTRY_SIZE + h[H_COUNT] * INDEX_ENTRY_SIZE,
+                                 h[H_KEYS_SIZE], h[H_COUNT], wanted)
     if bad is None:
         msgs = _decode_one(meta, raw, off, rlen, h[H_COUNT], start, tags, None, members)
         for m in msgs:
@@ -520,15 +519,24 @@ def _decode_one(
     pls = pl.tolist()
     out: list[MessageExt] = []
     append = out.append
+    seen: dict[bytes, str] = {}  # tag bytes -> str: a batch's messages share a few tags
     for i, s, e, ts, t, p in zip(
         indices, bstart.tolist(), bend.tolist(), tstart, tls, pls, strict=True
     ):
         try:
-            tag = raw[ts : ts + t].decode() if t else None
+            if t:
+                tb = raw[ts : ts + t]
+                tag = seen.get(tb)
+                if tag is None:
+                    tag = seen[tb] = tb.decode()
+            else:
+                tag = None
             if tags is not None and tag not in tags:
                 continue
             if p:
-                raw[ts + t : s].decode()
+                pb = raw[ts + t : s]
+                if not pb.isascii():  # checked without making a str when ASCII
+                    pb.decode()
         except UnicodeDecodeError:
             why = _why_undecodable(raw, ts, t, p, i)
             if bad is None:
