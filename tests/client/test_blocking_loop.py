@@ -94,3 +94,37 @@ def test_a_send_that_fails_while_the_caller_runs_the_loop_raises_its_own_error(d
             p.send(tidemq.Message("bl-err", b"x", properties={"p": "v" * 40_000}))
         assert p.send(tidemq.Message("bl-err", b"after")).queue_offset >= 0
         assert p._aio.accumulator.npending == 0
+
+
+def test_many_threads_on_two_topics_and_pinned_queues_are_all_answered_promptly(dev):
+    """Messages handed over while a batch of their topic is in flight wake nobody and leave
+    when that batch is answered (client/blocking.py, _Inbox); other topics and pinned sends
+    wake the loop themselves. Under 12 threads mixing them, every send is answered, each with
+    its own offset, and none waits for long (a message left behind in the inbox would wait
+    for some later wake-up, or hang to its 40 s slack)."""
+    with tidemq.Producer(dev.namesrv, send_timeout=10.0) as p:
+        p.send(tidemq.Message("bl-x", b"warm"))
+        p.send(tidemq.Message("bl-y", b"warm"))
+        slowest = [0.0]
+        offsets: list[tuple[str, int, int]] = []
+        lock = threading.Lock()
+
+        def run(t: int) -> None:
+            for i in range(150):
+                topic = "bl-x" if (i + t) % 3 else "bl-y"
+                opts = {"queue_id": t % 2} if i % 7 == 0 else {}
+                t0 = time.monotonic()
+                r = p.send(tidemq.Message(topic, b"%d-%d" % (t, i)), **opts)
+                took = time.monotonic() - t0
+                with lock:
+                    slowest[0] = max(slowest[0], took)
+                    offsets.append((topic, r.queue_id, r.queue_offset))
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in range(12)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not any(th.is_alive() for th in threads)
+        assert len(offsets) == 12 * 150 and len(set(offsets)) == 12 * 150
+        assert slowest[0] < 5.0, f"a send took {slowest[0]:.1f} s"

@@ -314,3 +314,41 @@ def test_members_hint_decodes_exactly_the_members(batch, data):
                                 members=members)
     assert [(m.queue_offset, m.body, m.tags, m.keys, m.properties) for m in got] == want
     assert end == 100 + len(batch)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(33, 120), st.integers(0, 64), st.integers(0, 130), st.booleans(),
+       st.none() | st.integers(0, 119))
+def test_batch_of_alike_messages_decodes_as_batchview(n, size, start, framed, odd):
+    """Equal bodies without tags or properties take the strided path (_decode_uniform); one
+    message of another size (``odd``) sends the batch down the general path: both decode as
+    BatchView does."""
+    msgs = [Message("topic-a", bytes([i % 251]) * (size + (1 if i == odd else 0)))
+            for i in range(n)]
+    b = bytes(stored(encode_messages("topic-a", msgs, queue_id=5, producer_id=3, base_seq=11,
+                                     born_ts=1234), 1000))
+    got, end = decode_pull_body(memoryview(b"ab" + b + b"c")[2:-1] if framed else b,
+                                from_offset=1000 + start, topic="topic-a")
+    want = reference_messages(b, 1000 + start, None)
+    assert end == 1000 + max(n, start)
+    assert [(m.body, m.queue_offset, m.msg_id, m.tags) for m in got] == [
+        (e.body, e.queue_offset, e.msg_id, e.tags) for e in want]
+
+
+def test_alike_records_with_a_bad_record_header_are_refused_not_misread():
+    """Without the CRC check (check_crc=False) a damaged body length in one record of a
+    batch of alike messages is still caught by the record-size checks."""
+    from tidemq.protocol.record import RECORD_HEADER_SIZE
+
+    msgs = [Message("topic-a", b"x" * 20) for _ in range(50)]
+    b = bytearray(stored(encode_messages("topic-a", msgs, queue_id=5, producer_id=3,
+                                         base_seq=0, born_ts=1), 0))
+    v = BatchView(bytes(b))
+    rec = v.records_start + 7 * (RECORD_HEADER_SIZE + 20)  # record 7's header
+    b[rec + RECORD_HEADER_SIZE - 4 : rec + RECORD_HEADER_SIZE] = (21).to_bytes(4, "little")
+    with pytest.raises(CorruptBatchError):
+        decode_pull_body(bytes(b), from_offset=0, topic="topic-a", check_crc=False)
+    reports = _Reports()
+    got, _ = decode_pull_body(bytes(b), from_offset=0, topic="topic-a", check_crc=False,
+                              on_corrupt=reports.append_args)
+    assert got == [] and reports and reports[0][:2] == (0, 50)

@@ -263,7 +263,9 @@ def test_push_consumer_moves_past_every_undecodable_record(cluster, hostile, ord
         return seen, stats, off
 
     seen, stats, off = asyncio.run(main())
-    assert seen == GOOD
+    # A concurrent consumer's listener threads may hand out one pull's messages before an
+    # earlier one's: every good message exactly once, in order only when orderly.
+    assert (seen if orderly else sorted(seen)) == (GOOD if orderly else sorted(GOOD))
     assert stats["corrupt_skipped"] == BAD_RECORDS
     assert off == hostile["max"]
 

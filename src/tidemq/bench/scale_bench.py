@@ -19,8 +19,9 @@ For each size N (queues; N / ``queues_per_topic`` topics of ``queues_per_topic``
    producer sends ``push_rate`` msgs/s (10,000) of SIZE bytes to random topics for
    ``push_seconds`` (5 s); latency is the send call to the listener's call, from a timestamp in
    the body: ``push_e2e_p50_ms`` / ``push_e2e_p99_ms`` (the issue's target: p99 <= 5 ms with
-   10,000 queues), ``push_e2e_received``; ``push_multi_queue_min`` (0: one pull per queue, the
-   push consumer's default) sets the consumer's ``multi_queue_min`` (standing multi-queue pulls);
+   10,000 queues), ``push_e2e_received``; ``push_multi_queue_min`` (None: the push
+   consumer's default, 256; 0: one pull per queue) sets the consumer's ``multi_queue_min``
+   (standing multi-queue pulls);
 6. restart: a clean stop and start (``restart_clean_s``), then a kill -9 and start
    (``restart_kill9_s``): process start to "ready", Python start-up included.
 
@@ -46,6 +47,7 @@ from tidemq.bench.client_bench import run_loop
 from tidemq.bench.dev_process import DevProcess
 from tidemq.client.admin import Admin
 from tidemq.client.consumer import PullConsumer
+from tidemq.client.consumer_options import PushConsumerOptions
 from tidemq.client.listener import ConsumeStatus
 from tidemq.client.message import Message
 from tidemq.client.producer import Producer
@@ -200,7 +202,7 @@ _TS = struct.Struct("<q")  # send time (ns) at the start of each push e2e messag
 
 async def _push_e2e(namesrv: str, topics: list[tuple[str, int]], size: int, rate: int,
                     seconds: float, progress: Progress | None,
-                    multi_queue_min: int = 0) -> dict[str, Any]:
+                    multi_queue_min: int | None = None) -> dict[str, Any]:
     names = [t for t, _ in topics]
     n_queues = sum(q for _, q in topics)
     lat: list[int] = []
@@ -213,7 +215,8 @@ async def _push_e2e(namesrv: str, topics: list[tuple[str, int]], size: int, rate
 
     consumer = PushConsumer(namesrv, f"scale-push-{uuid.uuid4().hex[:10]}", listener,
                             consume_from="last", consume_message_batch_max_size=32,
-                            multi_queue_min=multi_queue_min)
+                            multi_queue_min=(PushConsumerOptions.multi_queue_min
+                                             if multi_queue_min is None else multi_queue_min))
     for t in names:
         consumer.subscribe(t)
     rnd = random.Random(23)
@@ -269,7 +272,7 @@ def _per_msg(cpu_seconds: float, n: int) -> float:
 def _one_size(n: int, *, per_topic: int, size: int, messages: int, window: int, restart: bool,
               data_dir: str | None, progress: Progress | None, push_max_queues: int = 10_000,
               push_rate: int = 10_000, push_seconds: float = 5.0,
-              push_multi_queue_min: int = 0) -> dict[str, Any]:
+              push_multi_queue_min: int | None = None) -> dict[str, Any]:
     topics = _topics(n, per_topic)
     mib = 1 << 20
     with tempfile.TemporaryDirectory(prefix="tidemq-bench-scale-", dir=data_dir) as d:
@@ -347,7 +350,7 @@ def bench_scale(
     push_max_queues: int = 10_000,
     push_rate: int = 10_000,
     push_seconds: float = 5.0,
-    push_multi_queue_min: int = 0,
+    push_multi_queue_min: int | None = None,
 ) -> dict[str, Any]:
     rows = []
     for n in sizes:

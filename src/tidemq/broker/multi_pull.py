@@ -109,8 +109,15 @@ class _MultiPull:
         header = PullMultiQueueResponseHeader(results=self.results)  # type: ignore[arg-type]
         st = self.standing
         if st is not None:
-            if self in st.waiting:
-                st.waiting.remove(self)
+            # Answers leave in the order of their requests: a held older request goes first.
+            # Its queues stood when it arrived, but its client learns that only from its
+            # answer; a woken answer of one of them that overtook it (in a newer request
+            # answered at once, during the older one's linger) found no standing pull there
+            # and was dropped -- the queue then waited for the periodic check (issue 17).
+            while st.waiting and st.waiting[0] is not self:
+                st.waiting.pop(0).send()
+            if st.waiting:
+                st.waiting.pop(0)
             header.standing = True
             header.woken, more = st.take(self.proc.broker.store.config.max_read_bytes
                                          - self.nbytes)

@@ -58,15 +58,15 @@ class _Bars:
 @click.option("--push-rate", default=10_000, show_default=True,
               help="Messages per second of the push end-to-end phase (0: skip it).")
 @click.option("--push-seconds", default=5.0, show_default=True)
-@click.option("--push-multi-queue-min", default=0, show_default=True,
+@click.option("--push-multi-queue-min", type=int, default=None,
               help="The push consumer's multi_queue_min (standing multi-queue pulls from this "
-                   "many queues on; 0: one pull per queue, the default).")
+                   "many queues on; 0: one pull per queue; default: the consumer's, 256).")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def bench_scale_cmd(sizes: str, max_queues: int | None, queues_per_topic: int, size: int,
                     messages: int, window: int, restart: bool, data_dir: str | None,
                     push_max_queues: int, push_rate: int, push_seconds: float,
-                    push_multi_queue_min: int, progress: bool, as_json: bool) -> None:
+                    push_multi_queue_min: int | None, progress: bool, as_json: bool) -> None:
     """Produce and consume msgs/s, broker RSS per idle queue and restart time (clean and after
     kill -9) of a fresh broker holding each number of queues; one producer sends single 1 KiB
     messages to random queues (send_async)."""

@@ -161,6 +161,9 @@ class Accumulator:
         #: blocking facade's inbox, :meth:`handing_over`): the buckets to send at the kick,
         #: instead of a ``call_soon`` each
         self._kicking: list[_Bucket] | None = None
+        #: called (on the loop) after each batch's answer is handled: the blocking facade's
+        #: inbox drains there (client/blocking.py)
+        self.on_answered: Callable[[], None] | None = None
         #: batches sent from buckets so far, and the messages in them
         self.batches = 0
         self.batched_messages = 0
@@ -334,6 +337,13 @@ class Accumulator:
             if b.scheduled:
                 self._leave(b)
 
+    def answer_pending(self, topic: str) -> bool:
+        """A batch of ``topic``'s (unpinned) bucket is in flight: ``on_answered`` will be
+        called when it is answered. Read from other threads (one dict lookup and one int: a
+        consistent answer under the GIL)."""
+        b = self._buckets.get(topic)
+        return b is not None and b.inflight > 0
+
     @property
     def has_open(self) -> bool:
         return any(b.msgs for b in self._buckets.values())
@@ -493,6 +503,8 @@ class Accumulator:
         elif cool and not b.msgs and not b.inflight and not b.cool:
             b.cool = True
             b.loop.call_soon(self._uncool, b)
+        if self.on_answered is not None:
+            self.on_answered()
         # An idle bucket stays (one per topic, and per queue of ordered sends): the next send
         # finds it ready.
 

@@ -17,6 +17,7 @@ starts its own loops.
 from __future__ import annotations
 
 import asyncio
+import asyncio.events as asyncio_events
 import atexit
 import collections
 import concurrent.futures
@@ -53,6 +54,10 @@ RECLAIM_AFTER = 0.01
 #: A thread borrows the producers' loop after this many consecutive sends of its own with no
 #: other thread waiting on the loop (one thread sending in a loop; never 16 threads taking turns).
 BORROW_AFTER = 2
+
+
+_ON_LOOP = ("a blocking tidemq call was made on a thread while it runs a tidemq-io loop (from a "
+            "send_async callback?); use tidemq.aio there, or hand the work to another thread")
 
 
 class _LoopHost:
@@ -150,10 +155,7 @@ class _LoopHost:
 
     def check_thread(self) -> None:
         if asyncio._get_running_loop() is self.loop:
-            raise RuntimeError(
-                "a blocking tidemq call was made on the tidemq-io loop (from a send_async "
-                "callback?); use tidemq.aio there, or hand the work to another thread"
-            )
+            raise RuntimeError(_ON_LOOP)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and wait for it (any thread but the loop's)."""
@@ -183,8 +185,12 @@ class _LoopHost:
         the loop, or borrows it now), False when it hands the message over and waits (then
         :meth:`leave_handed` after the answer)."""
         me = threading.get_ident()
+        if me == self.ident:
+            self.check_thread()  # a callback on the loop's own thread: raises
         with self._mu:
             if self._owner == me:
+                if self._driving:  # a callback of the loop this very send runs
+                    raise RuntimeError(_ON_LOOP)
                 self._driving = True
                 return True
             if self._last == me:
@@ -358,20 +364,33 @@ class _Driven:
     def set_result(self, result: SendResult) -> None:
         self.result = result
         self._done = True
-        if self._loop is not None:
-            self._loop.stop()
+        if self._loop is not None and self._loop.is_running():
+            self._loop.stop()  # not when answered before the loop runs (a refusal)
 
     def set_exception(self, exc: BaseException) -> None:
         self.error = exc
         self._done = True
-        if self._loop is not None:
+        if self._loop is not None and self._loop.is_running():
             self._loop.stop()
 
 
 class _Inbox:
-    """Messages handed from callers' threads to the producer on the loop thread: one
-    ``call_soon_threadsafe`` wake-up for all that arrive before the loop picks them up, which
-    then go into the batch container together (deque appends and pops are thread-safe)."""
+    """Messages handed from callers' threads to the producer on the loop: one wake-up of the
+    loop per batch, not per message (deque appends and pops are thread-safe).
+
+    - The message's topic has nothing in flight: the message wakes the loop
+      (``call_soon_threadsafe``) unless a wake-up is pending already; all that arrive before
+      the loop picks them up go into the batch container together.
+    - A batch of its topic is in flight: the message wakes nobody. The loop drains the inbox
+      when a batch is answered (the accumulator's ``on_answered``, called after the answer's
+      bookkeeping), and what it finds leaves as the next batch at once. The senders an answer
+      wakes come back one by one (the GIL lets one run at a time), and each used to wake the
+      loop: a context switch of the loop thread per message, for a message that could not
+      leave before that answer anyway.
+    The in-flight check reads the topic's bucket after the message is in the inbox: if it
+    sees the batch in flight, that batch's answer has not been handled yet, and its drain will
+    find the message. (A message waiting in the inbox waits for that answer, or its request's
+    timeout; its own send timeout starts when it is drained.)"""
 
     def __init__(self, aio: AioProducer, loop: asyncio.AbstractEventLoop) -> None:
         self._aio = aio
@@ -379,26 +398,44 @@ class _Inbox:
         self._items: collections.deque[tuple[Message, dict[str, Any], Any, bool]] = (
             collections.deque())
         self._armed = False
+        self._draining = False
+        acc = aio.accumulator
+        acc.on_answered = self._answered
+        self._answer_pending = acc.answer_pending
 
     def put(self, msg: Message, options: dict[str, Any], sink: Any, wait: bool) -> None:
         self._items.append((msg, options, sink, wait))
-        if not self._armed:
+        if not self._armed and (options or not self._answer_pending(msg.topic)):
             # Two threads may both arm it: one wake-up finds nothing, which is harmless.
             self._armed = True
             self._loop.call_soon_threadsafe(self._drain)
 
     def put_driven(self, msg: Message, options: dict[str, Any], sink: Any) -> None:
-        """:meth:`put` by the thread that holds the loop and is about to run it."""
+        """:meth:`put` by the thread that holds the loop, about to run it: the hand-over and
+        the write happen here and now, on this thread, as the loop would run them (it is
+        marked running for them), which saves the loop the iteration (and the ``epoll``
+        call) that would run the drain."""
         self._items.append((msg, options, sink, True))
-        if not self._armed:
-            self._armed = True
-            self._loop.call_soon(self._drain)
+        if self._armed:
+            return  # a drain is queued (another thread's put): it takes this one too
+        self._armed = True
+        asyncio_events._set_running_loop(self._loop)
+        try:
+            self._drain()
+        finally:
+            asyncio_events._set_running_loop(None)
+
+    def _answered(self) -> None:
+        """(On the loop.) A batch of the producer was answered: take what gathered."""
+        if self._items and not self._draining:
+            self._drain()
 
     def _drain(self) -> None:
         # One loop callback from the hand-over to the write: the batches leave at the kick
         # (no call_soon per bucket) and their frames are written at once (not at the end of
         # the loop iteration), so a lone blocking send costs two loop iterations, not four.
         self._armed = False
+        self._draining = True
         items = self._items
         aio = self._aio
         hand_over = aio._hand_over
@@ -409,6 +446,7 @@ class _Inbox:
                 msg, options, sink, wait = items.popleft()
                 hand_over(msg, options, sink, wait)
         finally:
+            self._draining = False
             acc.kick()
         aio.pool.flush_now()
 
@@ -491,9 +529,7 @@ class Producer(_Facade):
         host = self._host
         if type(msg) is not Message:
             return host.run(self._aio.send(msg, **options))
-        if asyncio._get_running_loop() is host.loop:
-            host.check_thread()  # raises: a send_async callback, on the loop
-        if host.enter_send():
+        if host.enter_send():  # (raises on a thread while it runs the loop: a callback)
             # This thread runs the loop (see _LoopHost): the hand-over, the write, the answer
             # and the wake-up are calls on this thread's stack.
             d = _Driven(host.loop)

@@ -59,7 +59,7 @@ from tidemq.protocol.batch.layout import (
     STORE_CRC_FROM,
     STORE_HEADER,
     STORE_HEADER_SIZE,
-    crc32c,
+    crc32c_held,
     heads_struct,
 )
 from tidemq.protocol.errors import CorruptBatchError
@@ -174,8 +174,9 @@ def decode_pull_body(
                     + h[H_RECORDS_SIZE]
                     == total
                     and (not check_crc
-                         or (crc32c(mv[pos + p + 4 : pos + total]) == h[H_BATCH_CRC]
-                             and crc32c(mv[pos + STORE_CRC_FROM : pos + p]) == h[H_STORE_CRC]))):
+                         or (crc32c_held(mv[pos + p + 4 : pos + total]) == h[H_BATCH_CRC]
+                             and crc32c_held(mv[pos + STORE_CRC_FROM : pos + p])
+                             == h[H_STORE_CRC]))):
                 h = None
         if h is None:
             # Damaged (or too short for the combined read): BatchView checks and words it.
@@ -272,11 +273,9 @@ def _why_undecodable(raw: bytes, q: int, tl: int, pl: int, i: int) -> str:
     return f"message {i} does not decode"
 
 
-def _keys_checked(src: bytes, q: int, size: int, count: int
-                  ) -> tuple[dict[int, str], dict[int, str]]:
-    """The keys section at ``src[q:q + size]``: (index -> keys that decode, index -> why the
-    keys of that message do not). CorruptBatchError when its framing is broken."""
-    out: dict[int, str] = {}
+def _keys_checked(src: bytes, q: int, size: int, count: int) -> dict[int, str]:
+    """The keys section at ``src[q:q + size]`` checked: index -> why the keys of that message
+    are not UTF-8. CorruptBatchError when its framing is broken."""
     bad: dict[int, str] = {}
     end = q + size
     unpack = KEYS_ENTRY.unpack_from
@@ -287,18 +286,20 @@ def _keys_checked(src: bytes, q: int, size: int, count: int
         q += 6
         if q + n > end or i >= count:
             raise CorruptBatchError("keys section entry points outside the batch")
-        # Plain decode first: the reason (decode_utf8's wording, with an f-string per key)
-        # is only built for a key that fails -- building it for every key was 40 % of decoding
-        # a batch of keyed messages.
-        try:
-            out[i] = src[q : q + n].decode()
-        except UnicodeDecodeError:
+        # Only checked here (ASCII, the usual case, without making a str); the keys are
+        # decoded when a message's ``keys`` is read (_BatchMeta.keys). The reason
+        # (decode_utf8's wording, an f-string) is only built for a key that fails.
+        k = src[q : q + n]
+        if not k.isascii():
             try:
-                decode_utf8(src[q : q + n], f"keys of message {i}")
-            except CorruptBatchError as exc:
-                bad[i] = exc.message
+                k.decode()
+            except UnicodeDecodeError:
+                try:
+                    decode_utf8(k, f"keys of message {i}")
+                except CorruptBatchError as exc:
+                    bad[i] = exc.message
         q += n
-    return out, bad
+    return bad
 
 
 def _decode_general(
@@ -324,9 +325,8 @@ def _decode_general(
     meta = _BatchMeta(topic, broker_name, h, buf, a, raw, off)
     bad_keys: dict[int, str] = {}
     if h[H_KEYS_SIZE]:  # keys: checked once per batch here, so MessageExt.keys never fails later
-        meta._keys, bad_keys = _keys_checked(buf, rec - INDEX_ENTRY_SIZE
-                                             + h[H_COUNT] * INDEX_ENTRY_SIZE, h[H_KEYS_SIZE],
-                                             h[H_COUNT])
+        bad_keys = _keys_checked(buf, rec - INDEX_ENTRY_SIZE + h[H_COUNT] * INDEX_ENTRY_SIZE,
+                                 h[H_KEYS_SIZE], h[H_COUNT])
     if bad is None:
         msgs = _decode_one(meta, raw, off, rlen, h[H_COUNT], start, tags, None, members)
         for m in msgs:
@@ -431,6 +431,36 @@ def _decode_small(
     return out
 
 
+def _decode_uniform(
+    meta: _BatchMeta, raw: bytes, off: int, rlen: int, count: int, start: int, rel: np.ndarray,
+) -> list[MessageExt] | None:
+    """Messages ``start..count-1`` of a batch whose records are all alike -- the same size,
+    no tag, no properties (what ``send_batch`` of equal messages stores) -- or None when they
+    are not, for the general path to decode (and word what is wrong).
+
+    Alike records sit at a fixed stride, so their headers are one strided numpy view (no
+    gather) and their bodies' starts a ``range``: this saves ~60 µs of a 1,000-message batch
+    (~0.06 µs of a consumer's ~1 µs per message) over the general path's gather and lists."""
+    n = len(rel)
+    r0 = int(rel[0])
+    stride = int(rel[1]) - r0
+    first = off + r0
+    if (stride < RECORD_HEADER_SIZE or first + (n - 1) * stride + RECORD_HEADER_SIZE > rlen
+            or not bool((np.diff(rel) == stride).all())):
+        return None
+    hdr = np.ndarray((n,), REC_DTYPE, raw, first, (stride,))
+    bl = int(hdr["bl"][0])
+    s0 = first + RECORD_HEADER_SIZE
+    if (hdr["tl"].any() or hdr["pl"].any() or not bool((hdr["bl"] == bl).all())
+            or not bool((hdr["size"] == RECORD_HEADER_SIZE - 4 + bl).all())
+            or s0 + (n - 1) * stride + bl > rlen):
+        return None
+    qo = meta.queue_offset
+    return [MessageExt(raw[s : s + bl], qo + i, None, meta, i)
+            for i, s in zip(range(start, count), range(s0, s0 + n * stride, stride),
+                            strict=True)]
+
+
 def _decode_one(
     meta: _BatchMeta, raw: bytes, off: int, rlen: int, count: int, start: int,
     tags: frozenset[str] | None, bad: list[tuple[int, str]] | None,
@@ -444,6 +474,10 @@ def _decode_one(
     if len(indices) <= _SMALL:
         return _decode_small(meta, raw, off, rlen, count, start, tags, bad, indices)
     idx = np.frombuffer(meta.src, dtype=IDX_DTYPE, count=count, offset=meta.index_pos())
+    if members is None and tags is None:
+        msgs = _decode_uniform(meta, raw, off, rlen, count, start, idx["rel"][start:])
+        if msgs is not None:
+            return msgs
     idx = idx[start:] if members is None else idx[np.asarray(indices, dtype=np.int64)]
     rel = idx["rel"].astype(np.int64) + off
     if len(rel) and (int(rel.max()) + RECORD_HEADER_SIZE > rlen or int(rel.min()) < off):
@@ -476,15 +510,24 @@ def _decode_one(
     pls = pl.tolist()
     out: list[MessageExt] = []
     append = out.append
+    seen: dict[bytes, str] = {}  # tag bytes -> str: a batch's messages share a few tags
     for i, s, e, ts, t, p in zip(
         indices, bstart.tolist(), bend.tolist(), tstart, tls, pls, strict=True
     ):
         try:
-            tag = raw[ts : ts + t].decode() if t else None
+            if t:
+                tb = raw[ts : ts + t]
+                tag = seen.get(tb)
+                if tag is None:
+                    tag = seen[tb] = tb.decode()
+            else:
+                tag = None
             if tags is not None and tag not in tags:
                 continue
             if p:
-                raw[ts + t : s].decode()
+                pb = raw[ts + t : s]
+                if not pb.isascii():  # checked without making a str when ASCII
+                    pb.decode()
         except UnicodeDecodeError:
             why = _why_undecodable(raw, ts, t, p, i)
             if bad is None:

@@ -44,6 +44,7 @@ import struct
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from tidemq.base.malloc import tune_malloc
 from tidemq.client.errors import (
     ClientClosedError,
     ConnectError,
@@ -479,6 +480,7 @@ class ConnectionPool:
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         on_request: Callable[[Connection, Frame], None] | None = None,
     ) -> None:
+        tune_malloc()  # pull answers and bodies reuse heap pages (tidemq.base.malloc)
         self.connect_timeout = connect_timeout
         #: Handler of peer -> client requests, given to every connection (see Connection).
         self.on_request = on_request

@@ -239,15 +239,19 @@ class ConsumeConcurrentlyService:
         c = self.c
         done: list[MessageExt] = []
         failed: list[MessageExt] = []
-        extend = done.extend
-        for page, ok, ack in results:
-            if ok and (ack < 0 or ack >= len(page) - 1):
-                extend(page)
-            elif ok:
-                done += page[: ack + 1]
-                failed += page[ack + 1 :]
-            else:
-                failed += page
+        if all([ok and ack < 0 and len(page) == 1 for page, ok, ack in results]):
+            # The common case (one message per call, all consumed): one pass, no per-page call.
+            done = [page[0] for page, _ok, _ack in results]
+        else:
+            extend = done.extend
+            for page, ok, ack in results:
+                if ok and (ack < 0 or ack >= len(page) - 1):
+                    extend(page)
+                elif ok:
+                    done += page[: ack + 1]
+                    failed += page[ack + 1 :]
+                else:
+                    failed += page
         self.consumed += len(done)
         if failed:
             self.failed += len(failed)

@@ -93,12 +93,12 @@ class PushConsumerOptions:
     #: Seconds a chunked message still incomplete after its first chunk arrived is dropped
     #: (``stats()`` counts ``chunks_assembled`` and ``chunks_expired`` of the queues held).
     chunk_expire: float = 60.0
-    #: From this many assigned queues on, the pulls to one broker travel together as one
-    #: held PULL_MULTI_QUEUE request of standing pulls (up to 1,000 queues each) instead of
-    #: one held pull per queue (docs/consumer-groups.md, "Many queues"); 0 (the default) =
-    #: always queue by queue. Off by default until a late-delivery case is understood: in one
-    #: of several 10,000-queue runs a few messages arrived more than 5 s late.
-    multi_queue_min: int = 0
+    #: From this many assigned queues on (256), the queues' pulls to one broker are made by
+    #: one driver as standing PULL_MULTI_QUEUE requests (up to 1,000 queues each; one held
+    #: request per broker instead of one held pull per queue, no task per queue:
+    #: docs/consumer-groups.md, "Many queues"); 0 = always queue by queue, 1 = always
+    #: multi-queue.
+    multi_queue_min: int = 256
 
     def __post_init__(self) -> None:
         if self.max_uncompressed_bytes < 1:

@@ -11,12 +11,8 @@ Cost note: a held request is answered whole when any of its queues receives mess
 queues that found nothing pull again; ``max_queues`` bounds that re-pull (the queues of one
 request), the price of not keeping per-queue pulls.
 
-Standing pulls (``standing=True``, the push consumer): a queue answered PULL_NOT_FOUND is not
-answered to its loop; it stays held on the broker past the answer, and its future here waits
-until a later answer on this connection names it in ``woken``. A request then carries only the
-queues that moved, and an empty request is kept in flight while queues stand, so a message on
-one of 10,000 queues costs one queue's re-pull, not 10,000. A broker that does not hold them
-answers ``standing=False``: its PULL_NOT_FOUND results go back to their loops as before.
+The push consumer's standing pulls (queues held on the broker past the answer) are kept by
+``client/pull_driver.py``, without a future per queue.
 
 Threading: one event loop (the consumer's).
 """
@@ -45,7 +41,7 @@ class MultiPullUnsupported(Exception):
 
 class PullBatcher:
     def __init__(self, pool: ConnectionPool, addr: str, group: str, *, suspend_ms: int,
-                 timeout: float, max_queues: int = 1000, standing: bool = False) -> None:
+                 timeout: float, max_queues: int = 1000) -> None:
         self.pool = pool
         self.addr = addr
         self.group = group
@@ -57,26 +53,11 @@ class PullBatcher:
         self._waiting: list[tuple[MultiQueuePull, asyncio.Future[Any]]] = []
         self._scheduled = False
         self._tasks: set[asyncio.Future[Any]] = set()
-        self.standing = standing
-        #: standing queues' futures by (topic, queue id), and the requests in flight
-        self._standing: dict[tuple[str, int], asyncio.Future[Any]] = {}
-        self._in_flight = 0
-        #: the newest pull of each queue: an older one answered later (a queue dropped and
-        #: assigned again while its old pull was held) must not stand in its place
-        self._latest: dict[tuple[str, int], asyncio.Future[Any]] = {}
 
     def pull(self, p: MultiQueuePull) -> asyncio.Future[tuple[MultiQueuePullResult, Any]]:
         """The (result, body slice) of one queue's pull."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[tuple[MultiQueuePullResult, Any]] = loop.create_future()
-        key = (p.topic, p.queue_id)
-        if self.standing:
-            self._latest[key] = fut
-        old = self._standing.pop(key, None)
-        if old is not None and not old.done():
-            # pulled anew (the queue was dropped and assigned again): the old pull is void
-            old.set_result((MultiQueuePullResult(ResponseCode.PULL_NOT_FOUND, p.queue_offset),
-                            b""))
         self._waiting.append((p, fut))
         if not self._scheduled:
             self._scheduled = True
@@ -88,11 +69,6 @@ class PullBatcher:
         waiting, self._waiting = self._waiting, []
         live = [(p, f) for p, f in waiting if not f.done()]
         loop = asyncio.get_running_loop()
-        if not live and self._standing and self._in_flight == 0:
-            t = loop.create_task(self._send([]))  # only waits for standing queues
-            self._tasks.add(t)
-            t.add_done_callback(self._tasks.discard)
-            return
         for i in range(0, len(live), self.max_queues):
             t = loop.create_task(self._send(live[i : i + self.max_queues]))
             self._tasks.add(t)
@@ -101,8 +77,7 @@ class PullBatcher:
     async def _send(self, items: list[tuple[MultiQueuePull, asyncio.Future[Any]]]) -> None:
         header = PullMultiQueueRequestHeader(
             consumer_group=self.group, pulls=[p for p, _ in items], suspend=True,
-            suspend_timeout_millis=self.suspend_ms, standing=self.standing)
-        self._in_flight += 1
+            suspend_timeout_millis=self.suspend_ms)
         try:
             conn = self.pool.get_nowait(self.addr) or await self.pool.get(self.addr)
             self.requests += 1
@@ -117,46 +92,20 @@ class PullBatcher:
                 raise BrokerError("PULL_MULTI_QUEUE answered a different number of results",
                                   response_code=ResponseCode.SYSTEM_ERROR)
         except BaseException as exc:
-            self._in_flight -= 1
-            lost = [f for _p, f in items]
-            if self.standing and isinstance(exc, Exception):
-                # the standing queues may be gone with the connection: their loops retry
-                lost += self._standing.values()
-                self._standing.clear()
-            for f in lost:
+            for _p, f in items:
                 if not f.done():
                     f.set_exception(exc if isinstance(exc, Exception) else
                                     asyncio.CancelledError())
             if not isinstance(exc, Exception):
                 raise
             return
-        self._in_flight -= 1
         body = memoryview(frame.body)
         pos = 0
-        stand = self.standing and h.standing
-        for (p, f), r in zip(items, h.results, strict=True):
+        for (_p, f), r in zip(items, h.results, strict=True):
             part = body[pos : pos + r.body_bytes]
             pos += r.body_bytes
-            if f.done():
-                continue
-            key = (p.topic, p.queue_id)
-            if stand and r.code == ResponseCode.PULL_NOT_FOUND and self._latest.get(key) is f:
-                self._standing[key] = f  # answered when woken
-            else:
+            if not f.done():
                 f.set_result((r, part))
-        for w in h.woken:
-            part = body[pos : pos + w.result.body_bytes]
-            pos += w.result.body_bytes
-            got = self._standing.pop((w.topic, w.queue_id), None)
-            if got is not None and not got.done():
-                got.set_result((w.result, part))
-        if self._standing and self._in_flight == 0 and not self._scheduled:
-            # keep a request in flight to carry the next woken queues; the loops answered
-            # just now pull again in the next iterations and join it when they are quick
-            self._scheduled = True
-            loop = asyncio.get_running_loop()
-            # three iterations: a loop resumes, starts its next pull task, which calls pull()
-            loop.call_soon(loop.call_soon, loop.call_soon, self._flush)
 
     def close(self) -> None:
         for t in list(self._tasks):

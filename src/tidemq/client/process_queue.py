@@ -46,7 +46,7 @@ class ProcessQueue:
         "msgs", "msg_count", "msg_size", "queue_offset_max", "dropped", "locked",
         "last_lock_ts", "last_pull_ts", "last_consume_ts", "consuming", "orderly_running",
         "consume_lock", "batch_times", "local_retries", "try_unlock_times", "assembler",
-        "chunk_starts",
+        "chunk_starts", "standing",
     )
 
     def __init__(self) -> None:
@@ -59,6 +59,9 @@ class ProcessQueue:
         self.last_lock_ts = 0.0
         now = time.monotonic()
         self.last_pull_ts = now
+        #: held on the broker by a standing multi-queue pull (client/pull_driver.py): not
+        #: pulled again until messages arrive, and not idle however long that takes
+        self.standing = False
         self.last_consume_ts = now
         self.consuming: dict[int, MessageExt] = {}  # orderly: taken, not yet committed
         self.orderly_running = False  # orderly: a consume request is scheduled or running
@@ -93,19 +96,26 @@ class ProcessQueue:
     def put_messages(self, msgs: list[MessageExt]) -> bool:
         """Add pulled messages; True when an orderly consume request should be dispatched."""
         d = self.msgs
-        size = 0
-        new = 0
         chunks = self.assembler is not None  # no chunks seen on this queue: none to track
-        for m in msgs:
-            off = m.queue_offset
-            if off not in d:
-                d[off] = m
-                new += 1
-                size += len(m.body)
-                if chunks:
-                    first = first_chunk_offset(m)
-                    if first is not None:
-                        self.chunk_starts[off] = first
+        if not chunks and msgs and msgs[0].queue_offset > self.queue_offset_max:
+            # Pulled past everything ever held (the usual case; a pull's messages come in
+            # offset order): every message is new, added in order by one C-level update.
+            new = len(msgs)
+            size = sum([len(m.body) for m in msgs])
+            d.update([(m.queue_offset, m) for m in msgs])
+        else:
+            size = 0
+            new = 0
+            for m in msgs:
+                off = m.queue_offset
+                if off not in d:
+                    d[off] = m
+                    new += 1
+                    size += len(m.body)
+                    if chunks:
+                        first = first_chunk_offset(m)
+                        if first is not None:
+                            self.chunk_starts[off] = first
         if new:
             self.msg_count += new
             self.msg_size += size
@@ -126,18 +136,16 @@ class ProcessQueue:
         """Forget consumed messages; the offset to commit (-1 if nothing was ever held)."""
         d = self.msgs
         self.last_consume_ts = time.monotonic()
-        size = 0
-        removed = 0
         pop = d.pop
+        # One comprehension (the messages actually held), not a loop of statements: this runs
+        # once per consumed message on the consumer's event loop.
+        gone = [m for m in msgs if pop(m.queue_offset, None) is not None]
         starts = self.chunk_starts
-        for m in msgs:
-            if pop(m.queue_offset, None) is not None:
-                removed += 1
-                size += len(m.body)
-                if starts:
-                    starts.pop(m.queue_offset, None)
-        self.msg_count -= removed
-        self.msg_size -= size
+        if starts:
+            for m in gone:
+                starts.pop(m.queue_offset, None)
+        self.msg_count -= len(gone)
+        self.msg_size -= sum([len(m.body) for m in gone])
         if d:
             first = next(iter(d))
             bt = self.batch_times
@@ -202,4 +210,4 @@ class ProcessQueue:
         return time.monotonic() - self.last_lock_ts > LOCK_MAX_LIVE
 
     def pull_expired(self) -> bool:
-        return time.monotonic() - self.last_pull_ts > PULL_MAX_IDLE
+        return not self.standing and time.monotonic() - self.last_pull_ts > PULL_MAX_IDLE

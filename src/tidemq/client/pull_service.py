@@ -6,6 +6,11 @@ One :class:`PullService` per client instance owns every queue's pull request. A 
 asynchronous PULL_MESSAGE (long polling: the broker holds it up to 15 s), and its result
 schedules the next execution of the same request, so each queue has at most one pull in flight.
 
+Many queues (``multi_queue_min`` or more assigned): a queue's pulls to a broker are made by
+that broker's :class:`~tidemq.client.pull_driver.PullDriver` instead, one standing
+PULL_MULTI_QUEUE for all of them, with no task per queue; the checks below and the handling of
+each result (:meth:`PullService.multi_pull_of`, :meth:`PullService.on_result`) are the same.
+
 Before a pull (flow control, logged every 1000th time):
 
 - the ProcessQueue holds more than ``pull_threshold_for_queue`` (1000) messages, or more than
@@ -60,9 +65,10 @@ from typing import TYPE_CHECKING, Any
 from tidemq.client.codec import decode_pull_body
 from tidemq.client.connection import raise_for_error
 from tidemq.client.message import MessageExt, MessageQueue
-from tidemq.client.multi_pull import MultiPullUnsupported, PullBatcher
 from tidemq.client.process_queue import ProcessQueue
+from tidemq.client.pull_driver import PullDriver
 from tidemq.client.rebalance import RETRY_PREFIX
+from tidemq.client.selection import Selection
 from tidemq.protocol.codes import PullStatus, RequestCode, pull_status
 from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import BrokerError, TidemqError
@@ -132,27 +138,25 @@ class PullService:
         self._parked: dict[ProcessQueue, tuple[PullRequest, asyncio.TimerHandle]] = {}
         #: Parked requests resumed by space_freed (before their fallback timer).
         self.unparked = 0
-        #: PULL_MULTI_QUEUE batchers by broker address (many queues, client/multi_pull.py)
-        self._batchers: dict[str, PullBatcher] = {}
+        #: pull drivers by broker address (many queues: client/pull_driver.py)
+        self._drivers: dict[str, PullDriver] = {}
         self._deferred: list[PullRequest] | None = None
 
-    def _batcher(self, addr: str) -> PullBatcher | None:
-        """The PULL_MULTI_QUEUE batcher of ``addr`` while this consumer holds
-        ``multi_queue_min`` or more queues, None to pull queue by queue."""
+    def _driver(self, addr: str) -> PullDriver | None:
+        """The pull driver of ``addr`` while this consumer holds ``multi_queue_min`` or more
+        queues, None to pull queue by queue."""
         c = self.c
         if c.multi_queue_min <= 0 or len(c.rebalance.table) < c.multi_queue_min:
             return None
-        b = self._batchers.get(addr)
-        if b is None:
-            b = self._batchers[addr] = PullBatcher(
-                c.pool, addr, c.group, suspend_ms=c.suspend_ms,
-                timeout=c.suspend_ms / 1000 + 10.0, standing=True)
-        return None if b.unsupported else b
+        d = self._drivers.get(addr)
+        if d is None:
+            d = self._drivers[addr] = PullDriver(self, addr)
+        return None if d.unsupported else d
 
     @property
     def multi_requests(self) -> int:
         """PULL_MULTI_QUEUE requests sent so far."""
-        return sum(b.requests for b in self._batchers.values())
+        return sum(d.requests for d in self._drivers.values())
 
     def start_queue(self, mq: MessageQueue, pq: ProcessQueue, offset: int) -> None:
         if self._deferred is not None:
@@ -175,6 +179,12 @@ class PullService:
     def execute_now(self, req: PullRequest) -> None:
         if self._closed or req.pq.dropped:
             return
+        if self.c.multi_queue_min > 0:
+            got = self.c.routes.addr_for_read_now(req.mq, req.broker_id)
+            d = None if got is None or got[1] else self._driver(got[0])
+            if d is not None:
+                d.add(req)  # with the broker's standing multi-queue pull, no task of its own
+                return
         t = self.loop.create_task(self._pulls(req))
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
@@ -237,8 +247,8 @@ class PullService:
         for _req, timer in self._parked.values():
             timer.cancel()
         self._parked.clear()
-        for b in self._batchers.values():
-            b.close()
+        for d in self._drivers.values():
+            d.close()
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -250,8 +260,9 @@ class PullService:
         while await self._pull(req) and not self._closed and not req.pq.dropped:
             pass
 
-    async def _pull(self, req: PullRequest) -> bool:
-        """One pull of ``req``; True: pull again at once (else it was rescheduled or ends)."""
+    def _may_pull(self, req: PullRequest) -> bool:
+        """Whether ``req`` pulls now; if not, it was parked, paused or rescheduled (or its
+        queue is gone)."""
         c = self.c
         pq = req.pq
         if pq.dropped:
@@ -270,113 +281,157 @@ class PullService:
         if c.orderly and not c.broadcasting and not pq.locked:
             self.execute_later(req, ERROR_DELAY)
             return False
+        return True
+
+    def _commit_flags(self, mq: MessageQueue, sub: Selection, slave: bool) -> tuple[int, int]:
+        """(sys flags without SUSPEND, commit offset) of a pull of ``mq``."""
+        c = self.c
+        flags = PullSysFlag.SUBSCRIPTION if sub.filters else 0
+        commit = 0
+        if not c.broadcasting and not slave:
+            off = c.offset_store.read(mq)
+            if off > 0:
+                flags |= PullSysFlag.COMMIT_OFFSET
+                commit = off
+        return flags, commit
+
+    def multi_pull_of(self, req: PullRequest) -> MultiQueuePull | None:
+        """The pull of ``req`` in a PULL_MULTI_QUEUE (client/pull_driver.py), or None if it
+        does not pull now (see :meth:`_may_pull`)."""
+        if not self._may_pull(req):
+            return None
+        c = self.c
+        mq = req.mq
+        sub = c.subscriptions.get(mq.topic)
+        if sub is None:
+            return None  # unsubscribed meanwhile; the rebalance drops the queue
+        flags, commit = self._commit_flags(mq, sub, False)
+        self.pulls += 1
+        return MultiQueuePull(mq.topic, mq.queue_id, req.next_offset, c.pull_batch_size, flags,
+                              commit, sub.expression if sub.filters else None,
+                              sub.expression_type)
+
+    def on_result(self, req: PullRequest, r: Any, body: Any, addr: str) -> bool:
+        """One queue's result of a PULL_MULTI_QUEUE, handled as a PULL_MESSAGE's answer;
+        True: pull again at once."""
+        try:
+            status = pull_status(r.code)
+            if status is None:
+                raise BrokerError(r.message or f"pull refused ({r.code})", response_code=r.code)
+            return self._handle(req, status, r, body)
+        except Exception as exc:  # noqa: BLE001 - the queue retries (failed logs it)
+            self.failed(req, exc, addr)
+            return False
+
+    async def _pull(self, req: PullRequest) -> bool:
+        """One pull of ``req``; True: pull again at once (else it was rescheduled, handed to
+        a pull driver, or ends)."""
+        if not self._may_pull(req):
+            return False
+        c = self.c
         mq = req.mq
         sub = c.subscriptions.get(mq.topic)
         if sub is None:
             return False  # unsubscribed meanwhile; the rebalance drops the queue
-        tags = sub.tags
-        flags = PullSysFlag.SUSPEND
-        if sub.filters:
-            flags |= PullSysFlag.SUBSCRIPTION
-        commit = 0
         addr = ""
         try:
             addr, slave = await c.routes.addr_for_read(mq, req.broker_id)
-            if not c.broadcasting and not slave:
-                off = c.offset_store.read(mq)
-                if off > 0:
-                    flags |= PullSysFlag.COMMIT_OFFSET
-                    commit = off
-            batcher = None if slave else self._batcher(addr)
-            h: Any
-            body: Any
-            if batcher is not None:
-                # many queues: this pull travels in one PULL_MULTI_QUEUE per broker, held as
-                # one long poll (client/multi_pull.py); a queue over its limits is not in it
-                self.pulls += 1
-                try:
-                    h, body = await batcher.pull(MultiQueuePull(
-                        mq.topic, mq.queue_id, req.next_offset, c.pull_batch_size,
-                        flags & ~PullSysFlag.SUSPEND, commit,
-                        sub.expression if sub.filters else None, sub.expression_type))
-                except MultiPullUnsupported:
-                    self.execute_now(req)  # an older broker: queue by queue from now on
-                    return False
-                status = pull_status(h.code)
-                if status is None:
-                    raise BrokerError(h.message or f"pull refused ({h.code})",
-                                      response_code=h.code)
-            else:
-                conn = c.pool.get_nowait(addr) or await c.pool.get(addr)
-                header = PullMessageRequestHeader(
-                    consumer_group=c.group, topic=mq.topic, queue_id=mq.queue_id,
-                    queue_offset=req.next_offset, max_msg_nums=c.pull_batch_size,
-                    sys_flag=flags, commit_offset=commit, suspend_timeout_millis=c.suspend_ms,
-                    subscription=sub.expression if sub.filters else None,
-                    expression_type=sub.expression_type,
-                )
-                self.pulls += 1
-                frame = await conn.request(RequestCode.PULL_MESSAGE, header,
-                                           timeout=c.suspend_ms / 1000 + 10.0)
-                status = pull_status(frame.code)
-                if status is None:
-                    raise_for_error(frame)
-                h = frame.header
-                body = frame.body
-            req.broker_id = h.suggest_which_broker_id
-            if pq.dropped:
+            driver = None if slave else self._driver(addr)
+            if driver is not None:
+                # many queues: this queue is pulled with the broker's standing multi-queue
+                # pull from now on (client/pull_driver.py), without this task
+                driver.add(req)
                 return False
-            if status is PullStatus.FOUND:
-                msgs, _end = decode_pull_body(
-                    body, from_offset=req.next_offset, broker_name=mq.broker_name,
-                    tags=tags, check_crc=c.check_crc, topic=None,
-                    on_corrupt=functools.partial(_skipped, c.corrupt, mq),
-                    max_uncompressed=c.max_uncompressed_bytes,
-                )
-                if sub.sql is not None:
-                    msgs = sub.keep(msgs, body, h.members)
-                if msgs:
-                    msgs = pq.assemble(msgs, c.chunk_expire)  # chunks -> whole messages (PR5)
-                req.next_offset = h.next_begin_offset
-                if msgs:
-                    if mq.topic.startswith(RETRY_PREFIX):
-                        restore_retry_topic(msgs)
-                    dispatch = pq.put_messages(msgs)
-                    c.consume_service.submit(msgs, pq, mq, dispatch)
-                if c.pull_interval > 0:
-                    self.execute_later(req, c.pull_interval)
-                else:
-                    return True
-            elif status is PullStatus.OFFSET_ILLEGAL:
-                log.warning("pull offset %d of %s is illegal (queue holds [%d, %d]); "
-                            "the queue restarts at %d", req.next_offset, mq, h.min_offset,
-                            h.max_offset, h.next_begin_offset)
-                req.next_offset = h.next_begin_offset
-                pq.dropped = True
-                self.loop.call_later(OFFSET_ILLEGAL_DELAY, self._fix_offset, req)
-            else:  # NO_NEW_MSG, NO_MATCHED_MSG
-                req.next_offset = h.next_begin_offset
-                if pq.msg_count == 0:
-                    c.offset_store.update(mq, pq.floor(req.next_offset), True)
-                return True
+            flags, commit = self._commit_flags(mq, sub, slave)
+            conn = c.pool.get_nowait(addr) or await c.pool.get(addr)
+            header = PullMessageRequestHeader(
+                consumer_group=c.group, topic=mq.topic, queue_id=mq.queue_id,
+                queue_offset=req.next_offset, max_msg_nums=c.pull_batch_size,
+                sys_flag=flags | PullSysFlag.SUSPEND, commit_offset=commit,
+                suspend_timeout_millis=c.suspend_ms,
+                subscription=sub.expression if sub.filters else None,
+                expression_type=sub.expression_type,
+            )
+            self.pulls += 1
+            frame = await conn.request(RequestCode.PULL_MESSAGE, header,
+                                       timeout=c.suspend_ms / 1000 + 10.0)
+            status = pull_status(frame.code)
+            if status is None:
+                raise_for_error(frame)
+            return self._handle(req, status, frame.header, frame.body)  # type: ignore[arg-type]
         except asyncio.CancelledError:
             raise
-        except TidemqError as exc:
-            # SYSTEM_BUSY says when to come back (BrokerError.retry_after); else the default.
-            delay = getattr(exc, "retry_after", 0.0) or ERROR_DELAY
-            if addr and not isinstance(exc, BrokerError):
-                # unreachable: the next pull tries another broker of the group at once
-                c.routes.mark_down(addr, mq.topic)
-                if c.routes.group_size(mq.broker_name) > 1:
-                    delay = FLOW_CONTROL_DELAY * 4
-            if not self._closed:
-                log.warning("pull of %s from %s failed: %s; retrying in %g s", mq, addr or "?",
-                            exc, delay)
-            self.execute_later(req, delay)
-        except Exception:  # a bug must not silently stop a queue forever
-            log.exception("pull of %s failed unexpectedly; retrying in %g s", mq, ERROR_DELAY)
-            self.execute_later(req, ERROR_DELAY)
+        except Exception as exc:  # noqa: BLE001 - the queue retries (failed logs it)
+            self.failed(req, exc, addr)
         return False
+
+    def failed(self, req: PullRequest, exc: Exception, addr: str) -> None:
+        """A pull of ``req`` failed: retry after the delay the error asks for."""
+        if not isinstance(exc, TidemqError):  # a bug must not silently stop a queue forever
+            log.error("pull of %s failed unexpectedly; retrying in %g s", req.mq, ERROR_DELAY,
+                      exc_info=exc)
+            self.execute_later(req, ERROR_DELAY)
+            return
+        mq = req.mq
+        c = self.c
+        # SYSTEM_BUSY says when to come back (BrokerError.retry_after); else the default.
+        delay = getattr(exc, "retry_after", 0.0) or ERROR_DELAY
+        if addr and not isinstance(exc, BrokerError):
+            # unreachable: the next pull tries another broker of the group at once
+            c.routes.mark_down(addr, mq.topic)
+            if c.routes.group_size(mq.broker_name) > 1:
+                delay = FLOW_CONTROL_DELAY * 4
+        if not self._closed:
+            log.warning("pull of %s from %s failed: %s; retrying in %g s", mq, addr or "?",
+                        exc, delay)
+        self.execute_later(req, delay)
+
+    def _handle(self, req: PullRequest, status: PullStatus, h: Any, body: Any) -> bool:
+        """The answer of one pull of ``req`` (a PULL_MESSAGE's header or a multi-queue
+        result: the same fields); True: pull again at once."""
+        c = self.c
+        pq = req.pq
+        mq = req.mq
+        req.broker_id = h.suggest_which_broker_id
+        if pq.dropped:
+            return False
+        sub = c.subscriptions.get(mq.topic)
+        if sub is None:
+            return False
+        if status is PullStatus.FOUND:
+            msgs, _end = decode_pull_body(
+                body, from_offset=req.next_offset, broker_name=mq.broker_name,
+                tags=sub.tags, check_crc=c.check_crc, topic=None,
+                on_corrupt=functools.partial(_skipped, c.corrupt, mq),
+                max_uncompressed=c.max_uncompressed_bytes,
+            )
+            if sub.sql is not None:
+                msgs = sub.keep(msgs, body, h.members)
+            if msgs:
+                msgs = pq.assemble(msgs, c.chunk_expire)  # chunks -> whole messages (PR5)
+            req.next_offset = h.next_begin_offset
+            if msgs:
+                if mq.topic.startswith(RETRY_PREFIX):
+                    restore_retry_topic(msgs)
+                dispatch = pq.put_messages(msgs)
+                c.consume_service.submit(msgs, pq, mq, dispatch)
+            if c.pull_interval > 0:
+                self.execute_later(req, c.pull_interval)
+                return False
+            return True
+        if status is PullStatus.OFFSET_ILLEGAL:
+            log.warning("pull offset %d of %s is illegal (queue holds [%d, %d]); "
+                        "the queue restarts at %d", req.next_offset, mq, h.min_offset,
+                        h.max_offset, h.next_begin_offset)
+            req.next_offset = h.next_begin_offset
+            pq.dropped = True
+            self.loop.call_later(OFFSET_ILLEGAL_DELAY, self._fix_offset, req)
+            return False
+        # NO_NEW_MSG, NO_MATCHED_MSG
+        req.next_offset = h.next_begin_offset
+        if pq.msg_count == 0:
+            c.offset_store.update(mq, pq.floor(req.next_offset), True)
+        return True
 
     def _fix_offset(self, req: PullRequest) -> None:
         async def go() -> None:

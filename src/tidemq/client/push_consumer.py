@@ -14,7 +14,8 @@ How it fits together (one instance = RocketMQ's MQClientInstance + the consumer)
     heartbeat (30 s) --> brokers: ConsumerManager tracks the group's members
     broker --NOTIFY_CONSUMER_IDS_CHANGED--> wake --> Rebalance (also every 20 s)
     Rebalance: allocate sorted queues over sorted member ids --> add/drop ProcessQueues
-    PullService: one async pull in flight per queue --> ProcessQueue --> consume service
+    PullService: one async pull in flight per queue (many queues: one standing multi-queue
+        pull per broker, PullDriver) --> ProcessQueue --> consume service
     ConsumeConcurrentlyService / ConsumeOrderlyService --> listener --> offset store
     offset store --> broker every 5 s (clustering) / local file (broadcasting)
 

@@ -1,0 +1,211 @@
+"""The push consumer's pulls to one broker, for all its queues there (issue 17).
+
+A push consumer of many queues (``multi_queue_min``) does not keep a pull, a task and a future
+per queue: one :class:`PullDriver` per broker address keeps one standing PULL_MULTI_QUEUE in
+flight for every queue it pulls from that broker (docs/protocol.md 4.0, "standing"):
+
+- ``due``: the queues to pull now (just assigned, just answered with messages, resumed after
+  flow control, a pause or an error). The next event-loop iteration sends them together, up
+  to ``max_queues`` a request, each at its next offset with its commit offset;
+- ``standing``: the queues the broker answered PULL_NOT_FOUND. They stay held there past the
+  answer, and come back in ``woken`` of a later answer of this connection when messages
+  arrive; while any stand, one request (empty if nothing is due) is kept in flight to carry
+  them.
+
+Each answer is handled here, synchronously, by the pull service's own result handling
+(``PullService.on_result``: ProcessQueue, consume service, offsets, OFFSET_ILLEGAL, refusals),
+the same as a PULL_MESSAGE's; a queue to pull again at once is due again. Flow control, pause,
+orderly locks and retry delays stay the pull service's (``PullService.multi_pull_of`` checks
+them when a due queue is sent; a queue held back returns through ``PullService.execute_now``).
+A queue dropped by a rebalance is skipped when due and forgotten when answered; assigned again
+it is a new pull request that replaces the old one here and on the broker. A failed request
+returns its queues and every standing one to the pull service's error handling (retry after
+its delay); a broker without PULL_MULTI_QUEUE makes them pull queue by queue.
+
+Threading: the consumer's event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from tidemq.client.connection import raise_for_error
+from tidemq.protocol.codes import RequestCode, ResponseCode
+from tidemq.protocol.errors import BrokerError
+from tidemq.protocol.headers import (
+    MASTER_ID,
+    MultiQueuePull,
+    MultiQueuePullResult,
+    PullMultiQueueRequestHeader,
+    PullMultiQueueResponseHeader,
+)
+
+if TYPE_CHECKING:
+    from tidemq.client.pull_service import PullRequest, PullService
+
+__all__ = ["PullDriver"]
+
+log = logging.getLogger(__name__)
+
+_NOT_FOUND = int(ResponseCode.PULL_NOT_FOUND)
+
+Key = tuple[str, int]
+
+
+class PullDriver:
+    """Pulls of every queue one push consumer pulls from broker ``addr``."""
+
+    def __init__(self, service: PullService, addr: str, *, max_queues: int = 1000) -> None:
+        self.s = service
+        self.addr = addr
+        self.max_queues = max_queues
+        self.loop = asyncio.get_running_loop()
+        self.due: dict[Key, PullRequest] = {}
+        self.standing: dict[Key, PullRequest] = {}
+        #: the newest pull request of each queue: an older one answered later (the queue was
+        #: dropped and assigned again while it was held) is void
+        self.latest: dict[Key, PullRequest] = {}
+        self.in_flight = 0
+        self.requests = 0
+        self.unsupported = False
+        self._scheduled = False
+        self._closed = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def add(self, req: PullRequest) -> None:
+        """Pull ``req``'s queue with the next request."""
+        key = (req.mq.topic, req.mq.queue_id)
+        self.latest[key] = req
+        self.standing.pop(key, None)
+        req.pq.standing = False
+        self.due[key] = req
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if not self._scheduled and not self._closed:
+            self._scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        if self._closed:
+            return
+        due, self.due = self.due, {}
+        items: list[tuple[PullRequest, MultiQueuePull]] = []
+        for key, req in due.items():
+            if self.latest.get(key) is not req:
+                continue
+            p = self.s.multi_pull_of(req)
+            if p is not None:
+                items.append((req, p))
+        if not items:
+            if self.standing and self.in_flight == 0:
+                self._start(items)  # only waits for the standing queues
+            return
+        for i in range(0, len(items), self.max_queues):
+            self._start(items[i : i + self.max_queues])
+
+    def _start(self, items: list[tuple[PullRequest, MultiQueuePull]]) -> None:
+        t = self.loop.create_task(self._send(items))
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _send(self, items: list[tuple[PullRequest, MultiQueuePull]]) -> None:
+        c = self.s.c
+        header = PullMultiQueueRequestHeader(
+            consumer_group=c.group, pulls=[p for _r, p in items], suspend=True,
+            suspend_timeout_millis=c.suspend_ms, standing=True)
+        self.in_flight += 1
+        try:
+            conn = c.pool.get_nowait(self.addr) or await c.pool.get(self.addr)
+            self.requests += 1
+            frame = await conn.request(RequestCode.PULL_MULTI_QUEUE, header,
+                                       timeout=c.suspend_ms / 1000 + 10.0)
+            if frame.code == ResponseCode.REQUEST_CODE_NOT_SUPPORTED:
+                self.unsupported = True
+            else:
+                raise_for_error(frame)
+                h = frame.header
+                if (not isinstance(h, PullMultiQueueResponseHeader)
+                        or len(h.results) != len(items)):
+                    raise BrokerError("PULL_MULTI_QUEUE answered a different number of results",
+                                      response_code=ResponseCode.SYSTEM_ERROR)
+        except asyncio.CancelledError:
+            self.in_flight -= 1
+            raise
+        except Exception as exc:  # noqa: BLE001 - every queue of it goes to error handling
+            self.in_flight -= 1
+            self._lost(items, exc)
+            return
+        self.in_flight -= 1
+        if self.unsupported:
+            self._lost(items, None)
+            return
+        self._answered(items, h, memoryview(frame.body))
+
+    def _lost(self, items: list[tuple[PullRequest, MultiQueuePull]],
+              exc: Exception | None) -> None:
+        """The request failed (``exc``; None: the broker has no PULL_MULTI_QUEUE): its queues,
+        and the standing ones (which may be gone with the connection), are pulled again by the
+        pull service after its error delay (or queue by queue at once)."""
+        reqs = [r for r, _p in items]
+        reqs += self.standing.values()
+        self.standing.clear()
+        for req in reqs:
+            key = (req.mq.topic, req.mq.queue_id)
+            if self.latest.get(key) is not req or req.pq.dropped:
+                continue
+            del self.latest[key]
+            req.pq.standing = False
+            if exc is None:
+                self.s.execute_now(req)
+            else:
+                self.s.failed(req, exc, self.addr)
+
+    def _answered(self, items: list[tuple[PullRequest, MultiQueuePull]],
+                  h: PullMultiQueueResponseHeader, body: memoryview) -> None:
+        pos = 0
+        stand = h.standing
+        latest = self.latest
+        for (req, _p), r in zip(items, h.results, strict=True):
+            part = body[pos : pos + r.body_bytes]
+            pos += r.body_bytes
+            key = (req.mq.topic, req.mq.queue_id)
+            if latest.get(key) is not req:
+                continue
+            if stand and r.code == _NOT_FOUND:
+                self.standing[key] = req  # held on the broker: answered when woken
+                req.pq.standing = True
+                continue
+            self._result(key, req, r, part)
+        for w in h.woken:
+            part = body[pos : pos + w.result.body_bytes]
+            pos += w.result.body_bytes
+            key = (w.topic, w.queue_id)
+            got = self.standing.pop(key, None)
+            if got is not None:
+                got.pq.standing = False
+                self._result(key, got, w.result, part)
+        if self.standing and self.in_flight == 0:
+            self._schedule()  # keep a request in flight for the next woken queues
+
+    def _result(self, key: Key, req: PullRequest, r: MultiQueuePullResult, part: Any) -> None:
+        if req.pq.dropped:
+            self.latest.pop(key, None)
+            return
+        if self.s.on_result(req, r, part, self.addr):
+            if req.broker_id == MASTER_ID:
+                self.due[key] = req
+                self._schedule()
+                return
+            self.latest.pop(key, None)  # pulled from a slave from now on (suggested)
+            self.s.execute_now(req)
+        elif self.latest.get(key) is req and key not in self.due:
+            del self.latest[key]  # rescheduled by the pull service (delay, park) or ended
+
+    def close(self) -> None:
+        self._closed = True
+        for t in list(self._tasks):
+            t.cancel()

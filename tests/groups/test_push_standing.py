@@ -1,0 +1,113 @@
+"""Standing multi-queue pulls deliver every message on time (issue 17).
+
+Against a broker that lingers 5 ms before answering a woken standing request (the widest
+``multi_pull_linger_ms``: it widens the window in which a newer request of the same connection
+arrives), a woken queue must never be answered before the answer that made it stand: its
+client does not know it stands yet and drops the woken answer, and the queue then waits for
+the periodic check (5 s per 4,096 held queues) -- the late deliveries seen at 10,000 queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import struct
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import tidemq
+import tidemq.aio as tq
+from broker.wire import Wire
+from support.cluster import DevCluster, dev_cluster
+from tidemq.protocol.codes import RequestCode, ResponseCode
+from tidemq.protocol.headers import MultiQueuePull, PullMultiQueueRequestHeader
+
+from .cluster import GROUP_OPTIONS, wait_until
+
+NOT_FOUND = int(ResponseCode.PULL_NOT_FOUND)
+
+
+@pytest.fixture(scope="module")
+def dev() -> Iterator[DevCluster]:
+    yield from dev_cluster("tidemq-standing-", *GROUP_OPTIONS, "multi_pull_linger_ms=5")
+
+
+def _standing(w: Wire, pulls: list[MultiQueuePull]) -> int:
+    return w.send(RequestCode.PULL_MULTI_QUEUE, PullMultiQueueRequestHeader(
+        consumer_group="standing-g", pulls=pulls, suspend=True, suspend_timeout_millis=3000,
+        standing=True))
+
+
+def test_a_woken_queue_is_answered_after_the_answer_that_made_it_stand(dev) -> None:
+    topic = "standing-order"
+    with tidemq.Admin(dev.namesrv) as admin:
+        admin.create_topic(topic, 8)
+    with Wire(dev.broker) as w, Wire(dev.broker) as sender:
+        standing: set[int] = set()
+        for q in range(4):
+            held = _standing(w, [MultiQueuePull(topic, 2 * q, 0)])  # stands, held
+            time.sleep(0.05)
+            sender.send_messages(topic, [b"m%d" % q], queue_id=2 * q)  # wakes it: 5 ms linger
+            _standing(w, [MultiQueuePull(topic, 2 * q + 1, 0)])  # a newer request meanwhile
+            for _ in range(2):
+                r = w.recv(timeout=10)
+                assert r.code == ResponseCode.SUCCESS
+                standing |= {2 * q if r.opaque == held else 2 * q + 1
+                             for x in r.header.results if x.code == NOT_FOUND}
+                for wk in r.header.woken:
+                    # the client learns that a queue stands from the answer to its pull: a
+                    # woken answer before that one has no pull to go to
+                    assert wk.queue_id in standing, (q, r.opaque, held)
+                    standing.discard(wk.queue_id)
+            assert 2 * q not in standing  # woken and answered
+
+
+_TS = struct.Struct("<qi")
+
+
+def test_push_consumer_of_standing_pulls_gets_every_message_in_time(dev) -> None:
+    """Sends spread at random over 256 queues, a few at a time (so answers and new requests
+    cross often): every message arrives, each within 2 s of its send."""
+    topics = [f"standing-{i}" for i in range(32)]
+    with tidemq.Admin(dev.namesrv) as admin:
+        for t in topics:
+            admin.create_topic(t, 8)
+    late: dict[int, float] = {}
+    got: set[int] = set()
+
+    async def handle(msgs, ctx):
+        now = time.time()
+        for m in msgs:
+            ts, i = _TS.unpack_from(m.body)
+            got.add(i)
+            late[i] = now - ts / 1e9
+        return tq.ConsumeStatus.SUCCESS
+
+    total = 3000
+
+    async def go() -> None:
+        async with tq.Producer(dev.namesrv) as p, tq.PushConsumer(
+                dev.namesrv, "standing-push", handle, consume_from="last",
+                heartbeat_interval=1.0, rebalance_interval=1.0, multi_queue_min=1) as c:
+            for t in topics:
+                c.subscribe(t)
+            await asyncio.to_thread(wait_until, lambda: len(c.assignment()) >= 256, 20)
+            await asyncio.sleep(1.0)  # every queue's start offset resolved, all standing
+            rnd = random.Random(17)
+            for i in range(total):
+                p.send_async(tq.Message(topics[rnd.randrange(len(topics))],
+                                        _TS.pack(time.time_ns(), i)))
+                if i % 10 == 9:
+                    await asyncio.sleep(rnd.random() * 0.002)
+            t0 = time.monotonic()
+            while len(got) < total and time.monotonic() - t0 < 6:
+                await asyncio.sleep(0.02)
+            assert c.stats()["multi_pull_requests"] > 0
+
+    asyncio.run(go())
+    missing = sorted(set(range(total)) - got)
+    assert not missing, f"{len(missing)} of {total} not received: {missing[:10]}"
+    slow = sorted((round(v, 2), i) for i, v in late.items() if v > 2.0)
+    assert not slow, f"{len(slow)} messages took over 2 s: {slow[-5:]}"
