@@ -25,6 +25,15 @@ def test_single_send_returns_its_place_and_pull_finds_it(wire, topic):
     assert m.store_ts > 0
 
 
+def test_send_answers_the_message_id_of_its_first_message_at_the_u64_extremes(wire, topic):
+    """The send path formats the id itself (SendProcessor.handle): it must be record.unique_id
+    for every producer id and sequence a batch can carry, zeros and all-ones digits included."""
+    for pid, seq in ((1, 0), (0x7FFF_FFFF_FFFF_FFFF, 2**64 - 1), (0x1234, 0xABCDEF)):
+        r = wire.send_messages(topic, [b"x"], producer_id=pid, base_seq=seq)
+        assert r.code == ResponseCode.SUCCESS
+        assert r.header.msg_id == unique_id(pid, seq)
+
+
 def test_batch_keeps_one_offset_per_message_and_is_served_whole(wire, topic):
     wire.send_messages(topic, [b"m0"])
     r = wire.send_messages(topic, [b"m1", b"m2", b"m3", b"m4"], producer_id=9, base_seq=100)

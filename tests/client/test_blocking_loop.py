@@ -128,3 +128,55 @@ def test_many_threads_on_two_topics_and_pinned_queues_are_all_answered_promptly(
         assert not any(th.is_alive() for th in threads)
         assert len(offsets) == 12 * 150 and len(set(offsets)) == 12 * 150
         assert slowest[0] < 5.0, f"a send took {slowest[0]:.1f} s"
+
+
+def test_the_loop_changes_hands_many_times_without_a_stall(dev):
+    """A sends in a loop (and so borrows the loop again and again) while B keeps calling the
+    producer (each call has the loop handed back to its thread): hundreds of hand-overs each
+    way, and both finish."""
+    with tidemq.Producer(dev.namesrv) as p:
+        p.send(tidemq.Message("bl-hands", b"warm"))
+        stop = threading.Event()
+        calls = [0]
+
+        def b() -> None:
+            while not stop.is_set():
+                p.write_queues("bl-hands")
+                calls[0] += 1
+
+        tb = threading.Thread(target=b)
+        tb.start()
+        try:
+            t0 = time.monotonic()
+            for i in range(400):
+                assert p.send(tidemq.Message("bl-hands", b"%d" % i), timeout=10).queue_offset >= 0
+            assert time.monotonic() - t0 < 60
+        finally:
+            stop.set()
+            tb.join(30)
+        assert not tb.is_alive() and calls[0] > 0
+
+
+def test_fork_while_this_thread_holds_the_loop(dev):
+    """fork() between two sends of a thread that holds the loop: the child gets fresh loops
+    and connections on its first call, and the parent's thread still holds and uses its own."""
+    import os
+
+    with tidemq.Producer(dev.namesrv) as p:
+        for i in range(5):
+            p.send(tidemq.Message("bl-fork", b"p%d" % i))
+        assert _owner() == threading.get_ident()
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if its sends were stored
+            code = 1
+            try:
+                rs = [p.send(tidemq.Message("bl-fork", b"c%d" % i), timeout=10)
+                      for i in range(5)]
+                if all(r.queue_offset >= 0 for r in rs):
+                    code = 0
+                p.close()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert p.send(tidemq.Message("bl-fork", b"parent again")).queue_offset >= 0

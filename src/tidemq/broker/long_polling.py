@@ -173,7 +173,7 @@ class PullRequestHoldService:
         self, topic: str, queue_id: int, new_max_offset: int, batch: BatchView
     ) -> None:
         """Store dispatch listener: runs on the putting thread inside the store's put lock."""
-        if not self.long_polling:
+        if not self.long_polling or not self.table:  # nobody waits at all: no key to build
             return
         key = f"{topic}@{queue_id}"
         if key not in self.table:  # the common case: nobody waits on this queue

@@ -10,6 +10,7 @@ from tidemq.cli.admin import register as register_admin
 from tidemq.cli.bench_app import register as register_bench_app
 from tidemq.cli.bench_consumers import register as register_bench_consumers
 from tidemq.cli.bench_hostile import register as register_bench_hostile
+from tidemq.cli.bench_request import register as register_bench_request
 from tidemq.cli.bench_scale import register as register_bench_scale
 from tidemq.cli.bench_types import register as register_bench_types
 from tidemq.cli.cluster import register as register_cluster
@@ -105,6 +106,7 @@ register_admin(cli)
 register_bench_types(cli)
 register_bench_scale(cli)
 register_bench_hostile(cli)
+register_bench_request(cli)
 register_bench_consumers(cli)
 register_spark_bench(cli)
 register_bench_app(cli)

@@ -103,6 +103,7 @@ class _LoopHost:
         self._wake = threading.Lock()  # released to wake the host thread while lent
         self._wake.acquire()
         self._wake_pending = False  # _wake is released and not yet taken
+        self._returned = False  # handed back, and the parked host thread has not seen it yet
         self._lent = threading.Lock()  # released when the host thread stopped for a borrower
         self._lent.acquire()
         started = threading.Event()
@@ -129,7 +130,10 @@ class _LoopHost:
             with self._mu:
                 if got:
                     self._wake_pending = False
-                if self._owner == 0:
+                if self._returned:
+                    # Handed back: run it (even if another thread borrowed it again since: its
+                    # stop is queued, and it waits for this thread's run_forever to return).
+                    self._returned = False
                     return
                 if not self._driving and self._sends == seen:
                     self._owner = 0
@@ -140,6 +144,7 @@ class _LoopHost:
         """(Under ``_mu``.) The host thread runs the loop again from now on."""
         self._owner = 0
         self._want_back = False
+        self._returned = True
         if not self._wake_pending:
             self._wake_pending = True
             self._wake.release()

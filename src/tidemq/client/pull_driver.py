@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from tidemq.client.connection import raise_for_error
 from tidemq.protocol.codes import RequestCode, ResponseCode
-from tidemq.protocol.errors import BrokerError
+from tidemq.protocol.errors import BrokerError, TidemqError
 from tidemq.protocol.headers import (
     MASTER_ID,
     MultiQueuePull,
@@ -153,6 +153,11 @@ class PullDriver:
         reqs = [r for r, _p in items]
         reqs += self.standing.values()
         self.standing.clear()
+        if exc is not None and reqs and not self._closed:
+            # once for all of them (10,000 queues would be 10,000 warnings)
+            log.warning("multi-queue pull of %d queues from %s failed: %s; retrying them",
+                        len(reqs), self.addr, exc,
+                        exc_info=None if isinstance(exc, TidemqError) else exc)
         for req in reqs:
             key = (req.mq.topic, req.mq.queue_id)
             if self.latest.get(key) is not req or req.pq.dropped:
@@ -162,7 +167,7 @@ class PullDriver:
             if exc is None:
                 self.s.execute_now(req)
             else:
-                self.s.failed(req, exc, self.addr)
+                self.s.failed(req, exc, self.addr, quiet=True)
 
     def _answered(self, items: list[tuple[PullRequest, MultiQueuePull]],
                   h: PullMultiQueueResponseHeader, body: memoryview) -> None:

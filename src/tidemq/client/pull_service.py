@@ -365,11 +365,13 @@ class PullService:
             self.failed(req, exc, addr)
         return False
 
-    def failed(self, req: PullRequest, exc: Exception, addr: str) -> None:
-        """A pull of ``req`` failed: retry after the delay the error asks for."""
+    def failed(self, req: PullRequest, exc: Exception, addr: str, *, quiet: bool = False) -> None:
+        """A pull of ``req`` failed: retry after the delay the error asks for (``quiet``: the
+        caller logged it once for many queues)."""
         if not isinstance(exc, TidemqError):  # a bug must not silently stop a queue forever
-            log.error("pull of %s failed unexpectedly; retrying in %g s", req.mq, ERROR_DELAY,
-                      exc_info=exc)
+            if not quiet:
+                log.error("pull of %s failed unexpectedly; retrying in %g s", req.mq,
+                          ERROR_DELAY, exc_info=exc)
             self.execute_later(req, ERROR_DELAY)
             return
         mq = req.mq
@@ -381,7 +383,7 @@ class PullService:
             c.routes.mark_down(addr, mq.topic)
             if c.routes.group_size(mq.broker_name) > 1:
                 delay = FLOW_CONTROL_DELAY * 4
-        if not self._closed:
+        if not self._closed and not quiet:
             log.warning("pull of %s from %s failed: %s; retrying in %g s", mq, addr or "?",
                         exc, delay)
         self.execute_later(req, delay)
