@@ -352,3 +352,22 @@ def test_alike_records_with_a_bad_record_header_are_refused_not_misread():
     got, _ = decode_pull_body(bytes(b), from_offset=0, topic="topic-a", check_crc=False,
                               on_corrupt=reports.append_args)
     assert got == [] and reports and reports[0][:2] == (0, 50)
+
+
+def test_single_message_heads_past_the_cache_bound_match_reference(monkeypatch):
+    """A producer spread over more queues than the per-queue head cache holds (65,536) builds
+    the heads of the others from a per-topic tail with an incremental CRC: same bytes."""
+    from tidemq.protocol.batch import fast
+
+    monkeypatch.setattr(fast, "_ONE_HEADS_MAX", 0)
+    monkeypatch.setattr(fast, "_one_heads", {})
+    monkeypatch.setattr(fast, "_one_tails", {})
+    msg = Message("ignored", b"body", "tag")
+    for topic in ("topic-a", "tøpic-ü", "x" * 300):
+        for queue_id in (0, 7, 65_537, 2**32 - 1):
+            got = encode_messages(topic, [msg], queue_id=queue_id, producer_id=5, base_seq=9,
+                                  born_ts=1234, born_host=pack_host("10.0.0.7"), born_port=1)
+            data = [MessageData(msg.body, msg.tags, msg.keys_string, msg.properties, 0, 1234)]
+            assert got == encode_batch(topic, data, queue_id=queue_id, producer_id=5,
+                                       base_seq=9, born_host="10.0.0.7", born_port=1)
+    assert not fast._one_heads

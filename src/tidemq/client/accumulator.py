@@ -361,7 +361,11 @@ class Accumulator:
                 batches = []
                 for b in many:
                     batches.append((b.topic, b.msgs, b.futs))
-                    b.msgs, b.futs, b.deadlines, b.size = [], [], [], 0
+                    # new lists for what the batch took; the deadlines (all 0: send_async)
+                    # are cleared in place: one list fewer per bucket and flush for the
+                    # collector to track (at 100,000 queues, per message)
+                    b.msgs, b.futs, b.size = [], [], 0
+                    b.deadlines.clear()
                 for batch in self.send_many(batches):
                     self.send_single(batch)
                 ready = [b for b in ready if b.mq is not None or b.waiting]

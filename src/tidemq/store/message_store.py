@@ -496,6 +496,7 @@ class MessageStore:
 
     def put_many(
         self, batches: list[tuple[bytes | bytearray | memoryview, BatchView]],
+        topics: list[str] | None = None,
     ) -> list[PutResult | StoreError | CorruptBatchError]:
         """``put`` of several batches (each as a producer encoded it, with the view the
         caller parsed; the queue is the one its header names) under one acquisition of the
@@ -504,7 +505,8 @@ class MessageStore:
         Each batch keeps its own queue offsets and store header, exactly as ``put`` writes
         it; a batch that cannot be stored gets its StoreError (CorruptBatchError: damaged)
         in its slot and the others are stored. ASYNC_FLUSH only (under SYNC_FLUSH each
-        batch needs its own durability callback: call ``put``)."""
+        batch needs its own durability callback: call ``put``). ``topics``: each batch's
+        topic as the caller decoded it from the same view (saves decoding it again)."""
         if self._sync_flush:
             raise StoreError("put_many is for ASYNC_FLUSH stores; use put under SYNC_FLUSH")
         out: list[PutResult | StoreError | CorruptBatchError] = []
@@ -530,7 +532,7 @@ class MessageStore:
                         f"{self.config.max_batch_bytes}; send fewer or smaller messages per "
                         "batch")
                 self._check_batch(v, size)
-                topic = v.topic
+                topic = v.topic if topics is None else topics[i]
                 todo.append((i, data, v, size, topic,
                              self._index_hashes(v, topic) if index else None))
             except (StoreError, CorruptBatchError) as exc:
@@ -547,7 +549,7 @@ class MessageStore:
                 count = v.count
                 n_msgs += count
                 n_bytes += size
-                out[i] = PutResult(PutStatus.PUT_OK, topic, qid, phys, qoff, count, size, now)
+                out[i] = PutResult(_PUT_OK, topic, qid, phys, qoff, count, size, now)
         self._put_batches += len(todo)
         self._put_messages += n_msgs
         self._put_bytes += n_bytes
