@@ -1,13 +1,15 @@
 """POP state across a real kill -9 of the broker (rmq_sys_POP_LOG, broker/pop_log.py): after the
 restart no acked message is delivered again, the unacked in-flight ones stay invisible until
 their deadline and come back with attempt + 1, the never-popped ones are delivered, none is
-lost."""
+lost; a seek holds across a restart too."""
 
 from __future__ import annotations
 
 import time
 
-from tidemq.protocol.pop import AckMessageRequestHeader, PopMessageRequestHeader
+import pytest
+
+from tidemq.protocol.pop import AckMessageRequestHeader, PopMessageRequestHeader, SeekRequestHeader
 from tidemq.protocol.receipt import decode_receipt
 
 from .test_pop import handles
@@ -72,6 +74,47 @@ def test_kill9_keeps_acks_and_in_flight_deliveries(tmp_path):
                 consumer_group=GROUP, handles=kept[:1] + acked[:1] + back + fresh))
             assert r.header.results == [ResponseCode.NO_MESSAGE] * 2 + [0] * 65
             assert _pop(w, 200, 60_000) == []
+    finally:
+        if srv.alive():
+            srv.stop()
+
+
+def _seek(w, qid, offset):
+    r = w.request(RequestCode.SEEK_SUBSCRIPTION, SeekRequestHeader(
+        consumer_group=GROUP, topic=TOPIC, queue_id=qid, offset=offset))
+    assert r.code == ResponseCode.SUCCESS, error_message(r)
+    assert r.header.offsets == {qid: offset}
+
+
+@pytest.mark.parametrize("crash", [True, False], ids=["kill9", "clean-stop"])
+def test_a_seek_survives_a_restart_before_the_next_snapshot(tmp_path, crash):
+    """A seek is a POP_LOG record: a restart right after it (no snapshot, no offset persist
+    since) serves from the seek's offset -- back over acked messages on queue 0, forward
+    past in-flight ones on queue 1 -- not from the state before it."""
+    data = tmp_path / "data"
+    slow = ("-o", "offset_persist_interval_ms=600000")  # neither a snapshot nor an offset file
+    srv = start_broker(tmp_path, "", *slow, data_dir=data)
+    key = lambda h: (decode_receipt(h).queue_id, decode_receipt(h).offset)  # noqa: E731
+    try:
+        with Wire(srv.addr) as w:
+            w.create_topic(TOPIC, 2)
+            for q in (0, 1):
+                w.send_messages(TOPIC, [b"q%d-%d" % (q, i) for i in range(20)], queue_id=q)
+            popped = _pop(w, 40, 60_000)
+            assert len(popped) == 40
+            r = w.request(RequestCode.ACK_MESSAGE, AckMessageRequestHeader(
+                consumer_group=GROUP, handles=[h for h in popped if key(h)[0] == 0]))
+            assert r.header.results == [0] * 20
+            _seek(w, 0, 5)  # back: 5..19 again, though acked
+            _seek(w, 1, 15)  # forward: 15..19 at once, though 0..19 are in flight
+        if crash:
+            srv.kill9()
+        else:
+            srv.stop()
+        srv = start_broker(tmp_path, "", *slow, data_dir=data)
+        with Wire(srv.addr) as w:
+            got = sorted(map(key, _pop(w, 200, 60_000)))
+            assert got == [(0, i) for i in range(5, 20)] + [(1, i) for i in range(15, 20)]
     finally:
         if srv.alive():
             srv.stop()

@@ -180,3 +180,15 @@ def test_fork_while_this_thread_holds_the_loop(dev):
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert p.send(tidemq.Message("bl-fork", b"parent again")).queue_offset >= 0
+
+
+def test_the_blocking_transaction_producer_sends_and_commits(dev):
+    """The blocking TransactionProducer is built like the Producer (it lacked the facade's
+    inbox before, so its plain send failed): a transaction commits, a plain send works."""
+    s = tidemq.LocalTransactionState
+    with tidemq.TransactionProducer(dev.namesrv, "bl-txn-pg",
+                                    checker=lambda m: s.UNKNOW) as p:
+        r = p.send_in_transaction(tidemq.Message("bl-txn", b"committed"),
+                                  lambda m, a: s.COMMIT_MESSAGE)
+        assert r.local_transaction_state is s.COMMIT_MESSAGE
+        assert p.send(tidemq.Message("bl-txn", b"plain")).queue_offset >= 0

@@ -65,12 +65,18 @@ def test_a_promoted_slave_serves_the_old_masters_pop_state(tmp_path):
             res = sc.ack_all(kept[:5] + acked[:1])
             assert res[:5] == [None] * 5
             assert isinstance(res[5], tidemq.StaleReceiptError)  # acked before the promotion
+            # and so does an invisible-time change, one and many: they stay away 60 s more
+            old = kept[5].broker_addr
+            sc.change_invisible_duration(kept[5], 60.0)
+            assert sc.change_invisible_all(kept[6:8], [60.0, 60.0]) == [None, None]
+            assert {m.broker_addr for m in kept[5:8]} == {slave.addr} != {old}
         time.sleep(max(0.0, INVISIBLE + 0.3 - (time.monotonic() - popped_at)))
         back = _receive_all(c.namesrv, 40, 60.0)
-        assert sorted(map(body, back)) == sorted(map(body, kept[5:]))
+        assert sorted(map(body, back)) == sorted(map(body, kept[8:]))
         assert all(m.delivery_attempt == 2 for m in back)
         with tidemq.SimpleConsumer(c.namesrv, GROUP) as sc:
-            assert sc.ack_all(back + fresh) == [None] * (len(back) + len(fresh))
+            done = back + fresh + kept[5:8]  # the changed ones with their new handles
+            assert sc.ack_all(done) == [None] * len(done)
         assert _receive_all(c.namesrv, 40, 60.0, idle=1) == []
     finally:
         c.down(10)

@@ -168,7 +168,7 @@ def _stop(procs: list[subprocess.Popen[str]]) -> None:
 def test_failover_standby_takes_over_after_kill9(dev, tmp_path) -> None:
     topic, sub = "st_failover", "st_failover_s"
     with tidemq.Admin(dev.namesrv) as admin:
-        admin.create_topic(topic, 2)
+        admin.create_topic(topic, 1)  # one queue: one active consumer, the first by name
     tmp = str(tmp_path)
     pa, pb = os.path.join(tmp, "a.txt"), os.path.join(tmp, "b.txt")
     active = _spawn(dev, topic, sub, "Failover", "fo-a", pa)  # first by name: active
@@ -189,6 +189,49 @@ def test_failover_standby_takes_over_after_kill9(dev, tmp_path) -> None:
     finally:
         _stop([active, standby])
     assert {b for _t, b, _a in _read(pa)} == {f"a{i}" for i in range(50)}
+
+
+def test_failover_deals_the_queues_of_a_topic_over_its_consumers(dev) -> None:
+    """Failover on a multi-queue topic, as Pulsar's on a partitioned one: queue q's active
+    consumer is member q % n by name; a joining consumer takes its queues at once, a leaving
+    one's go back to the others."""
+    topic, sub = "st_failover4", "st_failover4_s"
+    with tidemq.Admin(dev.namesrv) as admin:
+        admin.create_topic(topic, 4)
+
+    async def drain(cs: dict[str, aio.Consumer], n: int) -> dict[str, set[int]]:
+        """Receive and ack until ``n`` messages came in all; the queues each one got."""
+        got: dict[str, set[int]] = {name: set() for name in cs}
+        seen: set[tuple[int, int]] = set()
+        deadline = time.monotonic() + 20
+
+        async def one(name: str, c: aio.Consumer) -> None:
+            while len(seen) < n and time.monotonic() < deadline:
+                m = await c.receive(timeout=0.2)
+                if m is None:
+                    continue
+                got[name].add(m.message.queue_id)
+                seen.add((m.message.queue_id, m.message.queue_offset))
+                await c.acknowledge(m)
+
+        await asyncio.gather(*(one(name, c) for name, c in cs.items()))
+        assert len(seen) == n
+        await asyncio.sleep(0.5)  # nothing more for anyone
+        for c in cs.values():
+            assert await c.receive(timeout=0.1) is None
+        return got
+
+    async def main() -> None:
+        async with _consumer(dev, topic, sub, "Failover", "fo4-a") as a:
+            _send(dev.namesrv, topic, [f"x{i}" for i in range(20)])
+            assert await drain({"a": a}, 20) == {"a": {0, 1, 2, 3}}  # alone: every queue
+            async with _consumer(dev, topic, sub, "Failover", "fo4-b") as b:
+                _send(dev.namesrv, topic, [f"y{i}" for i in range(40)])
+                assert await drain({"a": a, "b": b}, 40) == {"a": {0, 2}, "b": {1, 3}}
+            _send(dev.namesrv, topic, [f"z{i}" for i in range(20)])  # b left: all a's again
+            assert await drain({"a": a}, 20) == {"a": {0, 1, 2, 3}}
+
+    asyncio.run(main())
 
 
 def test_shared_four_processes_one_killed_under_load_loses_nothing(dev, tmp_path) -> None:

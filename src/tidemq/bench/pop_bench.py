@@ -12,8 +12,11 @@ acking every message.
    its ack succeeded; ``redelivered`` counts deliveries with attempt > 1, ``stale`` acks refused
    as stale (neither should happen with the default 60 s invisible time).
 
-Returns one dict (JSON from the CLI): ``msgs_per_s``, ``mb_per_s``, ``client_cpu_us_per_msg``,
-``broker`` side costs are not separated (the broker is another process).
+Returns one dict (JSON from the CLI): ``msgs_per_s``, ``mb_per_s``, ``client_cpu_us_per_msg``
+(the member processes' CPU over the messages) and ``broker_cpu_us_per_msg`` (the CPU --
+utime + stime, every thread -- of the brokers of the topic over the drain, from their runtime
+info ``process_cpu_s``, over the messages; the broker is another process, so this includes
+whatever else it did meanwhile).
 
 With ``subscription_types`` (``--subscription-type Shared --subscription-type Key_Shared``) the
 backlog is produced once, with keys (``order-<i>``, 1000 distinct per produced batch), tags and
@@ -34,6 +37,7 @@ import uuid
 from typing import Any
 
 from tidemq.bench.client_bench import Progress, bench_produce, ensure_topic, run_loop
+from tidemq.client.admin import Admin
 from tidemq.client.simple_consumer import SimpleConsumer
 from tidemq.client.subscription_consumer import Consumer
 
@@ -143,6 +147,22 @@ def bench_pop(
 SIMPLE = "SimpleConsumer"
 
 
+_BROKER_COUNTERS = ("process_cpu_s", "pop_requests", "pop_answers", "pop_held_tries")
+
+
+async def _brokers_counters(namesrv: str, topic: str) -> dict[str, float]:
+    """CPU seconds (utime + stime) and POP counters summed over the brokers serving
+    ``topic`` (0 when one does not tell)."""
+    async with Admin(namesrv) as admin:
+        route = await admin.routes.get(topic)
+        total = dict.fromkeys(_BROKER_COUNTERS, 0.0)
+        for addr in sorted(set(route.read_addrs.values())):
+            info = await admin.runtime_info(addr)
+            for k in _BROKER_COUNTERS:
+                total[k] += float(info.get(k, 0.0))
+        return total
+
+
 def _drain(*, namesrv: str, topic: str, group: str | None, kind: str, consumers: int,
            count: int, size: int, pop_batch: int, invisible: float,
            progress: Progress | None) -> dict[str, Any]:
@@ -159,6 +179,7 @@ def _drain(*, namesrv: str, topic: str, group: str | None, kind: str, consumers:
     for p in procs:
         p.start()
     time.sleep(3.0)  # spawned interpreters import tidemq and connect
+    before = run_loop(_brokers_counters(namesrv, topic))
     t_go = time.monotonic()
     go.set()
     done = 0
@@ -176,6 +197,8 @@ def _drain(*, namesrv: str, topic: str, group: str | None, kind: str, consumers:
             done = now_done
     finally:
         stop.set()
+        after = run_loop(_brokers_counters(namesrv, topic))
+        moved = {k: after[k] - before[k] for k in _BROKER_COUNTERS}
         for p in procs:
             p.join(30)
             if p.is_alive():
@@ -199,4 +222,9 @@ def _drain(*, namesrv: str, topic: str, group: str | None, kind: str, consumers:
         "redelivered": int(sum(arr[i * _SLOTS + 1] for i in range(consumers))),
         "stale_acks": int(sum(arr[i * _SLOTS + 2] for i in range(consumers))),
         "client_cpu_us_per_msg": round(cpu / max(done, 1) * 1e6, 3),
+        "broker_cpu_us_per_msg": round(moved["process_cpu_s"] / max(done, 1) * 1e6, 3),
+        # per 1000 messages: POP requests, answers with messages, tries of held pops
+        "pops_per_1k": round(moved["pop_requests"] * 1000 / max(done, 1), 2),
+        "answers_per_1k": round(moved["pop_answers"] * 1000 / max(done, 1), 2),
+        "held_tries_per_1k": round(moved["pop_held_tries"] * 1000 / max(done, 1), 2),
     }

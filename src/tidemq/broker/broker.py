@@ -710,6 +710,8 @@ class Broker:
             "commitlog_flushed_offset": cl.flushed_pos,
             "disk_full": store.disk_full,
             "rss_bytes": rss_bytes(),
+            # utime + stime of the whole process (every thread), for CPU-per-message figures
+            "process_cpu_s": round(time.process_time(), 6),
             "registrations": self.registration.registrations if self.registration else 0,
         }
         info.update(self.stats.summary())

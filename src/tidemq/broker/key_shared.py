@@ -27,8 +27,12 @@ import bisect
 import functools
 from collections.abc import Iterable, Mapping
 from hashlib import blake2b
+from typing import Any
 
-__all__ = ["SLOTS", "SHARDING_KEY", "KeySharedSelector", "key_slot", "ordering_key"]
+import numpy as np
+
+__all__ = ["SLOTS", "SHARDING_KEY", "IndexTable", "KeySharedSelector", "key_slot",
+           "ordering_key"]
 
 SLOTS = 65_536
 #: the property naming a message's ordering key (RocketMQ's MessageConst.PROPERTY_SHARDING_KEY)
@@ -59,6 +63,23 @@ def ordering_key(properties: Mapping[str, str], keys: Iterable[str] | str | None
     return None
 
 
+class IndexTable:
+    """The owner of every slot in two forms: ``owners`` (slot -> name, a list) and ``index``
+    (slot -> position in ``names``, a numpy array for routing whole batches at once), whose
+    extra last entry -- index -1, a keyless message's slot -- is ``len(names)``: no owner."""
+
+    __slots__ = ("names", "owners", "index")
+
+    def __init__(self, owners: list[str]) -> None:
+        self.owners = owners
+        self.names = sorted(set(owners))
+        pos = {n: k for k, n in enumerate(self.names)}
+        index: Any = np.empty(SLOTS + 1, dtype=np.int32)
+        index[:SLOTS] = [pos[c] for c in owners]
+        index[SLOTS] = len(self.names)
+        self.index = index
+
+
 class KeySharedSelector:
     """Which consumer gets a slot: consistent hashing of the slot space (see the module doc)."""
 
@@ -70,6 +91,7 @@ class KeySharedSelector:
         self._owners: list[str] = []  # consumer at each position
         self._members: set[str] = set()
         self._table: list[str] | None = None  # slot -> consumer, built at the first lookup
+        self._index: IndexTable | None = None
 
     @property
     def consumers(self) -> frozenset[str]:
@@ -87,7 +109,7 @@ class KeySharedSelector:
                 k += 1
             self._points.insert(k, p)
             self._owners.insert(k, consumer)
-        self._table = None
+        self._table = self._index = None
 
     def remove(self, consumer: str) -> None:
         if consumer not in self._members:
@@ -96,7 +118,7 @@ class KeySharedSelector:
         keep = [(p, c) for p, c in zip(self._points, self._owners, strict=True) if c != consumer]
         self._points = [p for p, _ in keep]
         self._owners = [c for _, c in keep]
-        self._table = None
+        self._table = self._index = None
 
     def table(self) -> list[str] | None:
         """The owner of every slot, indexed by slot (None without consumers): a dispatcher
@@ -116,6 +138,15 @@ class KeySharedSelector:
             t.extend([owners[0]] * (SLOTS - lo))  # past the last point: wraps to the first
             self._table = t
         return t
+
+    def index_table(self) -> IndexTable | None:
+        """:meth:`table` with owner positions as an array (None without consumers)."""
+        if self._index is None:
+            t = self.table()
+            if t is None:
+                return None
+            self._index = IndexTable(t)
+        return self._index
 
     def owner(self, slot: int) -> str | None:
         """The consumer of ``slot``; None without consumers."""

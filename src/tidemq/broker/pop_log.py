@@ -8,6 +8,10 @@ The body is one MessagePack array (msgspec)::
 
     [group, topic, queue id, [[offset, attempt, pop time ms, invisible ms], ...],   # deliveries
                              [[offset, pop time ms], ...]]                            # acks
+    [group, topic, queue id, [], [], offset]                 # a seek (or an offset reset)
+
+A seek record replaces the queue's window by an empty one starting at ``offset``, as the seek
+did (``SubscriptionTypes.move``): records after it apply to the new window.
 
 On start the broker replays the topic in order into fresh windows whose ``start`` is the
 group's committed offset (every offset below it is acked), else the first offset the log names
@@ -50,8 +54,10 @@ log = logging.getLogger(__name__)
 POP_LOG_TOPIC = "rmq_sys_POP_LOG"
 
 _Record = tuple[str, str, int, list[tuple[int, int, int, int]], list[tuple[int, int]]]
+_Seek = tuple[str, str, int, list[Any], list[Any], int]
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(_Record)
+_seek_decoder = msgspec.msgpack.Decoder(_Seek)
 
 
 class PopLog:
@@ -74,9 +80,17 @@ class PopLog:
         self.store.put(encode_batch(POP_LOG_TOPIC, [MessageData(body)]), queue_id=0)
         self.appended += 1
 
-    def replay(self, window_for: Callable[..., Any], start: int = 0) -> int:
+    def seek(self, group: str, topic: str, qid: int, offset: int) -> None:
+        """The group's window of the queue starts over at ``offset`` (before the answer)."""
+        body = _encoder.encode((group, topic, qid, [], [], offset))
+        self.store.put(encode_batch(POP_LOG_TOPIC, [MessageData(body)]), queue_id=0)
+        self.appended += 1
+
+    def replay(self, window_for: Callable[..., Any], start: int = 0,
+               seek: Callable[[str, str, int, int], None] | None = None) -> int:
         """Apply every record from log offset ``start`` on, in order;
-        ``window_for(group, topic, qid, first_offset)`` gives the window to apply it to.
+        ``window_for(group, topic, qid, first_offset)`` gives the window to apply it to,
+        ``seek(group, topic, qid, offset)`` replaces it (a seek record).
         Returns the records applied."""
         store = self.store
         off = max(start, store.min_offset(POP_LOG_TOPIC, 0))
@@ -93,7 +107,14 @@ class PopLog:
                 off = rb.queue_offset + rb.count
                 try:
                     for m in BatchView(rb.data).messages(rb.first_index):
-                        group, topic, qid, pops, acks = _decoder.decode(m.body)
+                        try:
+                            group, topic, qid, pops, acks = _decoder.decode(m.body)
+                        except msgspec.ValidationError:  # not pops and acks: a seek?
+                            g, t, q, _p, _a, to = _seek_decoder.decode(m.body)
+                            if seek is not None:
+                                seek(g, t, q, to)
+                            n += 1
+                            continue
                         first = pops[0][0] if pops else (acks[0][0] if acks else 0)
                         w: PopWindow = window_for(group, topic, qid, first)
                         for o, attempt, pop_time, inv in pops:

@@ -33,10 +33,11 @@ Threads: the broker's event loop only.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tidemq.broker.connection import decode_request
@@ -144,6 +145,8 @@ class PopProcessor:
         self.hold = PopHoldService(broker.loop, self._windows_of, self._fail)
         self.notifications = NotificationHandler(self)
         self.popped = 0
+        self.requests = 0  # POP_MESSAGE frames handled (held ones once)
+        self.answers = 0  # pop answers that carried messages (first tries and held ones)
         self.acked = 0
         self.stale = 0
         self.dead = 0  # copied to %DLQ%<group> after retry_max_times deliveries
@@ -175,6 +178,11 @@ class PopProcessor:
             self.modes.setdefault(group, POP)
         return w
 
+    def _seek_window(self, group: str, topic: str, qid: int, offset: int) -> None:
+        """A replayed seek record: the window starts over at ``offset``."""
+        self.windows[(group, topic, qid)] = PopWindow(offset)
+        self.modes.setdefault(group, POP)
+
     def catch_up(self, *, commit: bool) -> int:
         """Apply the ``rmq_sys_POP_LOG`` records stored since the last replay: a slave's log
         grows by replication while its windows stand still. At a promotion (``commit``: the
@@ -184,7 +192,7 @@ class PopProcessor:
         if self.broker.store.max_offset(POP_LOG_TOPIC, 0) < self.log.replayed_to:
             self.windows.clear()
             return self.recover()
-        n = self.log.replay(self._window_for, self.log.replayed_to)
+        n = self.log.replay(self._window_for, self.log.replayed_to, self._seek_window)
         if commit:
             for (group, topic, qid), w in self.windows.items():
                 self._commit(group, topic, qid, w)
@@ -207,7 +215,7 @@ class PopProcessor:
             for group, topic, qid, state in saved:
                 self.windows[(group, topic, qid)] = PopWindow.from_state(state)
                 self.modes.setdefault(group, POP)
-        n = self.log.replay(window_for, start)
+        n = self.log.replay(window_for, start, self._seek_window)
         for (group, topic, qid), w in self.windows.items():
             self._commit(group, topic, qid, w)
         if n:
@@ -248,6 +256,7 @@ class PopProcessor:
         h: PopMessageRequestHeader = decode_request(frame, PopMessageRequestHeader)
         if frame.is_oneway:
             raise RequestRejected(_R.INVALID_ARGUMENT, "a pop cannot be one-way")
+        self.requests += 1
         self._admit(h)
         if self._answer(conn, frame.opaque, h):
             return
@@ -319,6 +328,7 @@ class PopProcessor:
             qids = [(first + i) % n for i in range(n)]
         else:
             qids = [h.queue_id]
+        qids = self.types.own_queues(h, qids)  # a failover consumer's active queues
         bodies: list[memoryview] = []
         batches: list[PoppedBatch] = []
         want = h.max_msg_nums
@@ -334,6 +344,7 @@ class PopProcessor:
             broker=self.broker.config.broker_name, pop_time=now, invisible_ms=h.invisible_ms,
             batches=batches)
         conn.respond(opaque, _R.SUCCESS, header, bodies)
+        self.answers += 1
         return True
 
     def _empty(self, conn: BrokerConnection, opaque: int, h: PopMessageRequestHeader) -> None:
@@ -428,8 +439,10 @@ class PopProcessor:
         self._commit(group, topic, qid, w)
         return got
 
-    def _read(self, topic: str, qid: int, offsets: list[int]) -> Any:
-        """(batch bytes, base offset, member indices) of the batches holding ``offsets``."""
+    def _read(self, topic: str, qid: int, offsets: Sequence[int]) -> Any:
+        """(batch bytes, base offset, member indices) of the batches holding ``offsets``
+        (increasing; a list or a range). Per stored batch, not per offset: its offsets are
+        found by bisection, and a contiguous run of them becomes its indices at once."""
         store = self.broker.store
         i, n = 0, len(offsets)
         while i < n:
@@ -442,15 +455,15 @@ class PopProcessor:
             progressed = False
             for b in r.batches:
                 base = b.queue_offset - b.first_index
-                end = b.queue_offset + b.count
-                idx: list[int] = []
-                while i < n and offsets[i] < end:
-                    if offsets[i] >= base:
-                        idx.append(offsets[i] - base)
-                    i += 1
+                j = bisect.bisect_left(offsets, b.queue_offset + b.count, i)
+                if j > i:
                     progressed = True
-                if idx:
-                    yield b.data, base, idx
+                    k = bisect.bisect_left(offsets, base, i, j)
+                    if k < j:
+                        lo, hi = offsets[k] - base, offsets[j - 1] - base
+                        yield b.data, base, (list(range(lo, hi + 1)) if hi - lo == j - 1 - k
+                                             else [o - base for o in offsets[k:j]])
+                    i = j
                 if i >= n:
                     break
             if not progressed:
@@ -503,7 +516,8 @@ class PopProcessor:
         self.hold.drop_connection(conn)
 
     def stats(self) -> dict[str, int]:
-        return {"pop_popped": self.popped, "pop_acked": self.acked, "pop_stale": self.stale,
+        return {"pop_popped": self.popped, "pop_requests": self.requests,
+                "pop_answers": self.answers, "pop_acked": self.acked, "pop_stale": self.stale,
                 "pop_dead": self.dead, "pop_windows": len(self.windows), **self.hold.stats()}
 
     # -- ACK_MESSAGE -----------------------------------------------------------------------------

@@ -210,11 +210,17 @@ class PopWindow:
 
     def deliver_many(self, offsets: list[int], now: int, invisible_ms: int) -> list[Popped]:
         """:meth:`deliver` of each of ``offsets`` (increasing) that :meth:`deliverable` allows,
-        skipping the others: one call per pop, not per message (the first delivery of a read
-        but unassigned offset, the common case, is inlined)."""
-        out: list[Popped] = []
+        skipping the others: one call per pop, not per message. The common case -- read but
+        unassigned offsets (gaps), all first deliveries -- is told by one set operation and
+        taken without a per-offset test."""
         inflight, gaps = self._inflight, self._gaps
         deadline = now + invisible_ms
+        if gaps.issuperset(offsets):  # every one is a gap: all first deliveries
+            gaps.difference_update(offsets)
+            for o in offsets:
+                inflight[o] = _InFlight(now, deadline, 1)
+            return [Popped(o, 1, now, invisible_ms) for o in offsets]
+        out: list[Popped] = []
         for o in offsets:
             e = inflight.get(o)
             if e is None and o in gaps:

@@ -375,9 +375,7 @@ class SendProcessor:
         count = r.count
         self.stats.record_put(topic, count, r.size, _perf_counter() - t0)
         header = SendMessageResponseHeader(
-            # record.unique_id, inlined: both are u64 fields of the batch, so one 128-bit
-            # number formats the same 32 digits in half the time of two
-            msg_id="%032X" % (v.producer_id << 64 | v.base_seq),
+            msg_id=unique_id(v.producer_id, v.base_seq),
             queue_id=qid, queue_offset=r.queue_offset, count=count,
         )
         conn.respond(frame.opaque, _SUCCESS if r.status is _PUT_OK else _FLUSH_TIMEOUT, header)

@@ -21,6 +21,7 @@ Threads: the broker's event loop only.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 
@@ -80,16 +81,7 @@ class BrokerStats:
         t[0] += msgs
         t[1] += nbytes
         t[2] += 1
-        ms = latency_s * 1000.0
-        self.put_latency_sum_ms += ms
-        if ms > self.put_latency_max_ms:
-            self.put_latency_max_ms = ms
-        i = 0
-        for bound in LATENCY_BUCKETS_MS:
-            if ms <= bound:
-                break
-            i += 1
-        self.put_latency_buckets[i] += 1
+        self._record_latency(latency_s * 1000.0, 1)
 
     def record_puts(self, puts: list[tuple[str, int, int]], latency_s: float) -> None:
         """:meth:`record_put` of several batches (topic, messages, bytes) stored together,
@@ -115,16 +107,15 @@ class BrokerStats:
         t[0] += msgs
         t[1] += nbytes
         t[2] += n
-        ms = latency_s * 1000.0
+        self._record_latency(latency_s * 1000.0, n)
+
+    def _record_latency(self, ms: float, n: int) -> None:
+        """``n`` puts of ``ms`` each into the latency sum, maximum and histogram."""
         self.put_latency_sum_ms += ms * n
         if ms > self.put_latency_max_ms:
             self.put_latency_max_ms = ms
-        i = 0
-        for bound in LATENCY_BUCKETS_MS:
-            if ms <= bound:
-                break
-            i += 1
-        self.put_latency_buckets[i] += n
+        # the first bucket whose bound is >= ms (the last one past every bound)
+        self.put_latency_buckets[bisect_left(LATENCY_BUCKETS_MS, ms)] += n
 
     def record_get(self, group: str, topic: str, msgs: int, nbytes: int) -> None:
         key = f"{topic}@{group}"

@@ -11,8 +11,11 @@ when its connection closes (kill -9), when it unregisters, or after
 ==========  ================================================================================
 Exclusive   the first member owns the group; a second consumer's heartbeat (and pop) is
             refused with CONSUMER_BUSY naming the owner
-Failover    members sorted by name; the first live one pops, the others' pops find nothing
-            (held like an empty pop) until it leaves; then the next takes over at once
+Failover    one active consumer per queue (Pulsar's failover on a partitioned topic): members
+            sorted by name, queue q's is member ``q % n``, so the queues spread over them
+            (a one-queue topic: the first by name); a pop takes only its own queues and
+            finds nothing else (held like an empty pop); when a member joins or leaves the
+            queues are dealt again at once
 Shared      the plain pop (any member, any message)
 Key_Shared  a message's ordering key (its sharding key, else its first key) hashed into
             65 536 slots split between the members by consistent hashing
@@ -42,8 +45,9 @@ a consumer of another type is refused with CONSUME_MODE_CONFLICT naming the type
 
 **Seek** (SEEK_SUBSCRIPTION): a queue's window is replaced by an empty one starting at the
 offset (or at the first message stored at or after a time); the old deliveries become stale.
-The seek is not a ``rmq_sys_POP_LOG`` record: a broker restart before the next snapshot may
-bring back deliveries made before the seek (delivered again, never lost).
+The seek is a ``rmq_sys_POP_LOG`` record, written before the answer (``pop_log.py``): a broker
+restart, even a kill -9 before the next snapshot, and a slave promoted in its place serve
+from the seek's offset.
 
 Threads: the broker's event loop only.
 """
@@ -142,7 +146,7 @@ class SubscriptionTypes:
         self.pop.modes.setdefault(group, POP_CONSUME_TYPE)
         self._drop_selectors(group)
         if cd.subscription_type == FAILOVER:
-            self.wake(group)  # the first by name may have changed
+            self.wake(group)  # the queues are dealt again
         if cd.subscription_type != KEY_SHARED or len(self.members(group)) < 2:
             return
         marks = {(t, q): w.next for (g, t, q), w in self.pop.windows.items()
@@ -177,9 +181,21 @@ class SubscriptionTypes:
 
     def acked(self, group: str, keys: Any) -> None:
         """Acks of ``group`` on windows ``keys``: a recently joined key-shared consumer may
-        take its keys now (the window's start passed its mark)."""
-        if self._joined.get(group):
-            for topic in {k[1] for k in keys}:
+        take its keys now if a window's start passed its mark -- its held pops are woken
+        then, not at every ack (a futile try walks every queue)."""
+        joined = self._joined.get(group)
+        if not joined:
+            return
+        windows = self.pop.windows
+        woken: set[str] = set()
+        for key in keys:
+            w = windows.get(key)
+            topic = key[1]
+            if w is None or topic in woken:
+                continue
+            tq = (topic, key[2])
+            if any(tq in pos and w.start >= pos[tq] for pos in joined.values()):
+                woken.add(topic)
                 self.pop.hold.wake(group, topic)
 
     def wake(self, group: str) -> None:
@@ -228,14 +244,22 @@ class SubscriptionTypes:
                 f"consumer group {group!r} is {_kind(have or '')}; {_kind(t)} cannot pop from it")
 
     def may_pop(self, h: PopMessageRequestHeader) -> bool:
-        """False for a failover standby (its pop finds nothing while the active one lives)
-        and for a consumer that left (a held pop of it must not take messages)."""
+        """False for a consumer that left (a held pop of it must not take messages)."""
         if not h.subscription_type:
             return True
+        return h.consumer in self.members(h.consumer_group)
+
+    def own_queues(self, h: PopMessageRequestHeader, qids: list[int]) -> list[int]:
+        """The queues of ``qids`` the pop may take: a failover consumer's own ones (queue q is
+        active on member ``q % n`` of the members sorted by name, as Pulsar picks the active
+        consumer of partition q); every one for the other types."""
+        if h.subscription_type != FAILOVER:
+            return qids
         members = self.members(h.consumer_group)
-        if h.subscription_type == FAILOVER:
-            return bool(members) and members[0] == h.consumer
-        return h.consumer in members
+        if h.consumer not in members:
+            return []
+        n = len(members)
+        return [q for q in qids if members[q % n] == h.consumer]
 
     def choose(self, h: PopMessageRequestHeader, w: PopWindow, qid: int, want: int, now: int,
                max_offset: int) -> list[Popped]:
@@ -310,8 +334,10 @@ class SubscriptionTypes:
         out = choose_key_shared(
             pending, w, me, any(c == me for _p, c in marks), want, now, h.invisible_ms,
             max_offset, self._epoch.get(group, 0), owner_of,
-            lambda offsets: self.pop._read(topic, qid, sorted(offsets)),
-            None if marks else full.table())
+            lambda offsets: self.pop._read(topic, qid, offsets),
+            # new offsets are read from the window's ``next``, at or above every joiner's
+            # mark (its ``next`` when it joined): no mark applies to them, the plain table does
+            full.index_table())
         self.ended_early = pending.trimmed
         return out
 
@@ -347,6 +373,7 @@ class SubscriptionTypes:
         """The group's POP state of a queue starts over at ``offset`` (a seek, or an offset
         reset by ``tidemq group reset-offset``): earlier deliveries become stale."""
         key = (group, topic, qid)
+        self.pop.log.seek(group, topic, qid, offset)  # durable before the answer
         self.pop.windows[key] = PopWindow(offset)
         self._pending.pop(key, None)
         for pos in self._joined.get(group, {}).values():
@@ -355,4 +382,4 @@ class SubscriptionTypes:
 
     def stats(self) -> dict[str, Any]:
         return {"types": dict(self.types), "revived": self.revived,
-                "key_shared_pending": sum(len(p.slots) for p in self._pending.values())}
+                "key_shared_pending": sum(p.n for p in self._pending.values())}

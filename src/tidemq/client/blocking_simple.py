@@ -58,6 +58,12 @@ class SimpleConsumer(_Facade):
     def change_invisible_duration(self, msg: ReceivedMessage, duration: float) -> None:
         _run(self._aio.change_invisible_duration(msg, duration))
 
+    def change_invisible_all(self, msgs: Sequence[ReceivedMessage],
+                             durations: Sequence[float]) -> list[BaseException | None]:
+        """:meth:`change_invisible_duration` of many, one frame per broker; per message None
+        or its error."""
+        return _run(self._aio.change_invisible_all(list(msgs), list(durations)))
+
     def stats(self) -> dict[str, int]:
         async def go() -> dict[str, int]:
             return self._aio.stats()

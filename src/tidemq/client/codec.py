@@ -13,7 +13,7 @@ Pure functions: any thread may call them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import numpy as np
@@ -273,9 +273,12 @@ def _why_undecodable(raw: bytes, q: int, tl: int, pl: int, i: int) -> str:
     return f"message {i} does not decode"
 
 
-def _keys_checked(src: bytes, q: int, size: int, count: int) -> dict[int, str]:
+def _keys_checked(src: bytes, q: int, size: int, count: int,
+                  wanted: Container[int] | None = None) -> dict[int, str]:
     """The keys section at ``src[q:q + size]`` checked: index -> why the keys of that message
-    are not UTF-8. CorruptBatchError when its framing is broken."""
+    are not UTF-8, for the messages in ``wanted`` (None: all) -- the framing of every entry is
+    checked (CorruptBatchError when it is broken), the bytes only of wanted ones: a POP answer
+    hands out a share of a batch (a key-shared consumer's quarter)."""
     bad: dict[int, str] = {}
     end = q + size
     unpack = KEYS_ENTRY.unpack_from
@@ -286,6 +289,9 @@ def _keys_checked(src: bytes, q: int, size: int, count: int) -> dict[int, str]:
         q += 6
         if q + n > end or i >= count:
             raise CorruptBatchError("keys section entry points outside the batch")
+        if wanted is not None and i not in wanted:
+            q += n
+            continue
         # Only checked here (ASCII, the usual case, without making a str); the keys are
         # decoded when a message's ``keys`` is read (_BatchMeta.keys). The reason
         # (decode_utf8's wording, an f-string) is only built for a key that fails.
@@ -325,8 +331,11 @@ def _decode_general(
     meta = _BatchMeta(topic, broker_name, h, buf, a, raw, off)
     bad_keys: dict[int, str] = {}
     if h[H_KEYS_SIZE]:  # keys: checked once per batch here, so MessageExt.keys never fails later
+        # (only those of the messages handed out: the others are never asked for)
+        wanted: Container[int] | None = (
+            set(members) if members is not None else range(start, h[H_COUNT]) if start else None)
         bad_keys = _keys_checked(buf, rec - INDEX_ENTRY_SIZE + h[H_COUNT] * INDEX_ENTRY_SIZE,
-                                 h[H_KEYS_SIZE], h[H_COUNT])
+                                 h[H_KEYS_SIZE], h[H_COUNT], wanted)
     if bad is None:
         msgs = _decode_one(meta, raw, off, rlen, h[H_COUNT], start, tags, None, members)
         for m in msgs:

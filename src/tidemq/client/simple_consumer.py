@@ -450,37 +450,59 @@ class SimpleConsumer:
             else:
                 f.set_exception(BrokerError.from_response(code, f"ack of {h!r} refused"))
 
+    async def _master_of(self, handle: str, addr: str) -> str | None:
+        """The address serving the broker group a receipt handle names, when it is not
+        ``addr`` (a promoted slave, after the master that delivered it died); else None."""
+        try:
+            name, topic = handle.split(" ")[1:3]
+            new = (await self.routes.get(topic, refresh=True)).broker_addrs.get(name)
+        except (TidemqError, ValueError):
+            return None
+        return new if new is not None and new != addr else None
+
     async def _reroute(self, addr: str, handles: list[str],
                        futures: list[asyncio.Future[None]], exc: BaseException) -> bool:
         """The broker that delivered these is unreachable: a receipt handle names its broker
         group, and a promoted slave serves the group's POP state (docs/cluster.md), so the acks
         go to the group's master now, if it is another address. True when sent on."""
-        try:
-            name, topic = handles[0].split(" ")[1:3]
-            new = (await self.routes.get(topic, refresh=True)).broker_addrs.get(name)
-        except (TidemqError, ValueError):
+        new = await self._master_of(handles[0], addr)
+        if new is None:
             return False
-        if new is None or new == addr:
-            return False
-        log.info("acks for broker %s: %s is unreachable (%s); sending them to %s", name, addr,
-                 exc, new)
+        log.info("acks for %s are unreachable (%s); sending them to %s", addr, exc, new)
         buf = self._acks.setdefault(new, _AckBuffer())
         buf.handles += handles
         buf.futures += futures
         await self._flush(new)
         return True
 
+    async def _change_request(self, addr: str, handle: str,
+                              header: ChangeInvisibleRequestHeader) -> tuple[str, Any]:
+        """CHANGE_INVISIBLE_TIME to the broker at ``addr``, or -- unreachable -- to the one
+        serving its broker group now (as acks are rerouted); (the address that answered, the
+        answer)."""
+        try:
+            conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
+            return addr, await conn.request(RequestCode.CHANGE_INVISIBLE_TIME, header,
+                                            timeout=self.request_timeout)
+        except (ConnectError, ConnectionLostError) as exc:
+            new = await self._master_of(handle, addr)
+            if new is None:
+                raise
+            log.info("invisible-time change for %s: unreachable (%s); sending it to %s", addr,
+                     exc, new)
+            conn = self.pool.get_nowait(new) or await self.pool.get(new)
+            return new, await conn.request(RequestCode.CHANGE_INVISIBLE_TIME, header,
+                                           timeout=self.request_timeout)
+
     async def change_invisible_duration(self, msg: ReceivedMessage, duration: float) -> None:
         """Make ``msg`` invisible for ``duration`` seconds from now; its receipt handle is
-        replaced (StaleReceiptError when the old one was stale)."""
+        replaced (StaleReceiptError when the old one was stale). When the broker that
+        delivered it is gone, the change goes to the one serving its broker group now."""
         inv = _ms(duration, "duration")
-        addr = msg.broker_addr
-        conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
-        frame = await conn.request(
-            RequestCode.CHANGE_INVISIBLE_TIME,
+        addr, frame = await self._change_request(
+            msg.broker_addr, msg.receipt_handle,
             ChangeInvisibleRequestHeader(consumer_group=self.group, handle=msg.receipt_handle,
-                                         invisible_ms=inv),
-            timeout=self.request_timeout)
+                                         invisible_ms=inv))
         if frame.code == ResponseCode.NO_MESSAGE:
             self.stale += 1
             raise StaleReceiptError(
@@ -488,6 +510,7 @@ class SimpleConsumer:
                 response_code=frame.code)
         raise_for_error(frame)
         msg.receipt_handle = frame.header.handle
+        msg.broker_addr = addr
 
     async def change_invisible_all(self, msgs: Sequence[ReceivedMessage],
                                    durations: Sequence[float]) -> list[BaseException | None]:
@@ -500,14 +523,12 @@ class SimpleConsumer:
             by_addr.setdefault(m.broker_addr, []).append(i)
         for addr, idx in by_addr.items():
             try:
-                conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
-                frame = raise_for_error(await conn.request(
-                    RequestCode.CHANGE_INVISIBLE_TIME,
-                    ChangeInvisibleRequestHeader(
+                served, frame = await self._change_request(
+                    addr, msgs[idx[0]].receipt_handle, ChangeInvisibleRequestHeader(
                         consumer_group=self.group,
                         handles=[msgs[i].receipt_handle for i in idx],
-                        invisible=[_ms(durations[i], "duration") for i in idx]),
-                    timeout=self.request_timeout))
+                        invisible=[_ms(durations[i], "duration") for i in idx]))
+                raise_for_error(frame)
             except TidemqError as exc:
                 for i in idx:
                     out[i] = exc
@@ -516,6 +537,7 @@ class SimpleConsumer:
                                     strict=False):
                 if code == ResponseCode.SUCCESS:
                     msgs[i].receipt_handle = new
+                    msgs[i].broker_addr = served
                 elif code == ResponseCode.NO_MESSAGE:
                     self.stale += 1
                     out[i] = StaleReceiptError(
