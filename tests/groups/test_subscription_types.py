@@ -384,6 +384,59 @@ def test_key_shared_joining_consumer_waits_for_what_was_sent_before_it(dev) -> N
     asyncio.run(main())
 
 
+def test_key_shared_held_pop_is_woken_when_another_consumers_read_ahead_routes_to_it(
+        dev) -> None:
+    """A stalled read-ahead must not leave a consumer waiting for its poll deadline: 25 000
+    messages of one key, then 200 of other keys, sent while both consumers are members and
+    the key's owner does not receive yet. The other one reads ahead until MAX_PENDING
+    (20 000) offsets wait for the owner, finds none of its own and is held (10 s poll). No
+    arrival comes after the backlog is stored; the owner's pops take the pending offsets,
+    read the mixed part and route some of it to the held one, which is woken then."""
+    topic, sub = "st_keys_route_wake", "st_keys_route_wake_s"
+    total = 25_200
+    with tidemq.Admin(dev.namesrv) as admin:
+        admin.create_topic(topic, 1)
+    done = [0]
+
+    async def run(c: aio.Consumer, got: list[bytes], t0: float) -> None:
+        while done[0] < total and time.monotonic() - t0 < 6.0:
+            msgs = await c.batch_receive(500, 0.2)
+            for m in msgs:
+                got.append(m.body)
+                c.acknowledge_nowait(m)
+            done[0] += len(msgs)
+
+    async def main() -> None:
+        a_got: list[bytes] = []
+        b_got: list[bytes] = []
+        kw = dict(await_duration=10.0, ack_timeout=120.0)
+        async with _consumer(dev, topic, sub, "Key_Shared", "ks-ra", **kw) as a, \
+                _consumer(dev, topic, sub, "Key_Shared", "ks-rb", **kw) as b:
+            await asyncio.sleep(0.5)  # both members, both pops held on the empty queue
+
+            def send() -> None:
+                with tidemq.Producer(dev.namesrv) as p:
+                    for _ in range(25):
+                        p.send_batch([tidemq.Message(topic, b"one", keys="the-one-key")
+                                      for _ in range(1000)])
+                    p.send_batch([tidemq.Message(topic, f"k{k}".encode(), keys=f"other-{k}")
+                                  for k in range(200)])
+
+            await asyncio.to_thread(send)
+            await asyncio.sleep(0.5)  # every arrival's wake is over
+            t0 = time.monotonic()
+            await asyncio.gather(run(a, a_got, t0), run(b, b_got, t0))
+        both = a_got + b_got
+        # the one key went to one consumer, and the other one got its share of the rest well
+        # before its held pop's 10 s poll ran out
+        assert len(both) == total, (len(a_got), len(b_got))
+        assert both.count(b"one") == 25_000
+        assert (b"one" in a_got) != (b"one" in b_got)
+        assert set(both) - {b"one"} == {f"k{k}".encode() for k in range(200)}
+
+    asyncio.run(main())
+
+
 def test_key_shared_orders_by_sharding_key_before_keys_and_spreads_keyless(dev) -> None:
     """The ordering key is the sharding key (``__SHARDINGKEY``) when there is one, else the
     first key; keyless messages go to any consumer."""

@@ -13,6 +13,8 @@ poppable -- never on a periodic scan:
   change that sets an earlier deadline moves it (:meth:`deadline_set`);
 - **ack**: an ack can free a message (orderly POP: the next message of a message group;
   ``pop_orderly.py``), so the processor wakes the (group, topic) after acks (:meth:`wake`);
+- **route**: a key-shared pop that read ahead routes messages to other consumers
+  (``subscription_types.py``): their held pops are woken (:meth:`wake` with ``routed``);
 - **deadline**: a timer per held request answers it when ``poll_ms`` is up (nothing found).
 
 A wake schedules one retry pass per (group, topic) with ``call_soon`` (many arrivals in one
@@ -96,6 +98,7 @@ class PopHoldService:
         self.woken_by_arrival = 0
         self.woken_by_revive = 0
         self.woken_by_ack = 0
+        self.woken_by_route = 0
         self.answered = 0  # held requests answered by a retry
         self.timed_out = 0
 
@@ -170,10 +173,14 @@ class PopHoldService:
                 self.woken_by_arrival += 1
                 self._schedule(group, topic)
 
-    def wake(self, group: str, topic: str) -> None:
-        """Something of (group, topic) may be poppable now (an ack freed a message group)."""
+    def wake(self, group: str, topic: str, *, routed: bool = False) -> None:
+        """Something of (group, topic) may be poppable now (an ack freed a message group;
+        ``routed``: another consumer's key-shared read-ahead routed messages to a held one)."""
         if self.waiting(group, topic):
-            self.woken_by_ack += 1
+            if routed:
+                self.woken_by_route += 1
+            else:
+                self.woken_by_ack += 1
             self._schedule(group, topic)
 
     def deadline_set(self, key: WindowKey, deadline_ms: int) -> None:
@@ -281,6 +288,7 @@ class PopHoldService:
             "pop_held_woken_by_arrival": self.woken_by_arrival,
             "pop_held_woken_by_revive": self.woken_by_revive,
             "pop_held_woken_by_ack": self.woken_by_ack,
+            "pop_held_woken_by_route": self.woken_by_route,
             "pop_held_timed_out": self.timed_out,
             "pop_revive_timers": len(self._revive),
         }

@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any
 from tidemq.broker.connection import decode_request
 from tidemq.broker.errors import RequestRejected, check_group
 from tidemq.broker.key_shared import KeySharedSelector
-from tidemq.broker.key_shared_dispatch import PendingOffsets, choose_key_shared
+from tidemq.broker.key_shared_dispatch import MAX_PENDING, PendingOffsets, choose_key_shared
 from tidemq.broker.pop_hold import WindowKey
 from tidemq.broker.pop_window import Popped, PopWindow
 from tidemq.protocol.codes import ResponseCode
@@ -331,6 +331,7 @@ class SubscriptionTypes:
         pending = self._pending.get(key)
         if pending is None:
             pending = self._pending[key] = PendingOffsets()
+        read_from, full_before = w.next, pending.n >= MAX_PENDING
         out = choose_key_shared(
             pending, w, me, any(c == me for _p, c in marks), want, now, h.invisible_ms,
             max_offset, self._epoch.get(group, 0), owner_of,
@@ -339,7 +340,33 @@ class SubscriptionTypes:
             # mark (its ``next`` when it joined): no mark applies to them, the plain table does
             full.index_table())
         self.ended_early = pending.trimmed
+        if w.next > read_from or full_before and pending.n < MAX_PENDING:
+            self._wake_routed(group, topic, me, pending, {c for _p, c in marks})
         return out
+
+    def _wake_routed(self, group: str, topic: str, me: str, pending: PendingOffsets,
+                     gated: set[str]) -> None:
+        """A pop read ahead (routing offsets to their owners) or took the pending offsets
+        below ``MAX_PENDING`` again: wake the held pops of the group when one of another
+        consumer may find something now -- its own runs, keyless ones, or room to read ahead.
+        No arrival comes for a backlog already stored, so without this such a pop would
+        wait for its deadline (``poll_ms``). Only after progress (new offsets read, pending
+        ones taken), so the wakes end with the backlog; a gated joiner's runs do not count
+        (its wake is ``acked``'s)."""
+        hold = self.pop.hold
+        groups = hold.table.get(topic)
+        held = groups.get(group) if groups is not None else None
+        if not held:
+            return
+        routes = pending.routes
+        room = pending.n < MAX_PENDING
+        for x in held:
+            c = getattr(x.header, "consumer", "")
+            if c == me or x.done:
+                continue
+            if routes.get(None) or room or c not in gated and routes.get(c):
+                hold.wake(group, topic, routed=True)
+                return
 
     # -- SEEK_SUBSCRIPTION ---------------------------------------------------------------------
     def handle_seek(self, conn: BrokerConnection, frame: Frame) -> None:
