@@ -140,3 +140,49 @@ def test_a_master_of_an_older_epoch_is_refused():
     with pytest.raises(RegistrationRefused, match="epoch 2"):
         m.register_broker(old)
     assert m.get_route("T").broker_datas[0].broker_addrs == {0: "h:2"}
+
+
+# -- the change history (GET_ROUTES_CHANGED) ------------------------------------------------------
+
+def test_changes_since_name_exactly_the_topics_and_groups_that_changed():
+    m = RouteInfoManager(clock=Clock())
+    first = m.changes_since("", 0)  # a client's first question: another history -> everything
+    assert first.full and first.instance == m.instance
+    m.register_broker(reg("b1", "h:1", {"A": 1, "B": 1, "C": 1}))
+    m.register_broker(reg("b2", "h:2", {"A": 1}))
+    v = m.version
+    assert m.changes_since(m.instance, v) == type(first)(m.instance, v, False, [], [])
+    # the same registration again (a heartbeat with topics): nothing changed
+    m.register_broker(reg("b1", "h:1", {"A": 1, "B": 1, "C": 1}, version=2))
+    assert m.version == v
+    # one topic gets more queues, one is removed: those two only
+    m.register_broker(reg("b1", "h:1", {"A": 1, "B": 4}, version=3))
+    c = m.changes_since(m.instance, v)
+    assert (c.full, c.topics, c.brokers) == (False, ["B", "C"], [])
+    v = c.version
+    # a slave joins b1: the group changed, no topic did (its topics wait while a master lives)
+    m.register_broker(reg("b1", "h:3", {"A": 1, "B": 4}, bid=1))
+    c = m.changes_since(m.instance, v)
+    assert (c.topics, c.brokers) == ([], ["b1"])
+    v = c.version
+    # b2 leaves: its group and the topic it held
+    m.unregister_broker("c1", "b2", 0, "h:2")
+    c = m.changes_since(m.instance, v)
+    assert (c.topics, c.brokers) == (["A"], ["b2"])
+    # a question from before the history, from another history, or from the future: everything
+    assert m.changes_since("other", v).full
+    assert m.changes_since(m.instance, m.version + 1).full
+    assert not m.changes_since(m.instance, 0).full  # the whole history is still there
+
+
+def test_a_question_older_than_the_kept_history_gets_everything():
+    from collections import deque
+
+    m = RouteInfoManager(clock=Clock())
+    m._changes = deque(maxlen=3)
+    m.register_broker(reg("b1", "h:1", {"A": 1}))  # versions 1 (group b1) and 2 (A)
+    v = m.version
+    m.register_broker(reg("b1", "h:1", {"A": 1, "B": 1, "C": 1, "D": 1}, version=2))  # 3-5
+    assert m.changes_since(m.instance, v).topics == ["B", "C", "D"]  # all of it still kept
+    assert m.changes_since(m.instance, v - 1).full  # A's change fell out of the history
+    assert m.changes_since(m.instance, m.version - 2).topics == ["C", "D"]

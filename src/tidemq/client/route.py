@@ -1,8 +1,13 @@
 """Topic routes from the name servers (ref NS1): which brokers hold a topic's queues.
 
 A producer or consumer asks a name server GET_ROUTEINFO_BY_TOPIC the first time it uses a
-topic, keeps the answer, and refreshes every topic it has used every 30 s (RocketMQ's
-``pollNameServerInterval``) so new brokers, new queues and dead brokers are noticed. Several
+topic, keeps the answer, and refreshes the topics it has used every 30 s (RocketMQ's
+``pollNameServerInterval``) so new brokers, new queues and dead brokers are noticed. The
+refresh first asks the name server what changed since the previous one (GET_ROUTES_CHANGED:
+the topics whose queues changed and the broker groups whose addresses changed) and fetches only
+those routes -- work proportional to what changed, not to how many topics the client holds --
+and every route when the name server cannot say (it restarted, it is another one, too much
+changed, or it is too old to know the request). Several
 name server addresses may be given; a request goes to the one that last answered and moves on to
 the next when it cannot connect or times out (every name server knows every broker, so any one
 will do).
@@ -37,6 +42,7 @@ from tidemq.protocol.headers import (
     MASTER_ID,
     GetRouteInfoRequestHeader,
     Perm,
+    RoutesChangedRequestHeader,
     TopicRouteData,
 )
 
@@ -139,6 +145,11 @@ class RouteCache:
         self._refreshed_at: dict[str, float] = {}
         self._fetching: dict[str, asyncio.Task[TopicRoute]] = {}
         self._task: asyncio.Task[None] | None = None
+        #: the name server's change history and version as of the previous refresh
+        self._ns_instance = ""
+        self._ns_version = 0
+        #: routes fetched from the name servers (any reason; tests and stats read it)
+        self.fetches = 0
 
     def start(self) -> None:
         if self._task is None:
@@ -212,6 +223,7 @@ class RouteCache:
             task.exception()  # retrieved: the waiters (if any are left) got it already
 
     async def _fetch(self, topic: str) -> TopicRoute:
+        self.fetches += 1
         try:
             frame = await self.namesrv_request(
                 RequestCode.GET_ROUTEINFO_BY_TOPIC, GetRouteInfoRequestHeader(topic=topic)
@@ -344,9 +356,36 @@ class RouteCache:
             await asyncio.sleep(self.refresh_interval)
             # One fetch at a time, on purpose: the same fetches 64 at a time (tried) made a
             # burst of 12,500 requests every 30 s at 100,000 queues that starved the name
-            # server's process and timed out the client's sends. Proportional to what changed
-            # needs a "routes changed since" request of the name server (not built yet).
-            await self._refresh_some(iter(list(self._routes)))
+            # server's process and timed out the client's sends.
+            await self._refresh_some(iter(await self.changed_topics()))
+
+    async def changed_topics(self) -> list[str]:
+        """The held topics whose routes changed since the previous call (every held topic the
+        first time, and when the name server cannot say)."""
+        everything = list(self._routes)
+        try:
+            frame = await self.namesrv_request(
+                RequestCode.GET_ROUTES_CHANGED,
+                RoutesChangedRequestHeader(instance=self._ns_instance, since=self._ns_version))
+        except ClientError as exc:  # no name server answered: the fetches will say so too
+            log.debug("asking the name server what changed failed: %s", exc.message)
+            return everything
+        except BrokerError as exc:  # e.g. REQUEST_CODE_NOT_SUPPORTED: an older name server
+            log.debug("the name server cannot say what changed: %s", exc.message)
+            self._ns_instance = ""
+            return everything
+        h = frame.header
+        self._ns_instance, self._ns_version = h.instance, h.version
+        if h.full:
+            return everything
+        routes = self._routes
+        out = [t for t in h.topics if t in routes]
+        if h.brokers:  # a group's addresses changed: every held topic it serves
+            groups = set(h.brokers)
+            seen = set(out)
+            out += [t for t, r in routes.items() if t not in seen
+                    and any(q.broker_name in groups for q in r.data.queue_datas)]
+        return out
 
     async def _refresh_some(self, topics: Any) -> None:
         for topic in topics:

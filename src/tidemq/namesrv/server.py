@@ -47,6 +47,8 @@ from tidemq.protocol.headers import (
     GetRouteInfoRequestHeader,
     RegisterBrokerRequestHeader,
     RegisterBrokerResponseHeader,
+    RoutesChangedRequestHeader,
+    RoutesChangedResponseHeader,
     TopicList,
     UnregisterBrokerRequestHeader,
 )
@@ -113,6 +115,7 @@ class NameServer:
             RequestCode.GET_ROUTEINFO_BY_TOPIC: self._get_route,
             RequestCode.GET_ALL_TOPIC_LIST_FROM_NAMESERVER: self._topic_list,
             RequestCode.GET_BROKER_CLUSTER_INFO: self._cluster_info,
+            RequestCode.GET_ROUTES_CHANGED: self._routes_changed,
         }
 
     @property
@@ -163,7 +166,8 @@ class NameServer:
                     ResponseCode.REQUEST_CODE_NOT_SUPPORTED,
                     f"request code {frame.code} is not served by the name server (it serves "
                     "REGISTER_BROKER, UNREGISTER_BROKER, GET_ROUTEINFO_BY_TOPIC, "
-                    "GET_ALL_TOPIC_LIST_FROM_NAMESERVER, GET_BROKER_CLUSTER_INFO)",
+                    "GET_ALL_TOPIC_LIST_FROM_NAMESERVER, GET_BROKER_CLUSTER_INFO, "
+                    "GET_ROUTES_CHANGED)",
                 )
             header = handler(conn, frame)
             if not oneway:
@@ -223,3 +227,9 @@ class NameServer:
 
     def _cluster_info(self, conn: ServerConnection, frame: Frame) -> Any:
         return self.routes.cluster_info()
+
+    def _routes_changed(self, conn: ServerConnection, frame: Frame) -> Any:
+        h: RoutesChangedRequestHeader = decode_request(frame, RoutesChangedRequestHeader)
+        c = self.routes.changes_since(h.instance, h.since)
+        return RoutesChangedResponseHeader(instance=c.instance, version=c.version, full=c.full,
+                                           topics=c.topics, brokers=c.brokers)

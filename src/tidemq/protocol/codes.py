@@ -64,6 +64,7 @@ class RequestCode(IntEnum):
     UNREGISTER_BROKER = 104
     GET_ROUTEINFO_BY_TOPIC = 105
     GET_BROKER_CLUSTER_INFO = 106
+    GET_ROUTES_CHANGED = 107  # tidemq: topics and broker groups whose routes changed since
     # -- admin -----------------------------------------------------------------------------
     GET_TOPIC_STATS = 202  # RocketMQ GET_TOPIC_STATS_INFO
     GET_ALL_TOPIC_LIST_FROM_NAMESERVER = 206

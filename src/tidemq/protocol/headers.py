@@ -69,6 +69,8 @@ __all__ = [
     "BrokerData",
     "QueueData",
     "TopicRouteData",
+    "RoutesChangedRequestHeader",
+    "RoutesChangedResponseHeader",
     "EmptyHeader",
     "QueryConsumerOffsetRequestHeader",
     "QueryConsumerOffsetResponseHeader",
@@ -431,6 +433,27 @@ class TopicRouteData(Header):
     queue_datas: list[QueueData] = []
     broker_datas: list[BrokerData] = []
     order_topic_conf: str | None = None
+
+
+class RoutesChangedRequestHeader(Header):
+    """GET_ROUTES_CHANGED: what changed in the name server's routes after version ``since``
+    of its history ``instance`` (both from the previous answer; "" the first time)."""
+
+    instance: str = ""
+    since: NonNeg = 0
+
+
+class RoutesChangedResponseHeader(Header):
+    """Response header of GET_ROUTES_CHANGED. ``full``: the changes since ``since`` are not
+    known (another instance -- the name server restarted or is another one -- or older than
+    the history it keeps, or too many): refresh every route. Otherwise ``topics`` whose queue
+    data changed and ``brokers`` (groups) whose addresses changed: every topic they hold."""
+
+    instance: str
+    version: NonNeg
+    full: bool = False
+    topics: list[str] = []
+    brokers: list[str] = []
 
 
 class EmptyHeader(Header):
@@ -872,6 +895,7 @@ REQUEST_HEADER_TYPES: dict[int, type[msgspec.Struct]] = {
     RequestCode.GET_ALL_TOPIC_CONFIG: EmptyHeader,
     RequestCode.GET_ALL_TOPIC_LIST_FROM_NAMESERVER: EmptyHeader,
     RequestCode.GET_BROKER_CLUSTER_INFO: EmptyHeader,
+    RequestCode.GET_ROUTES_CHANGED: RoutesChangedRequestHeader,
     RequestCode.UNREGISTER_BROKER: UnregisterBrokerRequestHeader,
     RequestCode.GET_BROKER_RUNTIME_INFO: EmptyHeader,
     RequestCode.HEART_BEAT: HeartbeatRequestHeader,
@@ -906,6 +930,7 @@ RESPONSE_HEADER_TYPES: dict[int, type[msgspec.Struct]] = {
     RequestCode.GET_ALL_TOPIC_CONFIG: TopicConfigTable,
     RequestCode.GET_ALL_TOPIC_LIST_FROM_NAMESERVER: TopicList,
     RequestCode.GET_BROKER_CLUSTER_INFO: ClusterInfo,
+    RequestCode.GET_ROUTES_CHANGED: RoutesChangedResponseHeader,
     RequestCode.GET_CONSUME_STATS: ConsumeStats,
     RequestCode.GET_TOPIC_STATS: TopicStats,
     RequestCode.QUERY_MESSAGE: FoundMessagesHeader,
