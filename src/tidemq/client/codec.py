@@ -389,15 +389,29 @@ def _decode_checked(
     return nxt, end_offset
 
 
+# (bytes, its data address) of the last body _base_bytes saw; one body at most is kept alive
+# (one tuple, replaced whole: safe for readers decoding in threads)
+_last_base: tuple[Any, int] = (None, 0)
+
+
 def _base_bytes(mv: memoryview) -> tuple[bytes, int] | None:
     """(the bytes object ``mv`` views, the offset of ``mv[0]`` in it), or None."""
+    global _last_base
     base = mv.obj
     if type(base) is not bytes or not mv.contiguous or mv.itemsize != 1:
         return None
     if len(mv) == len(base):
         return base, 0
-    off = np.frombuffer(mv, dtype=np.uint8).ctypes.data - np.frombuffer(
-        base, dtype=np.uint8).ctypes.data
+    # The addresses through __array_interface__ (``.ctypes`` builds a ctypes object: ~2x the
+    # cost); the base's is kept for the next call, as a multi-queue answer's queues all slice
+    # one body (thousands of calls per answer).
+    cached = _last_base
+    if cached[0] is base:
+        base_addr = cached[1]
+    else:
+        base_addr = np.frombuffer(base, dtype=np.uint8).__array_interface__["data"][0]
+        _last_base = (base, base_addr)
+    off = np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0] - base_addr
     if not 0 <= off <= len(base) - len(mv):
         return None
     return base, off

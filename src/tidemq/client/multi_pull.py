@@ -34,6 +34,8 @@ from tidemq.protocol.headers import (
 
 __all__ = ["PullBatcher", "MultiPullUnsupported"]
 
+_COPY_MAX = 64 * 1024  # body bytes of one queue's answer handed over as a copy (see _send)
+
 
 class MultiPullUnsupported(Exception):
     """The broker does not serve PULL_MULTI_QUEUE: pull queue by queue."""
@@ -102,8 +104,12 @@ class PullBatcher:
         body = memoryview(frame.body)
         pos = 0
         for (_p, f), r in zip(items, h.results, strict=True):
-            part = body[pos : pos + r.body_bytes]
-            pos += r.body_bytes
+            n = r.body_bytes
+            # A small slice is copied: ~0.2 µs for 10 KiB, where decoding a view of the shared
+            # body first finds the view's offset in it (~3 µs, per queue of the answer), and
+            # the queue's messages then do not keep the whole answer alive.
+            part: Any = bytes(body[pos : pos + n]) if n <= _COPY_MAX else body[pos : pos + n]
+            pos += n
             if not f.done():
                 f.set_result((r, part))
 
