@@ -15,7 +15,7 @@ frame, come from the heap and are reused, not mmapped and faulted in anew each t
 returning it): the values glibc's own dynamic thresholds move to after a 16 MiB block. The
 cost is up to 32 MiB of freed heap the process keeps mapped.
 
-It is called when a client connection pool or a broker is created, once per process, and
+It is called when a client connection pool is created, once per process, and
 changes nothing where the C library is not glibc, where ``TIDEMQ_MALLOC_TUNE=0``, or where
 the environment already sets ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` (the
 operator's choice wins). Hand-written because no maintained package wraps ``mallopt``.

@@ -73,13 +73,7 @@ from tidemq.protocol.names import (
     retry_group,
     topic_name_problem,
 )
-from tidemq.protocol.record import (
-    ATTR_DELAY_MASK,
-    ATTR_TXN_MASK,
-    BatchView,
-    TxnType,
-    unique_id,
-)
+from tidemq.protocol.record import BatchView, TxnType, unique_id
 from tidemq.store.flush import FlushMode
 from tidemq.store.message_store import PutResult, PutStatus
 
@@ -99,9 +93,6 @@ _perf_counter = time.perf_counter
 _SUCCESS = ResponseCode.SUCCESS
 _FLUSH_TIMEOUT = ResponseCode.FLUSH_DISK_TIMEOUT
 _PUT_OK = PutStatus.PUT_OK
-#: Batch attributes of a batch the broker holds before storing it (delay level, transaction
-#: type: a PREPARED half message goes to the transaction service).
-_HELD_ATTRS = ATTR_DELAY_MASK | ATTR_TXN_MASK
 
 
 def _ignore_durability(err: object) -> None:
@@ -358,15 +349,12 @@ class SendProcessor:
         topic = h.topic
         qid = h.queue_id
         v = self._admit(conn, h.producer_group, topic, qid, body)
-        if (frame.flags or self.sync_flush or self.sync_master or v.attributes & _HELD_ATTRS
-                or v.deliver_at or (v.producer_id >= DEDUP_PRODUCER_BIT and self.dedup.enabled)
-                or self.non_persistent.owns(topic)):
+        if frame.flags or not self._stored_at_once(v, topic):
             self._accept(conn, h, body, v, frame.flags, frame.opaque)
             return
-        # The everyday send, answered right after its put: ASYNC_FLUSH, not replicated
-        # synchronously, not one-way, not held (delay level, deliver_at, half message), not
-        # deduplicated, persistent. What _accept does for it, without its branches (a
-        # one-message send costs the broker a few calls per layer it crosses).
+        # The everyday send, answered right after its put (not one-way either): what _accept
+        # does for it, without its branches (a one-message send costs the broker a few calls
+        # per layer it crosses).
         t0 = _perf_counter()
         try:
             r = self.store.put(body, queue_id=qid, view=v)
@@ -379,6 +367,16 @@ class SendProcessor:
             queue_id=qid, queue_offset=r.queue_offset, count=count,
         )
         conn.respond(frame.opaque, _SUCCESS if r.status is _PUT_OK else _FLUSH_TIMEOUT, header)
+
+    def _stored_at_once(self, v: BatchView, topic: str) -> bool:
+        """Whether an admitted batch is simply stored and answered: ASYNC_FLUSH, not
+        replicated synchronously, not held (delay level, deliver_at, half message), not
+        deduplicated, persistent. Such batches skip ``_accept`` (a single send) or go into
+        one ``put_many`` run (SEND_MULTI_QUEUE); ``_accept`` handles every other one."""
+        return not (self.sync_flush or self.sync_master or v.delay_level or v.deliver_at
+                    or v.txn == TxnType.PREPARED
+                    or (v.producer_id >= DEDUP_PRODUCER_BIT and self.dedup.enabled)
+                    or self.non_persistent.owns(topic))
 
     def handle_multi(self, conn: BrokerConnection, frame: Frame) -> None:
         """SEND_MULTI_QUEUE: every batch of the body through exactly the door and the put of
@@ -396,13 +394,9 @@ class SendProcessor:
         agg = _MultiResponse(conn, frame.opaque, len(parts))
         flags = frame.flags
         group = h.producer_group
-        # The batches every store can take as they are (ASYNC_FLUSH, not replicated
-        # synchronously, not held, not deduplicated, not non-persistent) are gathered into
-        # runs stored by one put_many (one put lock, no per-batch slot or header objects);
-        # any other batch goes alone through _accept, after the run before it (order kept).
-        bulk = not self.sync_flush and not self.sync_master
-        dedup_on = self.dedup.enabled
-        np_owns = self.non_persistent.owns
+        # The batches stored at once (_stored_at_once) are gathered into runs stored by one
+        # put_many (one put lock, no per-batch slot or header objects); any other batch goes
+        # alone through _accept, after the run before it (order kept).
         run: list[tuple[int, memoryview, BatchView, str]] = []
         for i, part in enumerate(parts):
             try:
@@ -418,9 +412,7 @@ class SendProcessor:
             except RequestRejected as exc:
                 agg.put(i, MultiQueueSendResult(exc.response_code, message=exc.message))
                 continue
-            if (bulk and not v.delay_level and not v.deliver_at and v.txn != TxnType.PREPARED
-                    and not (dedup_on and v.producer_id >= DEDUP_PRODUCER_BIT)
-                    and not np_owns(topic)):
+            if self._stored_at_once(v, topic):
                 run.append((i, part, v, topic))
                 continue
             if run:

@@ -283,6 +283,13 @@ class PullService:
             return False
         return True
 
+    def _pulls_now(self, req: PullRequest) -> Selection | None:
+        """The subscription ``req`` pulls for now; None when it does not pull now (see
+        :meth:`_may_pull`) or its topic was unsubscribed meanwhile (the rebalance drops it)."""
+        if not self._may_pull(req):
+            return None
+        return self.c.subscriptions.get(req.mq.topic)
+
     def _commit_flags(self, mq: MessageQueue, sub: Selection, slave: bool) -> tuple[int, int]:
         """(sys flags without SUSPEND, commit offset) of a pull of ``mq``."""
         c = self.c
@@ -298,13 +305,11 @@ class PullService:
     def multi_pull_of(self, req: PullRequest) -> MultiQueuePull | None:
         """The pull of ``req`` in a PULL_MULTI_QUEUE (client/pull_driver.py), or None if it
         does not pull now (see :meth:`_may_pull`)."""
-        if not self._may_pull(req):
+        sub = self._pulls_now(req)
+        if sub is None:
             return None
         c = self.c
         mq = req.mq
-        sub = c.subscriptions.get(mq.topic)
-        if sub is None:
-            return None  # unsubscribed meanwhile; the rebalance drops the queue
         flags, commit = self._commit_flags(mq, sub, False)
         self.pulls += 1
         return MultiQueuePull(mq.topic, mq.queue_id, req.next_offset, c.pull_batch_size, flags,
@@ -326,13 +331,11 @@ class PullService:
     async def _pull(self, req: PullRequest) -> bool:
         """One pull of ``req``; True: pull again at once (else it was rescheduled, handed to
         a pull driver, or ends)."""
-        if not self._may_pull(req):
+        sub = self._pulls_now(req)
+        if sub is None:
             return False
         c = self.c
         mq = req.mq
-        sub = c.subscriptions.get(mq.topic)
-        if sub is None:
-            return False  # unsubscribed meanwhile; the rebalance drops the queue
         addr = ""
         try:
             addr, slave = await c.routes.addr_for_read(mq, req.broker_id)
