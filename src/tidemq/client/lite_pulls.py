@@ -98,6 +98,7 @@ class LitePulls:
             c._start_task(q)  # its start is looked up the usual way first
             return None
         if c._held_back(q):
+            q.parked = True  # pulled again when poll frees room (PullConsumer._wake)
             return None
         mq = q.mq
         sel = c._subs.get(mq.topic, EVERYTHING)
