@@ -326,3 +326,35 @@ def test_the_callers_of_one_answered_batch_are_woken_in_turn_past_one_that_gave_
     assert sorted(got) == [0, 1, 3, 4, 5]
     assert [got[i].queue_offset for i in sorted(got)] == [100, 101, 103, 104, 105]
     assert len({got[i].msg_id for i in got}) == 5
+
+
+def test_many_awaiting_coroutines_travel_as_two_alternating_groups(dev):
+    # 64 coroutines each awaiting its sends: one group's batch is in flight while the other
+    # group gathers (the broker stores one while the client runs the other's senders), not
+    # all 64 in lock-step; the groups even out (the first lone send's caller joins one).
+    async def main():
+        await ensure_topic(dev.namesrv, "ab-groups", 4)
+        async with aio.Producer(dev.namesrv) as p:
+            await p.send(aio.Message("ab-groups", b"warm"))
+            acc = p.accumulator
+            b0, m0 = acc.batches, acc.batched_messages
+            two = 0
+
+            async def run(t: int) -> list:
+                nonlocal two
+                out = []
+                for i in range(20):
+                    out.append(await p.send(aio.Message("ab-groups", f"{t}-{i}".encode())))
+                    two += acc._buckets["ab-groups"].inflight >= 2 or (
+                        acc._buckets["ab-groups"].inflight == 1
+                        and bool(acc._buckets["ab-groups"].msgs))
+                return out
+
+            results = [r for rs in await asyncio.gather(*(run(t) for t in range(64)))
+                       for r in rs]
+            return results, acc.batches - b0, acc.batched_messages - m0, two
+
+    results, batches, msgs, two = _run(main())
+    assert len({r.msg_id for r in results}) == 64 * 20 == msgs
+    assert 20 * 2 - 2 <= batches <= 20 * 2 + 4, f"{batches} batches for 20 rounds of 64"
+    assert two > 64 * 20 / 2  # most sends saw a batch in flight and another gathering

@@ -58,6 +58,10 @@ Check = Callable[[Message], Exception | None]
 
 _InvalidState = (asyncio.InvalidStateError, concurrent.futures.InvalidStateError)
 
+#: Awaiting coroutines of one bucket travel as two alternating groups (two batches, one in
+#: flight while the other gathers) when there are at least twice this many of them.
+PIPELINE_MIN = 8
+
 
 class _Bucket:
     __slots__ = ("key", "topic", "mq", "msgs", "futs", "deadlines", "size", "waiting",
@@ -230,7 +234,7 @@ class Accumulator:
             return await self._send(b.topic, mq, [msg], max(deadline - b.loop.time(), 0.0))
         finally:
             self._answered(1)
-            self._after(b)
+            self._after(b, answered=1)
 
     def add(self, msg: Message, key: Hashable | None = None, mq: MessageQueue | None = None,
             deadline: float = 0.0, fut: Any = None) -> asyncio.Future[SendResult]:
@@ -325,7 +329,15 @@ class Accumulator:
         if not b.scheduled:  # left already (kick)
             return
         b.scheduled = False
-        if b.msgs and not b.inflight:
+        msgs = b.msgs
+        if msgs and not b.inflight:
+            n = len(msgs)
+            if (n >= 2 * PIPELINE_MIN and b.mq is None and b.waiting
+                    and isinstance(b.futs[0], _Future)):
+                # Awaiting coroutines, nothing in flight: two frames, so that the broker
+                # stores the second while this thread wakes the first's senders, and from
+                # then on one group's batch is in flight while the other's gathers (_after).
+                self._dispatch(b, (n + 1) // 2)
             self._dispatch(b)
             if self.flush_now is not None:
                 self.flush_now()
@@ -396,22 +408,28 @@ class Accumulator:
         """``n`` messages sent by ``send_many`` were answered."""
         self._answered(n)
 
-    def _dispatch(self, b: _Bucket) -> None:
+    def _dispatch(self, b: _Bucket, limit: int = 0) -> None:
+        """Send what ``b`` gathered as one batch (``limit``: at most that many messages; the
+        rest stays for the next)."""
         if b.timer is not None:
             b.timer.cancel()
             b.timer = None
         msgs, futs, deadlines = b.msgs, b.futs, b.deadlines
-        if len(msgs) > self.batch_max_messages or b.size > self.batch_max_bytes:
+        most = min(limit, self.batch_max_messages) if limit else self.batch_max_messages
+        if len(msgs) > most or b.size > self.batch_max_bytes:
             # A pinned bucket gathered past the limits while its batch was in flight: send
             # the first batch's worth; the rest leaves when that is answered.
             k, size = 0, 0
-            while k < len(msgs) and k < self.batch_max_messages and (
+            while k < len(msgs) and k < most and (
                     k == 0 or size + len(msgs[k].body) <= self.batch_max_bytes):
                 size += len(msgs[k].body)
                 k += 1
             b.msgs, b.futs, b.deadlines = msgs[k:], futs[k:], deadlines[k:]
             b.size -= size
-            b.waiting = any(b.deadlines)
+            waiting = [d for d in b.deadlines if d]
+            b.waiting = bool(waiting)
+            if waiting:  # the rest's callers: not past their deadlines while they wait
+                b.timer = b.loop.call_at(min(waiting), self._expire, b)
             msgs, futs, deadlines = msgs[:k], futs[:k], deadlines[:k]
         else:
             b.msgs, b.futs, b.deadlines, b.size, b.waiting = [], [], [], 0, False
@@ -462,7 +480,7 @@ class Accumulator:
             # Coroutines: woken first, so that they send again in this loop iteration and
             # join the bucket before what it gathered leaves (at the end of the iteration).
             split_result(r, futs)
-            self._after(b)
+            self._after(b, answered=len(futs))
             return
         # Senders on other threads (the blocking facade): what gathered meanwhile (its inbox,
         # drained by on_answered) is written first, and only then are these callers woken:
@@ -518,9 +536,10 @@ class Accumulator:
         finally:
             self._after(b)
 
-    def _after(self, b: _Bucket, cool: bool = True) -> None:
+    def _after(self, b: _Bucket, cool: bool = True, answered: int = 0) -> None:
         """A batch of ``b`` was answered: send what gathered meanwhile. ``cool``: its senders
-        may send again in this loop iteration (coroutines woken by the answer)."""
+        may send again in this loop iteration (coroutines woken by the answer);
+        ``answered``: how many of them (0: do not pipeline)."""
         b.inflight -= 1
         if not cool and self.on_answered is not None:
             # The blocking facade's callers (woken after this): what its inbox holds joins the
@@ -533,7 +552,17 @@ class Accumulator:
                 if self.flush_now is not None:
                     self.flush_now()
             return
-        if b.msgs and (b.waiting or b.mq is not None) and not b.inflight and not b.scheduled:
+        if (answered and b.mq is None and b.waiting and not b.inflight and not b.scheduled
+                and len(b.msgs) >= PIPELINE_MIN):
+            # Coroutines gathered behind the answered batch: they leave now, and the
+            # ``answered`` senders this answer wakes gather behind them -- two groups, one
+            # batch in flight while the other gathers (the broker stores one while this
+            # thread runs the other's senders). The larger group gives some to the other.
+            g = len(b.msgs)
+            self._dispatch(b, max((g + answered + 1) // 2, PIPELINE_MIN))
+            if self.flush_now is not None:
+                self.flush_now()
+        elif b.msgs and (b.waiting or b.mq is not None) and not b.inflight and not b.scheduled:
             # At the end of this loop iteration: the senders this answer wakes send their
             # next messages first, and they all leave together.
             b.scheduled = True
