@@ -325,7 +325,9 @@ class Accumulator:
         if waiting:
             b.timer = b.loop.call_at(min(waiting), self._expire, b)
 
-    def _leave(self, b: _Bucket) -> None:
+    def _leave(self, b: _Bucket, flush: bool = True) -> None:
+        """(At the end of a loop iteration, or at a kick: ``flush`` False, the caller writes
+        the frames.) Send what ``b`` gathered, unless it left already."""
         if not b.scheduled:  # left already (kick)
             return
         b.scheduled = False
@@ -339,7 +341,7 @@ class Accumulator:
                 # then on one group's batch is in flight while the other's gathers (_after).
                 self._dispatch(b, (n + 1) // 2)
             self._dispatch(b)
-            if self.flush_now is not None:
+            if flush and self.flush_now is not None:
                 self.flush_now()
 
     @staticmethod
@@ -358,7 +360,7 @@ class Accumulator:
         kicking, self._kicking = self._kicking, None
         for b in self._buckets.values() if kicking is None else kicking:
             if b.scheduled:
-                self._leave(b)
+                self._leave(b, False)
 
     def answer_pending(self, topic: str) -> bool:
         """A batch of ``topic``'s (unpinned) bucket is in flight: ``on_answered`` will be
@@ -477,8 +479,9 @@ class Accumulator:
             return
         self._answered(len(futs))
         if isinstance(futs[0], _Future):
-            # Coroutines: woken first, so that they send again in this loop iteration and
-            # join the bucket before what it gathered leaves (at the end of the iteration).
+            # Coroutines: woken first (they run in the next loop iteration). What gathered
+            # behind this batch leaves now when it is a group of its own (_after: two
+            # alternating groups), else at the end of that iteration, with them.
             split_result(r, futs)
             self._after(b, answered=len(futs))
             return
@@ -490,7 +493,13 @@ class Accumulator:
         try:
             self._after(b, cool=False)
         finally:
-            self.deliver(r, futs)
+            if len(futs) > 1:
+                self.deliver(r, futs)
+            elif not (f0 := futs[0]).done():
+                try:  # (not contextlib.suppress: three calls more, on every lone send)
+                    f0.set_result(r)
+                except _InvalidState:  # cancelled by another thread
+                    pass
 
     async def _resume(self, b: _Bucket, st: Any, msgs: list[Message], futs: list[Any],
                       deadlines: list[float]) -> None:
