@@ -57,6 +57,7 @@ from tidemq.protocol.batch.layout import (
     crc32c,
 )
 from tidemq.protocol.batch.tags import tag_hash
+from tidemq.protocol.batch.varied import varied_records
 
 __all__ = ["OutgoingMessage", "encode_messages", "encode_plain_columns"]
 
@@ -186,7 +187,9 @@ def encode_messages(
     if n > _SMALL:
         # One allocation, one copy of every payload: the sections joined straight into the
         # batch buffer after room for the headers.
-        parts, index, keys, rec_size = _general_records(messages, born_ts, max_properties_size)
+        got = varied_records(messages, born_ts, max_properties_size)
+        parts, index, keys, rec_size = got if got is not None else _general_records(
+            messages, born_ts, max_properties_size)
         buf = bytearray().join([bytes(q), index, keys, *parts])
         return _seal(buf, p, topic_b, queue_id, producer_id, base_seq, born_host, born_port,
                      n, len(keys), rec_size, delay, deliver_at)
