@@ -7,7 +7,7 @@ Why hand-written (measured, docs/producer-path.md): a Python loop over the messa
 ``send_async`` of 200 k varied messages spent half of its client CPU there. Here no Python code
 runs per message:
 
-- each field is read for all messages at once (``map`` of an ``attrgetter``);
+- the caller reads every field of all messages in one pass (``map`` of an ``attrgetter``);
 - tags' bytes and hashes come from two dicts (tags are few);
 - all properties of the batch are one ``str.join`` (``name 0x01 value 0x02`` per property, the
   format's encoding), encoded once; each message's share is found from the positions of the
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import chain
-from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -45,10 +44,6 @@ from tidemq.protocol.batch.tags import tag_hash
 
 __all__ = ["varied_records"]
 
-_BODY = attrgetter("body")
-_TAGS = attrgetter("tags")
-_PROPS = attrgetter("properties")
-_KEYS = attrgetter("keys")
 _R = RECORD_HEADER_SIZE
 _KE = KEYS_ENTRY.size
 _KE_DTYPE = np.dtype([("i", "<u4"), ("n", "<u2")])
@@ -79,10 +74,9 @@ def _learn_tags(tags: list[Any]) -> bool:
     return True
 
 
-def _properties(messages: Sequence[Any], max_props: int
+def _properties(props: Sequence[Any], max_props: int
                 ) -> tuple[bytes, np.ndarray, np.ndarray] | None:
     """(all properties' bytes, start and length of each message's share) or None."""
-    props = list(map(_PROPS, messages))
     if None in props:
         props = [p if p is not None else _EMPTY for p in props]
     try:
@@ -108,9 +102,8 @@ def _properties(messages: Sequence[Any], max_props: int
     return pb, start, pl
 
 
-def _keys_section(messages: Sequence[Any]) -> bytes | None:
+def _keys_section(messages: Sequence[Any], keys: Sequence[Any]) -> bytes | None:
     """The keys section (entry + keys' bytes for each message that has keys) or None."""
-    keys = list(map(_KEYS, messages))
     kinds = set(map(type, keys))
     if kinds == {_NONE_T}:
         return b""
@@ -144,13 +137,15 @@ def _keys_section(messages: Sequence[Any]) -> bytes | None:
     return out.tobytes()
 
 
-def varied_records(messages: Sequence[Any], born_ts: int, max_props: int
-                   ) -> tuple[list[bytes], bytes, bytes, int] | None:
-    """(records as parts to join, index, keys section, records size) of ``messages``, or None
-    when the reference loop must do it. Raises ValueError for properties over ``max_props``
-    or keys over 65535 bytes."""
+def varied_records(
+    messages: Sequence[Any], tags: Sequence[Any], props: Sequence[Any], keys: Sequence[Any],
+    bodies: Sequence[bytes], born_ts: int, max_props: int,
+) -> tuple[list[bytes], bytes, bytes, int] | None:
+    """(records as parts to join, index, keys section, records size) of ``messages``, whose
+    tags, properties, keys and bodies are given as columns, or None when the reference loop
+    must do it. Raises ValueError for properties over ``max_props`` or keys over 65535
+    bytes."""
     n = len(messages)
-    tags = list(map(_TAGS, messages))
     try:
         tbs: list[Any] = list(map(_tag_bytes.get, tags))
         if None in tbs:
@@ -160,14 +155,13 @@ def varied_records(messages: Sequence[Any], born_ts: int, max_props: int
         hashes = np.fromiter(map(_tag_hashes.__getitem__, tags), np.uint64, n)
     except TypeError:  # an unhashable tag
         return None
-    got = _properties(messages, max_props)
+    got = _properties(props, max_props)
     if got is None:
         return None
     pb, pstart, pl = got
-    keys = _keys_section(messages)
-    if keys is None:
+    keys_b = _keys_section(messages, keys)
+    if keys_b is None:
         return None
-    bodies = list(map(_BODY, messages))
     tl = np.fromiter(map(len, tbs), np.int64, n)
     bl = np.fromiter(map(len, bodies), np.int64, n)
     plen = tl + pl + _R  # a record's prefix: header, tags, properties
@@ -197,4 +191,4 @@ def varied_records(messages: Sequence[Any], born_ts: int, max_props: int
     parts: list[bytes] = [b""] * (2 * n)
     parts[0::2] = map(pre.__getitem__, map(slice, pat.tolist(), pend.tolist()))
     parts[1::2] = bodies
-    return parts, idx.tobytes(), keys, int(ends[-1])
+    return parts, idx.tobytes(), keys_b, int(ends[-1])
