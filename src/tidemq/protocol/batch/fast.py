@@ -162,7 +162,7 @@ def encode_messages(
     q = p + PRODUCER_HEADER_SIZE
     # Every field of every message read in one pass, no Python code per message (the
     # messages are cold in the CPU's cache: each further pass over them costs about as much).
-    tags, props, keys, bodies, delays, delivers = zip(*map(_FIELDS, messages))
+    tags, props, keys, bodies, delays, delivers = zip(*map(_FIELDS, messages), strict=True)
     delayed = any(delays) or any(delivers)
     plain = not (delayed or any(tags) or any(props) or any(keys))
     if plain and compression == Compression.NONE and n > _SMALL:
