@@ -162,9 +162,9 @@ def encode_messages(
     q = p + PRODUCER_HEADER_SIZE
     # Every field of every message read in one pass, no Python code per message (the
     # messages are cold in the CPU's cache: each further pass over them costs about as much).
-    tags, props, keys, bodies, delays, delivers = zip(*map(_FIELDS, messages), strict=True)
+    tags_c, props_c, keys_c, bodies, delays, delivers = zip(*map(_FIELDS, messages), strict=True)
     delayed = any(delays) or any(delivers)
-    plain = not (delayed or any(tags) or any(props) or any(keys))
+    plain = not (delayed or any(tags_c) or any(props_c) or any(keys_c))
     if plain and compression == Compression.NONE and n > _SMALL:
         # A large plain batch is written straight into its final buffer (no extra copies).
         lens = np.fromiter(map(len, bodies), dtype=np.int64, count=n)
@@ -190,7 +190,7 @@ def encode_messages(
     if n > _SMALL:
         # One allocation, one copy of every payload: the sections joined straight into the
         # batch buffer after room for the headers.
-        got = varied_records(messages, tags, props, keys, bodies, born_ts,
+        got = varied_records(messages, tags_c, props_c, keys_c, bodies, born_ts,
                              max_properties_size)
         parts, index, keys, rec_size = got if got is not None else _general_records(
             messages, born_ts, max_properties_size)
@@ -367,7 +367,7 @@ def _seal(
 
 
 def _plain_into(
-    buf: bytearray, idx_at: int, rec_at: int, bodies: list[bytes], lens: np.ndarray,
+    buf: bytearray, idx_at: int, rec_at: int, bodies: Sequence[bytes], lens: np.ndarray,
     born_ts: int,
 ) -> None:
     """Index and records of messages with no tags, keys or properties, written into ``buf``."""

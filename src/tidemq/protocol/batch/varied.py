@@ -59,7 +59,7 @@ _tag_hashes: dict[str | None, int] = {None: 0, "": 0}
 _TAGS_MAX = 65536
 
 
-def _learn_tags(tags: list[Any]) -> bool:
+def _learn_tags(tags: Sequence[Any]) -> bool:
     """Cache the tags not cached yet; False when one is too long, not a str, or the cache is
     full (the caller then takes the reference loop)."""
     for t in set(tags):
