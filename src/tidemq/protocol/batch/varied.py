@@ -5,19 +5,21 @@ batch of more than a few messages with tags, keys or properties.
 Why hand-written (measured, docs/producer-path.md): a Python loop over the messages costs
 ~1.5-2 µs per message in attribute reads, a properties join, a ``struct.pack`` and list stores;
 ``send_async`` of 200 k varied messages spent half of its client CPU there. Here no Python code
-runs per message:
+runs per message, and a batch makes only a few numpy calls (each costs ~1 µs, which a batch of
+~125 messages of ~1 KiB, what ``batch_max_bytes`` lets through, feels):
 
 - the caller reads every field of all messages in one pass (``map`` of an ``attrgetter``);
 - tags' bytes and hashes come from two dicts (tags are few);
 - all properties of the batch are one ``str.join`` (``name 0x01 value 0x02`` per property, the
-  format's encoding), encoded once; each message's share is found from the positions of the
-  0x02 bytes and the number of properties of each message (UTF-8 never has 0x01/0x02 inside a
-  character, so byte positions are exact). A name or value holding a separator shows as more
+  format's encoding), encoded once; each message's share is a slice whose ends come from the
+  lengths of the properties (ASCII) or from the positions of the 0x02 bytes (UTF-8 never has
+  0x01/0x02 inside a character). A name or value holding a separator shows as more
   separators than properties;
-- the record headers, tags and properties of all messages (the *prefixes*) are scattered into
-  one array with numpy (a few dozen bytes per message), the keys section likewise; only the
-  prefixes are sliced per message, and ``bytes.join`` interleaves them with the bodies (one copy
-  of each body, straight into the batch).
+- the record headers are ``struct.pack`` mapped over the columns; the keys section is one join
+  of entries from two tables of little-endian integers and the keys' bytes; the index is one
+  numpy structured array;
+- the caller's ``bytes.join`` copies the records' parts (header, tag, properties, body of each
+  message) straight into the batch: one copy of each body.
 
 Anything irregular (properties that are not ``dict[str, str]`` or hold a separator, a cache
 full of tags, strings that do not encode) returns None, and the caller uses
@@ -26,18 +28,18 @@ the per-message reference loop, which names the offending message.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from itertools import chain
+from collections.abc import Iterator, Sequence
+from itertools import accumulate, chain, compress, repeat
+from operator import add, sub
 from typing import Any
 
 import numpy as np
 
 from tidemq.protocol.batch.codec import properties_over_limit
 from tidemq.protocol.batch.layout import (
-    ARANGE_REC,
     IDX_DTYPE,
     KEYS_ENTRY,
-    REC_DTYPE,
+    RECORD_HEADER,
     RECORD_HEADER_SIZE,
 )
 from tidemq.protocol.batch.tags import tag_hash
@@ -45,10 +47,13 @@ from tidemq.protocol.batch.tags import tag_hash
 __all__ = ["varied_records"]
 
 _R = RECORD_HEADER_SIZE
-_KE = KEYS_ENTRY.size
-_KE_DTYPE = np.dtype([("i", "<u4"), ("n", "<u2")])
-assert _KE_DTYPE.itemsize == _KE
-_ARANGE_KE = np.arange(_KE, dtype=np.int64)
+_PACK_RECORD = RECORD_HEADER.pack
+assert KEYS_ENTRY.format == "<IH"
+#: index -> its u32 and length -> its u16, little-endian: the keys section's entries are joined
+#: from these (grown on demand, up to _TABLE_MAX messages per batch)
+_U32: list[bytes] = []
+_U16: list[bytes] = []
+_TABLE_MAX = 65536
 _NONE_T = type(None)
 _EMPTY: dict[str, str] = {}
 _items = dict.items
@@ -74,32 +79,35 @@ def _learn_tags(tags: Sequence[Any]) -> bool:
     return True
 
 
-def _properties(props: Sequence[Any], max_props: int
-                ) -> tuple[bytes, np.ndarray, np.ndarray] | None:
-    """(all properties' bytes, start and length of each message's share) or None."""
+def _properties(props: Sequence[Any], max_props: int) -> tuple[list[bytes], list[int]] | None:
+    """(each message's properties' bytes, their lengths) or None."""
     if None in props:
         props = [p if p is not None else _EMPTY for p in props]
     try:
-        counts = np.fromiter(map(len, props), np.int64, len(props))
-        s = "\x02".join(map(_join_item, chain.from_iterable(map(_items, props))))
+        items = list(map(_join_item, chain.from_iterable(map(_items, props))))
+        s = "\x02".join(items)
         pb = s.encode()
     except (TypeError, ValueError):  # not dicts of str, or a string that does not encode
         return None
-    nitems = int(counts.sum())
-    if nitems:
-        pb += b"\x02"
-        if pb.count(1) != nitems or pb.count(2) != nitems:
-            return None  # a separator inside a name or value
-    ends = np.zeros(nitems + 1, np.int64)
-    ends[1:] = np.flatnonzero(np.frombuffer(pb, np.uint8) == 2)
-    ends[1:] += 1
-    last = np.cumsum(counts)
-    start = ends[last - counts]
-    pl = ends[last] - start
-    if nitems and int(pl.max()) > max_props:
-        i = int(np.argmax(pl > max_props))
-        raise ValueError(properties_over_limit(i, int(pl[i]), max_props))
-    return pb, start, pl
+    nitems = len(items)
+    bounds = list(accumulate(map(len, props), initial=0))
+    if not nitems:
+        return [b""] * (len(bounds) - 1), [0] * (len(bounds) - 1)
+    pb += b"\x02"
+    if pb.count(1) != nitems or pb.count(2) != nitems:
+        return None  # a separator inside a name or value
+    if len(pb) == len(s) + 1:  # ASCII: one byte a character
+        item_ends = list(accumulate(map(add, map(len, items), repeat(1)), initial=0))
+    else:
+        item_ends = [0, *(np.flatnonzero(np.frombuffer(pb, np.uint8) == 2) + 1).tolist()]
+    ends = list(map(item_ends.__getitem__, bounds))
+    starts = ends[:-1]
+    del ends[0]
+    pl = list(map(sub, ends, starts))
+    if max(pl) > max_props:
+        i = next(i for i, x in enumerate(pl) if x > max_props)
+        raise ValueError(properties_over_limit(i, pl[i], max_props))
+    return list(map(pb.__getitem__, map(slice, starts, ends))), pl
 
 
 def _keys_section(messages: Sequence[Any], keys: Sequence[Any]) -> bytes | None:
@@ -117,24 +125,32 @@ def _keys_section(messages: Sequence[Any], keys: Sequence[Any]) -> bytes | None:
         kbs = list(map(str.encode, keys))
     except ValueError:
         return None
-    kl = np.fromiter(map(len, kbs), np.int64, len(kbs))
-    if int(kl.max()) > 0xFFFF:
+    kl = list(map(len, kbs))
+    top = max(kl)
+    if top > 0xFFFF:
         raise ValueError("keys must be at most 65535 bytes")
-    sel = np.flatnonzero(kl)
-    if not len(sel):
+    if not top:
         return b""
-    kl = kl[sel]
-    kall = b"".join(kbs)
-    size = kl + _KE
-    at = np.cumsum(size) - size
-    out = np.empty(len(kall) + _KE * len(sel), np.uint8)
-    ent = np.empty(len(sel), _KE_DTYPE)
-    ent["i"] = sel
-    ent["n"] = kl
-    out[(at[:, None] + _ARANGE_KE).ravel()] = ent.view(np.uint8)
-    out[np.repeat(at + _KE - (np.cumsum(kl) - kl), kl) + np.arange(len(kall))] = \
-        np.frombuffer(kall, np.uint8)
-    return out.tobytes()
+    n = len(kbs)
+    if n > _TABLE_MAX:
+        return None
+    _grow(_U16, top + 1, 2)
+    _grow(_U32, n, 4)
+    at: Iterator[bytes]
+    if 0 in kl:  # messages without keys have no entry
+        kbs = list(compress(kbs, kl))
+        at = map(_U32.__getitem__, compress(range(n), kl))
+        kl = list(compress(kl, kl))
+    else:
+        at = iter(_U32[:n])
+    # entry (message index u32, length u16) and keys' bytes of each message, one join
+    return b"".join(chain.from_iterable(zip(at, map(_U16.__getitem__, kl), kbs, strict=True)))
+
+
+def _grow(table: list[bytes], size: int, width: int) -> None:
+    """Extend a table of little-endian integers (index -> its ``width`` bytes) to ``size``."""
+    if len(table) < size:
+        table.extend([i.to_bytes(width, "little") for i in range(len(table), size)])
 
 
 def varied_records(
@@ -152,43 +168,29 @@ def varied_records(
             if not _learn_tags(tags):
                 return None
             tbs = list(map(_tag_bytes.get, tags))
-        hashes = np.fromiter(map(_tag_hashes.__getitem__, tags), np.uint64, n)
+        hashes = list(map(_tag_hashes.__getitem__, tags))
     except TypeError:  # an unhashable tag
         return None
     got = _properties(props, max_props)
     if got is None:
         return None
-    pb, pstart, pl = got
+    pbs, pl = got
     keys_b = _keys_section(messages, keys)
     if keys_b is None:
         return None
-    tl = np.fromiter(map(len, tbs), np.int64, n)
-    bl = np.fromiter(map(len, bodies), np.int64, n)
-    plen = tl + pl + _R  # a record's prefix: header, tags, properties
-    pend = np.cumsum(plen)
-    pat = pend - plen
-    prefixes = np.empty(int(pend[-1]), np.uint8)
-    hdr = np.zeros(n, dtype=REC_DTYPE)
-    sizes = plen + bl - 4
-    hdr["size"] = sizes
-    hdr["born_ts"] = born_ts
-    hdr["tl"] = tl
-    hdr["pl"] = pl
-    hdr["bl"] = bl
-    prefixes[(pat[:, None] + ARANGE_REC).ravel()] = hdr.view(np.uint8)
-    tall = b"".join(tbs)
-    if tall:
-        prefixes[np.repeat(pat + _R - (np.cumsum(tl) - tl), tl) + np.arange(len(tall))] = \
-            np.frombuffer(tall, np.uint8)
-    if len(pb):
-        prefixes[np.repeat(pat + _R + tl - pstart, pl) + np.arange(len(pb))] = \
-            np.frombuffer(pb, np.uint8)
+    tl = list(map(len, tbs))
+    bl = list(map(len, bodies))
+    # record_size (the bytes after the field): header - 4 + tags + properties + body
+    sizes = list(map(add, map(add, map(add, tl, pl), bl), repeat(_R - 4)))
+    zero = repeat(0)
+    hdrs = list(map(_PACK_RECORD, sizes, repeat(born_ts), zero, tl, zero, pl, bl))
+    ends = list(accumulate(map(add, sizes, repeat(4)), initial=0))
     idx = np.empty(n, dtype=IDX_DTYPE)
     idx["hash"] = hashes
-    ends = np.cumsum(sizes + 4)
-    idx["rel"] = ends - (sizes + 4)
-    pre = prefixes.tobytes()
-    parts: list[bytes] = [b""] * (2 * n)
-    parts[0::2] = map(pre.__getitem__, map(slice, pat.tolist(), pend.tolist()))
-    parts[1::2] = bodies
-    return parts, idx.tobytes(), keys_b, int(ends[-1])
+    idx["rel"] = ends[:-1]
+    parts: list[bytes] = [b""] * (4 * n)
+    parts[0::4] = hdrs
+    parts[1::4] = tbs
+    parts[2::4] = pbs
+    parts[3::4] = bodies
+    return parts, idx.tobytes(), keys_b, ends[-1]
