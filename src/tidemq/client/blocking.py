@@ -217,6 +217,41 @@ class _LoopHost:
         self._lent.acquire()
         return True
 
+    def drive(self, put: Callable[[Message, dict[str, Any], Any], None], msg: Message,
+              options: dict[str, Any], d: _Driven) -> None:
+        """(The borrower, between enter_send and leave_driven.) ``put`` the message, then run
+        the loop on this thread until ``d`` has its answer.
+
+        The loop's iterations (``_run_once``) are run here under one running-loop mark, not
+        through ``run_forever`` and a ``put`` marked running apart: ``run_forever``'s set-up
+        and tear-down (asyncgen hooks, coroutine origin tracking, the running-loop mark, each
+        ``_set_running_loop`` a ``getpid`` system call on Python 3.11) cost more than the
+        iteration that waits for the answer. Async generators first iterated here are not
+        registered with the loop for ``shutdown_asyncgens`` (the facade's loops are never
+        shut down: daemon threads). Where the loop has no ``_run_once`` (not the stock
+        asyncio loop), ``run_forever`` until ``d`` stops it."""
+        loop = self.loop
+        run_once = getattr(loop, "_run_once", None)
+        if run_once is None:  # pragma: no cover - the producers' loop is the stock one
+            asyncio_events._set_running_loop(loop)
+            try:
+                put(msg, options, d)
+            finally:
+                asyncio_events._set_running_loop(None)
+            while not d._done:
+                loop.run_forever()
+            return
+        loop._thread_id = threading.get_ident()  # type: ignore[attr-defined]  # is_running()
+        asyncio_events._set_running_loop(loop)
+        try:
+            put(msg, options, d)
+            while not d._done:
+                run_once()
+        finally:
+            loop._stopping = False  # type: ignore[attr-defined]  # d's loop.stop()
+            loop._thread_id = None  # type: ignore[attr-defined]
+            asyncio_events._set_running_loop(None)
+
     def leave_handed(self) -> None:
         with self._mu:
             self._users -= 1
@@ -416,19 +451,15 @@ class _Inbox:
             self._loop.call_soon_threadsafe(self._drain)
 
     def put_driven(self, msg: Message, options: dict[str, Any], sink: Any) -> None:
-        """:meth:`put` by the thread that holds the loop, about to run it: the hand-over and
-        the write happen here and now, on this thread, as the loop would run them (it is
-        marked running for them), which saves the loop the iteration (and the ``epoll``
-        call) that would run the drain."""
+        """:meth:`put` by the thread that holds the loop and runs it (see _LoopHost.drive):
+        the hand-over and the write happen here and now, on this thread, as the loop would
+        run them, which saves the loop the iteration (and the ``epoll`` call) that would
+        run the drain."""
         self._items.append((msg, options, sink, True))
         if self._armed:
             return  # a drain is queued (another thread's put): it takes this one too
         self._armed = True
-        asyncio_events._set_running_loop(self._loop)
-        try:
-            self._drain()
-        finally:
-            asyncio_events._set_running_loop(None)
+        self._drain()
 
     def _answered(self) -> None:
         """(On the loop.) A batch of the producer was answered: take what gathered."""
@@ -445,6 +476,8 @@ class _Inbox:
         aio = self._aio
         hand_over = aio._hand_over
         acc = aio.accumulator
+        pool = aio.pool
+        pool.cork()  # the frames are written below, not by a call_soon each
         acc.handing_over()
         try:
             while items:
@@ -452,8 +485,10 @@ class _Inbox:
                 hand_over(msg, options, sink, wait)
         finally:
             self._draining = False
-            acc.kick()
-        aio.pool.flush_now()
+            try:
+                acc.kick()
+            finally:
+                pool.flush_now()
 
 
 # Bumped in a child after fork(): a facade built before it rebuilds its asyncio twin there
@@ -540,10 +575,7 @@ class Producer(_Facade):
             d = _Driven(host.loop)
             clean = False
             try:
-                self._inbox.put_driven(msg, options, d)
-                loop = host.loop
-                while not d._done:
-                    loop.run_forever()
+                host.drive(self._inbox.put_driven, msg, options, d)
                 clean = True
             finally:
                 if not clean:

@@ -22,6 +22,11 @@ it is a new pull request that replaces the old one here and on the broker. A fai
 returns its queues and every standing one to the pull service's error handling (retry after
 its delay); a broker without PULL_MULTI_QUEUE makes them pull queue by queue.
 
+The lite pull consumer drives its queues with the same class (client/lite_pulls.py): the
+"pull service" and "pull request" above are then ``LitePulls`` and the consumer's ``_Queue``,
+which offer the same calls (``multi_pull_of``, ``on_result``, ``on_standing``, ``execute_now``,
+``failed``; ``mq``, ``broker_id``, ``pq.standing``, ``pq.dropped``).
+
 Threading: the consumer's event loop only.
 """
 
@@ -183,6 +188,8 @@ class PullDriver:
             if stand and r.code == _NOT_FOUND:
                 self.standing[key] = req  # held on the broker: answered when woken
                 req.pq.standing = True
+                if r.start_offset >= 0:  # a start the broker resolved (a lite consumer's)
+                    self.s.on_standing(req, r)
                 continue
             self._result(key, req, r, part)
         for w in h.woken:
