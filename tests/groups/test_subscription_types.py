@@ -473,3 +473,38 @@ def test_key_shared_orders_by_sharding_key_before_keys_and_spreads_keyless(dev) 
             assert set(owner.values()) == {"a", "b"}  # 12 groups spread over both
 
     asyncio.run(main())
+
+
+def test_a_consumer_started_paused_joins_but_pops_nothing_until_resumed(dev) -> None:
+    """``start_paused`` (Pulsar's startPaused): the consumer is a member of the subscription
+    but takes no message until ``resume()``; ``pause()`` stops it again."""
+    topic, sub = "st_paused", "st_paused_s"
+    with tidemq.Admin(dev.namesrv) as admin:
+        admin.create_topic(topic, 2)
+
+    async def drain(c: aio.Consumer, n: int) -> list[bytes]:
+        got: list[bytes] = []
+        while len(got) < n:
+            m = await c.receive(5.0)
+            assert m is not None, f"{len(got)} of {n}"
+            got.append(m.body)
+            await c.acknowledge(m)
+        return got
+
+    async def main() -> None:
+        async with _consumer(dev, topic, sub, "Shared", "paused-a", start_paused=True) as a, \
+                _consumer(dev, topic, sub, "Shared", "running-b") as b:
+            assert a.paused and not b.paused
+            async with aio.Admin(dev.namesrv) as admin:  # joined: a member already
+                assert (await admin.group_info(sub)).members == ["paused-a", "running-b"]
+            _send(dev.namesrv, topic, [f"x{i}" for i in range(20)])
+            assert sorted(await drain(b, 20)) == sorted(f"x{i}".encode() for i in range(20))
+            assert a.stats()["queued"] == 0 and await a.receive(0.2) is None
+            b.pause()
+            await asyncio.sleep(0.5)  # b's held pop (await_duration 0.3 s) has ended
+            a.resume()
+            _send(dev.namesrv, topic, [f"y{i}" for i in range(10)])
+            assert sorted(await drain(a, 10)) == sorted(f"y{i}".encode() for i in range(10))
+            assert b.stats()["queued"] == 0 and await b.receive(0.2) is None
+
+    asyncio.run(main())

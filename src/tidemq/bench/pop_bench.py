@@ -21,7 +21,12 @@ whatever else it did meanwhile).
 With ``subscription_types`` (``--subscription-type Shared --subscription-type Key_Shared``) the
 backlog is produced once, with keys (``order-<i>``, 1000 distinct per produced batch), tags and
 properties, and drained once per type by a fresh group of N Pulsar-style ``aio.Consumer``
-processes (``initial_position="earliest"``, default receiver queue of 1000): each loops
+processes (``initial_position="earliest"``, default receiver queue of 1000). Each joins the
+subscription paused (``start_paused``) and resumes on ``go``, once every member has joined:
+the drain is timed with the whole membership, as the SimpleConsumer run is -- a member whose
+process started late would otherwise join mid-drain, which a key-shared subscription pays for
+(its keys were routed to the others meanwhile, and the recently-joined rule holds it back
+until what was read before it joined is acked) and a shared one does not. Each loops
 ``batch_receive(pop_batch)`` and acks every message with its own ``acknowledge`` (grouped into
 frames by the client). "SimpleConsumer" drains it with SimpleConsumers as above. The result
 holds one entry per run and ``key_shared_vs_shared``, the ratio of their rates (same backlog,
@@ -43,7 +48,7 @@ from tidemq.client.subscription_consumer import Consumer
 
 __all__ = ["bench_pop"]
 
-_SLOTS = 5  # per member: acked, redelivered, stale, last time, cpu seconds
+_SLOTS = 7  # per member: acked, redelivered, stale, last time, cpu seconds, first time, ready
 _REPORT = 0.005
 
 
@@ -58,6 +63,8 @@ async def _receive_loop(receive: Any, ack: Any, stale: Any, arr: Any, base: int,
         msgs = await receive()
         if not msgs:
             continue
+        if not acked:
+            arr[base + 5] = time.monotonic()
         redelivered += sum(1 for m in msgs if m.delivery_attempt > 1)
         results = await asyncio.gather(*[ack(m) for m in msgs], return_exceptions=True)
         acked += sum(1 for r in results if r is None)
@@ -75,6 +82,7 @@ async def _member(namesrv: str, group: str, topic: str, pop_batch: int, invisibl
     async with SimpleConsumer(namesrv, group, await_duration=0.5, init_mode="earliest") as c:
         c.subscribe(topic)
         await c.routes.get(topic)
+        arr[i * _SLOTS + 6] = 1  # ready: the parent sets ``go`` once every member is
         while not go.is_set():
             await asyncio.sleep(0.001)
         await _receive_loop(lambda: c.receive(pop_batch, invisible), c.ack_nowait,
@@ -84,11 +92,15 @@ async def _member(namesrv: str, group: str, topic: str, pop_batch: int, invisibl
 async def _typed_member(namesrv: str, group: str, topic: str, pop_batch: int,
                         invisible: float, arr: Any, i: int, go: Any, stop: Any,
                         sub_type: str) -> None:
-    while not go.is_set():
-        await asyncio.sleep(0.001)
+    # every member joins the subscription (paused: no pop yet) before ``go``, so the drain
+    # starts with the whole membership, whatever each process's start-up took
     async with Consumer(namesrv, topic, group, subscription_type=sub_type,
                         consumer_name=f"bench-{i}", initial_position="earliest",
-                        ack_timeout=invisible, await_duration=0.5) as c:
+                        ack_timeout=invisible, await_duration=0.5, start_paused=True) as c:
+        arr[i * _SLOTS + 6] = 1
+        while not go.is_set():
+            await asyncio.sleep(0.001)
+        c.resume()
         await _receive_loop(lambda: c.batch_receive(pop_batch, timeout=0.2), c.acknowledge_nowait,
                      lambda: c.stats()["stale_acks"], arr, i * _SLOTS, stop)
 
@@ -178,7 +190,13 @@ def _drain(*, namesrv: str, topic: str, group: str | None, kind: str, consumers:
              for i in range(consumers)]
     for p in procs:
         p.start()
-    time.sleep(3.0)  # spawned interpreters import tidemq and connect
+    # spawned interpreters import tidemq, connect and join (each sets its ready slot)
+    deadline = time.monotonic() + 60
+    while not all(arr[i * _SLOTS + 6] for i in range(consumers)):
+        if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
+            break
+        time.sleep(0.01)
+    time.sleep(0.5)
     before = run_loop(_brokers_counters(namesrv, topic))
     t_go = time.monotonic()
     go.set()
@@ -227,4 +245,9 @@ def _drain(*, namesrv: str, topic: str, group: str | None, kind: str, consumers:
         "pops_per_1k": round(moved["pop_requests"] * 1000 / max(done, 1), 2),
         "answers_per_1k": round(moved["pop_answers"] * 1000 / max(done, 1), 2),
         "held_tries_per_1k": round(moved["pop_held_tries"] * 1000 / max(done, 1), 2),
+        # per member: messages acked, seconds from go to its first and its last message
+        "member_acked": [int(arr[i * _SLOTS]) for i in range(consumers)],
+        "member_first_s": [round(max(arr[i * _SLOTS + 5] - t_go, 0.0), 3)
+                           for i in range(consumers)],
+        "member_last_s": [round(max(x - t_go, 0.0), 3) for x in lasts],
     }

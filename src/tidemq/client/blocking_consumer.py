@@ -52,6 +52,19 @@ class Consumer(_Facade):
              timestamp: float | None = None) -> dict[str, dict[int, int]]:
         return _run(self._aio.seek(message, timestamp=timestamp))
 
+    def pause(self) -> None:
+        """Stop popping until :meth:`resume` (see ``tidemq.aio.Consumer.pause``)."""
+        async def go() -> None:
+            self._aio.pause()
+
+        _run(go())
+
+    def resume(self) -> None:
+        async def go() -> None:
+            self._aio.resume()
+
+        _run(go())
+
     def stats(self) -> dict[str, Any]:
         async def go() -> dict[str, Any]:
             return self._aio.stats()

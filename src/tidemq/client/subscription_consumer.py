@@ -22,7 +22,9 @@ to the others.
 **Receiver queue with flow permits** (Pulsar's ``receiverQueueSize``, 1000): a background task
 pops for the consumer only as many messages as its queue has room for, and asks again once
 half the queue was taken by :meth:`receive`; the messages in the queue are invisible to the
-group while they wait there.
+group while they wait there. :meth:`pause` stops the pops (what the queue holds can still be
+received) until :meth:`resume`; ``start_paused=True`` joins the subscription without popping
+(Pulsar's ``startPaused``): a set of consumers can all join first and then start together.
 
 **Acks**: :meth:`acknowledge` (one message), :meth:`acknowledge_cumulative` (every message of
 that queue received and not acked yet, up to and including it; Exclusive and Failover only),
@@ -91,6 +93,7 @@ class Consumer:
         await_duration: float = 5.0,
         request_timeout: float = DEFAULT_TIMEOUT,
         pool: ConnectionPool | None = None,
+        start_paused: bool = False,
     ) -> None:
         if subscription_type not in SUBSCRIPTION_TYPES:
             raise ValueError(f"subscription_type must be one of {', '.join(SUBSCRIPTION_TYPES)}")
@@ -123,6 +126,9 @@ class Consumer:
         self._queue: collections.deque[ReceivedMessage] = collections.deque()
         self._arrived = asyncio.Event()  # the queue got messages (or an error)
         self._room = asyncio.Event()  # receive() made room: the fetcher may ask for more
+        self._resumed = asyncio.Event()  # clear while paused: the fetcher pops no more
+        if not start_paused:
+            self._resumed.set()
         self._unacked: dict[_QueueKey, dict[int, ReceivedMessage]] = {}
         self._generation = 0  # moved by seek: a pop answered across it is dropped
         self._error: BaseException | None = None
@@ -171,6 +177,19 @@ class Consumer:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def pause(self) -> None:
+        """Stop popping (a pop already sent is still answered and queued); the receiver
+        queue's messages can still be received. Until :meth:`resume`."""
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        """Pop again after :meth:`pause` (or ``start_paused``)."""
+        self._resumed.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._resumed.is_set()
+
     # -- background: the receiver queue -----------------------------------------------------------
     def _fail(self, exc: BaseException) -> None:
         self._error = exc
@@ -182,6 +201,9 @@ class Consumer:
         size = self.receiver_queue_size
         refill = max(1, size // 2)
         while True:
+            if not self._resumed.is_set():
+                await self._resumed.wait()
+                continue
             free = size - len(self._queue)
             if free < refill and self._queue:
                 self._room.clear()
