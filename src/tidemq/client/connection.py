@@ -44,6 +44,7 @@ import struct
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from tidemq.base.gc_tune import tune_gc
 from tidemq.base.malloc import tune_malloc
 from tidemq.client.errors import (
     ClientClosedError,
@@ -149,6 +150,7 @@ class Connection(asyncio.BufferedProtocol):
         self._drained: asyncio.Future[None] | None = None  # set while writing is paused
         self._wbuf: list[Any] = []  # frames queued in this loop iteration (see _write)
         self._flush_scheduled = False
+        self._corked = False  # _flush_scheduled is set by the pool's cork, not a call_soon
         self._partial_since = 0.0  # loop time the partial frame being received started; 0: none
         self.closed: asyncio.Future[None] = self._loop.create_future()
         self._read_view = memoryview(bytearray(READ_SIZE))
@@ -481,6 +483,7 @@ class ConnectionPool:
         on_request: Callable[[Connection, Frame], None] | None = None,
     ) -> None:
         tune_malloc()  # pull answers and bodies reuse heap pages (tidemq.base.malloc)
+        tune_gc()  # batches' small objects die young, uncollected (tidemq.base.gc_tune)
         self.connect_timeout = connect_timeout
         #: Handler of peer -> client requests, given to every connection (see Connection).
         self.on_request = on_request
@@ -489,9 +492,22 @@ class ConnectionPool:
         self._connecting: dict[str, asyncio.Future[Connection]] = {}
         self._closed = False
 
-    def flush_now(self) -> None:
-        """:meth:`Connection.flush_now` of every connection of the pool."""
+    def cork(self) -> None:
+        """Until :meth:`flush_now`, the frames written on this pool's connections wait for it
+        instead of scheduling their end-of-iteration write (a ``call_soon`` each, and a loop
+        iteration -- an ``epoll_wait`` -- to run it after the frame was already written): for
+        a caller that writes and then calls :meth:`flush_now` in the same callback (the
+        blocking facade's inbox). Call :meth:`flush_now` in a ``finally``."""
         for c in self._conns.values():
+            if not c._flush_scheduled:
+                c._flush_scheduled = c._corked = True
+
+    def flush_now(self) -> None:
+        """:meth:`Connection.flush_now` of every connection of the pool (and the end of a
+        :meth:`cork`)."""
+        for c in self._conns.values():
+            if c._corked:
+                c._corked = c._flush_scheduled = False
             if c._wbuf:
                 c.flush_now()
 

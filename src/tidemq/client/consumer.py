@@ -55,16 +55,16 @@ import functools
 import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tidemq.client import chunking, offsets
 from tidemq.client.chunking import ChunkAssembler
 from tidemq.client.codec import decode_pull_body
 from tidemq.client.connection import DEFAULT_TIMEOUT, ConnectionPool, raise_for_error
 from tidemq.client.errors import ClientClosedError
+from tidemq.client.lite_pulls import LitePulls
 from tidemq.client.membership import GroupMembership, make_client_id
 from tidemq.client.message import ConsumeFrom, MessageExt, MessageQueue
-from tidemq.client.multi_pull import MultiPullUnsupported, PullBatcher
 from tidemq.client.rebalance import AllocateStrategy
 from tidemq.client.route import RouteCache
 from tidemq.client.selection import EVERYTHING, Selection
@@ -73,7 +73,6 @@ from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import BrokerError, TidemqError
 from tidemq.protocol.headers import (
     MASTER_ID,
-    MultiQueuePull,
     PullMessageRequestHeader,
     PullMessageResponseHeader,
     PullSysFlag,
@@ -95,10 +94,6 @@ _FATAL_CODES = frozenset({
 
 log = logging.getLogger(__name__)
 
-# consume_from -> MultiQueuePull.resolve (the broker finds a new queue's start)
-_RESOLVE = {ConsumeFrom.FIRST: 1, ConsumeFrom.LAST: 2, ConsumeFrom.TIMESTAMP: 3}
-# a multi pull that did not read the queue (answer full): resolve it at the next pull
-_RETRY_RESOLVE = frozenset({int(ResponseCode.PULL_RETRY_IMMEDIATELY)})
 
 
 class _Queue:
@@ -107,6 +102,7 @@ class _Queue:
     __slots__ = (
         "mq", "pull_offset", "consume_offset", "committed", "chunks", "buffered", "task",
         "paused", "space", "ready", "assembler", "broker_id", "failed", "in_ready",
+        "standing", "dropped", "parked",
     )
 
     def __init__(self, mq: MessageQueue) -> None:
@@ -127,6 +123,14 @@ class _Queue:
         self.broker_id = MASTER_ID  # which broker of the group to pull from (the suggestion)
         self.failed: BrokerError | None = None  # a refusal no retry fixes stopped the queue
         self.in_ready = False  # listed in the consumer's queues with chunks to poll
+        self.standing = False  # held on the broker by a pull driver's standing pull
+        self.dropped = False  # no longer this consumer's (unassigned, or seeked: replaced)
+        self.parked = False  # a pull driver's queue held back by flow control
+
+    @property
+    def pq(self) -> _Queue:
+        """The pull driver's view of the queue's state (the push consumer's ProcessQueue)."""
+        return self
 
 
 class PullConsumer:
@@ -140,7 +144,9 @@ class PullConsumer:
     long a broker holds a pull), ``check_crc`` (True: verify each batch's CRC32C),
     ``max_uncompressed_bytes`` (4 MiB + 64 KiB: the largest records section of one received
     batch, uncompressed; raise it with the broker's ``max_message_size``), ``request_timeout``
-    (3 s for other requests), ``pool``; group membership when subscribing:
+    (3 s for other requests), ``pull_threshold_for_all`` (buffered messages of all queues
+    together before every queue pauses; default ``max(10000, 4 * max_poll_records)``:
+    RocketMQ's pullThresholdForAll), ``pool``; group membership when subscribing:
     ``heartbeat_interval`` (30 s), ``rebalance_interval`` (20 s), ``allocate_strategy``
     (AllocateStrategy.AVG), ``instance_name`` (part of ``client_id``); ``multi_queue_min`` (256:
     with this many assigned queues or more, the pulls to one broker travel together in
@@ -159,6 +165,7 @@ class PullConsumer:
         pull_batch_size: int = 32,
         max_poll_records: int | None = None,
         pull_threshold_per_queue: int | None = None,
+        pull_threshold_for_all: int | None = None,
         suspend_timeout: float = 20.0,
         check_crc: bool = True,
         request_timeout: float = DEFAULT_TIMEOUT,
@@ -189,7 +196,12 @@ class PullConsumer:
         self.pull_batch_size = pull_batch_size
         self.max_poll_records = max_poll_records or max(1000, pull_batch_size)
         self.pull_threshold = pull_threshold_per_queue or max(1000, 4 * pull_batch_size)
+        #: buffered messages of all queues together at which no queue pulls (a consumer of
+        #: 10,000 queues would otherwise buffer up to 10,000 x pull_threshold)
+        self.pull_threshold_all = pull_threshold_for_all or max(10_000,
+                                                                4 * self.max_poll_records)
         self.suspend_timeout = suspend_timeout
+        self.suspend_ms = int(suspend_timeout * 1000)
         self.check_crc = check_crc
         self.chunk_expire = chunk_expire
         self.max_uncompressed_bytes = max_uncompressed_bytes
@@ -209,10 +221,13 @@ class PullConsumer:
             consume_from=self.consume_from.value, strategy=AllocateStrategy(allocate_strategy),
             request_timeout=request_timeout)
         self.route_refresh = route_refresh
-        #: with this many assigned queues or more, pulls to a broker travel together in
-        #: PULL_MULTI_QUEUE requests (client/multi_pull.py); 0 = never
+        #: with this many assigned queues or more, a broker's queues are pulled by one driver
+        #: with standing PULL_MULTI_QUEUE requests (client/lite_pulls.py); 0 = never
         self.multi_queue_min = multi_queue_min
-        self._batchers: dict[str, PullBatcher] = {}
+        #: the pull drivers of the brokers when pulling many queues (client/lite_pulls.py)
+        self._lite = LitePulls(self)
+        self._buffered = 0  # unpolled messages of every queue
+        self._held: set[_Queue] = set()  # queues waiting for the consumer to buffer less
         self._no_resolve = False  # start offsets are looked up queue by queue
         #: start-offset lookups in flight at most (a consumer of 100,000 queues would
         #: otherwise ask for all of them at once and time out)
@@ -297,8 +312,7 @@ class PullConsumer:
         for q in self._queues.values():
             if q.task is not None:
                 q.task.cancel()
-        for b in self._batchers.values():
-            b.close()
+        self._lite.close()
         tasks = self._tasks + [q.task for q in self._queues.values() if q.task is not None]
         if tasks:  # wait, not gather: no future wrapper per task (a task per queue: 100,000)
             await asyncio.wait(tasks)
@@ -386,9 +400,41 @@ class PullConsumer:
             if chunks:  # the rest next time, after the others (round robin)
                 q.in_ready = True
                 ready.append(q)
-            if q.buffered < self.pull_threshold and q.space is not None:
-                q.space.set()
+            if q.buffered < self.pull_threshold:
+                self._wake(q)
+        self._buffered -= len(out)
+        if self._held and self._buffered < self.pull_threshold_all:
+            held, self._held = self._held, set()
+            for q in held:
+                self._wake(q)
         return out
+
+    # -- flow control --------------------------------------------------------------------------
+    def _held_back(self, q: _Queue) -> bool:
+        """Whether ``q`` must not pull now: paused, at ``pull_threshold_per_queue``, or the
+        consumer at ``pull_threshold_for_all`` (then woken when poll frees room)."""
+        if q.paused or q.buffered >= self.pull_threshold:
+            return True
+        if self._buffered >= self.pull_threshold_all:
+            self._held.add(q)
+            return True
+        return False
+
+    def _wake(self, q: _Queue) -> None:
+        """``q`` may pull again (if it waits): its task goes on, or its driver pulls it."""
+        if q.space is not None:
+            q.space.set()
+        if q.parked:
+            q.parked = False
+            self._lite.execute_now(q)
+
+    def _retire(self, q: _Queue) -> None:
+        """``q`` is no longer pulled or polled (unassigned, or replaced by a seek)."""
+        q.dropped = True
+        if q.task is not None:
+            q.task.cancel()
+        self._buffered -= q.buffered
+        self._held.discard(q)
 
     # -- positions -----------------------------------------------------------------------------
     def _state(self, mq: MessageQueue) -> _Queue:
@@ -436,16 +482,19 @@ class PullConsumer:
                                                          timeout=self.request_timeout))
 
     async def _reset(self, q: _Queue, offset: int) -> None:
-        if q.task is not None:
-            q.task.cancel()
+        # A new state object: answers to pulls of the old one (a task's, or a pull driver's
+        # in flight or standing) are void (they are checked against the current object).
+        task = q.task
+        self._retire(q)
+        if task is not None:
             with contextlib.suppress(asyncio.CancelledError):
-                await q.task
-        q.chunks.clear()
-        q.buffered = 0
-        if q.space is not None:
-            q.space.set()
-        q.pull_offset = q.consume_offset = offset
-        q.task = asyncio.get_running_loop().create_task(self._pull_loop(q))
+                await task
+        if self._queues.get(q.mq) is not q:
+            return  # unassigned meanwhile
+        n = self._queues[q.mq] = _Queue(q.mq)
+        n.broker_id, n.committed, n.paused = q.broker_id, q.committed, q.paused
+        n.pull_offset = n.consume_offset = offset
+        self._lite.execute_now(n)
 
     def position(self, mq: MessageQueue) -> int | None:
         """The consume offset of ``mq``: right after the last message poll returned."""
@@ -465,8 +514,7 @@ class PullConsumer:
         for mq in queues:
             q = self._state(mq)
             q.paused = False
-            if q.space is not None:
-                q.space.set()
+            self._wake(q)
 
     # -- commits -------------------------------------------------------------------------------
     async def commit(self, offsets_: dict[MessageQueue, int] | None = None) -> None:
@@ -579,19 +627,22 @@ class PullConsumer:
             return  # nothing changed (the usual periodic rebalance): no sorting of every queue
         for mq in [m for m in self._queues if m not in want]:
             q = self._queues.pop(mq)
-            if q.task is not None:
-                q.task.cancel()
+            self._retire(q)
             if self.auto_commit:
                 loop.create_task(self._commit_quietly(q))
+        added = []
         for mq in sorted(want):
             have = self._queues.get(mq)
             if have is None:
                 q = _Queue(mq)
                 self._queues[mq] = q
-                q.task = loop.create_task(self._pull_loop(q))
+                added.append(q)
             elif have.failed is not None:  # assigned again: try again
                 have.failed = None
-                have.task = loop.create_task(self._pull_loop(have))
+                added.append(have)
+        # after every queue is in: whether they are many (pull drivers) is known
+        for q in added:
+            self._lite.execute_now(q)
         self._order = [self._queues[mq] for mq in sorted(self._queues)]
         self._rr = 0
         self._topic_queues = {}
@@ -622,22 +673,39 @@ class PullConsumer:
                                                timeout=t)
         return await offsets.max_offset(self.pool, addr, mq, timeout=t)
 
+    def _start_task(self, q: _Queue) -> None:
+        """Pull ``q`` queue by queue, with its own task (unless it has one)."""
+        if q.task is None or q.task.done():
+            q.task = asyncio.get_running_loop().create_task(self._pull_loop(q))
+
+    def _many(self) -> bool:
+        """Whether this consumer pulls through pull drivers (``multi_queue_min``)."""
+        return self.multi_queue_min > 0 and len(self._queues) >= self.multi_queue_min
+
     async def _pull_loop(self, q: _Queue) -> None:
+        """Pull ``q`` on its own, PULL_MESSAGE after PULL_MESSAGE, until it is handed to its
+        broker's pull driver (many queues: client/lite_pulls.py) or cancelled."""
         mq = q.mq
         sel = self._subs.get(mq.topic, EVERYTHING)
-        tags = sel.tags
         flags = PullSysFlag.SUSPEND | (PullSysFlag.SUBSCRIPTION if sel.filters else 0)
-        suspend_ms = int(self.suspend_timeout * 1000)
+        suspend_ms = self.suspend_ms
         timeout = self.suspend_timeout + max(self.request_timeout, 10.0)
         subscription = sel.expression if sel.filters else None
         while True:
             addr = ""
             try:
-                resolve = 0
-                if q.pull_offset is None and q.broker_id == MASTER_ID and self._multi_pulls():
-                    # the multi pull resolves the start on the broker (no lookup per queue)
-                    resolve = _RESOLVE[self.consume_from]
-                elif q.pull_offset is None:
+                driver = None
+                if q.broker_id == MASTER_ID and self._many():
+                    got = (self.routes.addr_for_read_now(mq, MASTER_ID)
+                           or await self.routes.addr_for_read(mq, MASTER_ID))
+                    driver = None if got[1] else self._lite.driver(got[0])
+                    if driver is not None and (q.pull_offset is not None
+                                               or not self._no_resolve):
+                        # the broker resolves the start; pulled by the driver from now on
+                        q.task = None
+                        driver.add(q)  # type: ignore[arg-type]
+                        return
+                if q.pull_offset is None:
                     async with self._lookups:  # thousands of queues: not all at once
                         off, committed = await self._start_offset(
                             mq, await self.routes.addr_for_admin(mq))
@@ -645,7 +713,9 @@ class PullConsumer:
                     # A start chosen by consume_from is committed too, so a restart before
                     # the first poll does not skip what arrived in between.
                     q.committed = off if committed else None
-                if q.paused or q.buffered >= self.pull_threshold:
+                    if driver is not None:
+                        continue  # to the driver, with its start
+                if self._held_back(q):
                     if q.space is None:
                         q.space = asyncio.Event()
                     q.space.clear()
@@ -654,86 +724,78 @@ class PullConsumer:
                 known = self.routes.addr_for_read_now(mq, q.broker_id)
                 addr, _slave = known or await self.routes.addr_for_read(mq, q.broker_id)
                 conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
-                offset = q.pull_offset if q.pull_offset is not None else 0
-                batcher = self._batcher(addr, suspend_ms, timeout)
-                if resolve and (batcher is None or _slave):
-                    self._no_resolve = True  # look the start up the usual way
-                    continue
-                if batcher is not None:
-                    # many queues: this pull travels in a PULL_MULTI_QUEUE (client/multi_pull.py)
-                    try:
-                        h, body = await batcher.pull(MultiQueuePull(
-                            mq.topic, mq.queue_id, offset, self.pull_batch_size,
-                            flags & ~PullSysFlag.SUSPEND, 0, subscription,
-                            sel.expression_type, resolve, self.consume_timestamp))
-                    except MultiPullUnsupported:
-                        continue  # pulled one by one from now on
-                    if resolve:
-                        if h.start_offset < 0:
-                            if h.code not in _RETRY_RESOLVE:
-                                self._no_resolve = True  # an older broker: look it up
-                            continue
-                        offset = h.start_offset
-                        q.pull_offset = q.consume_offset = offset
-                        q.committed = offset if h.start_committed else None
-                    status = pull_status(h.code)
-                    if status is None:
-                        raise BrokerError(h.message or f"pull refused ({h.code})",
-                                          response_code=h.code)
-                else:
-                    header = PullMessageRequestHeader(
-                        consumer_group=self.group, topic=mq.topic, queue_id=mq.queue_id,
-                        queue_offset=offset, max_msg_nums=self.pull_batch_size, sys_flag=flags,
-                        suspend_timeout_millis=suspend_ms, subscription=subscription,
-                        expression_type=sel.expression_type,
-                    )
-                    frame = await conn.request(RequestCode.PULL_MESSAGE, header, timeout=timeout)
-                    status = pull_status(frame.code)
-                    if status is None:
-                        raise_for_error(frame)
-                    h = frame.header
-                    assert isinstance(h, PullMessageResponseHeader)
-                    body = frame.body
-                q.broker_id = h.suggest_which_broker_id
-                if status is PullStatus.FOUND:
-                    msgs, end = decode_pull_body(
-                        body, from_offset=offset, broker_name=mq.broker_name, tags=tags,
-                        check_crc=self.check_crc, topic=mq.topic,
-                        on_corrupt=functools.partial(self._corrupt, mq),
-                        max_uncompressed=self.max_uncompressed_bytes,
-                    )
-                    if sel.sql is not None:
-                        msgs = sel.keep(msgs, body, h.members)
-                    nxt = max(h.next_begin_offset, end) if end > offset else h.next_begin_offset
-                    self._push(q, self._assemble(q, msgs), nxt)
-                elif status is PullStatus.OFFSET_ILLEGAL:
-                    log.warning(
-                        "offset %d of %s is illegal (queue holds [%d, %d]); continuing at %d",
-                        offset, mq, h.min_offset, h.max_offset, h.next_begin_offset,
-                    )
-                    self._push(q, [], h.next_begin_offset)
-                else:  # NO_NEW_MSG, NO_MATCHED_MSG
-                    if h.next_begin_offset != offset:
-                        self._push(q, [], h.next_begin_offset)
+                offset = q.pull_offset
+                header = PullMessageRequestHeader(
+                    consumer_group=self.group, topic=mq.topic, queue_id=mq.queue_id,
+                    queue_offset=offset, max_msg_nums=self.pull_batch_size, sys_flag=flags,
+                    suspend_timeout_millis=suspend_ms, subscription=subscription,
+                    expression_type=sel.expression_type,
+                )
+                frame = await conn.request(RequestCode.PULL_MESSAGE, header, timeout=timeout)
+                status = pull_status(frame.code)
+                if status is None:
+                    raise_for_error(frame)
+                    raise BrokerError(f"pull refused ({frame.code})", response_code=frame.code)
+                h = frame.header
+                assert isinstance(h, PullMessageResponseHeader)
+                self._handle(q, offset, status, h, frame.body)
             except asyncio.CancelledError:
                 raise
             except TidemqError as exc:
-                if isinstance(exc, BrokerError) and exc.response_code in _FATAL_CODES:
-                    self._fail(q, exc)
+                delay = self._pull_failed(q, exc, addr)
+                if delay is None:
                     return
-                # SYSTEM_BUSY says when to come back (BrokerError.retry_after); else 1 s.
-                delay = getattr(exc, "retry_after", 0.0) or 1.0
-                if addr and not isinstance(exc, BrokerError):
-                    # unreachable: the next pull tries another broker of the group at once
-                    self.routes.mark_down(addr, mq.topic)
-                    if self.routes.group_size(mq.broker_name) > 1:
-                        delay = 0.2
-                log.warning("pull of %s from %s failed: %s; retrying in %g s", mq, addr or "?",
-                            exc, delay)
                 await asyncio.sleep(delay)
             except Exception:  # a bug must not silently stop a queue forever
                 log.exception("pull of %s failed unexpectedly; retrying in 1 s", mq)
                 await asyncio.sleep(1.0)
+
+    def _pull_failed(self, q: _Queue, exc: TidemqError, addr: str, *,
+                     quiet: bool = False) -> float | None:
+        """A pull of ``q`` failed: None if the queue stops (a refusal no retry fixes), else
+        the seconds to wait before the next (``quiet``: the caller logged it)."""
+        mq = q.mq
+        if isinstance(exc, BrokerError) and exc.response_code in _FATAL_CODES:
+            self._fail(q, exc)
+            return None
+        # SYSTEM_BUSY says when to come back (BrokerError.retry_after); else 1 s.
+        delay: float = getattr(exc, "retry_after", 0.0) or 1.0
+        if addr and not isinstance(exc, BrokerError):
+            # unreachable: the next pull tries another broker of the group at once
+            self.routes.mark_down(addr, mq.topic)
+            if self.routes.group_size(mq.broker_name) > 1:
+                delay = 0.2
+        if not quiet:
+            log.warning("pull of %s from %s failed: %s; retrying in %g s", mq, addr or "?",
+                        exc, delay)
+        return delay
+
+    def _handle(self, q: _Queue, offset: int, status: PullStatus, h: Any, body: Any) -> None:
+        """The answer to a pull of ``q`` from ``offset`` (a PULL_MESSAGE's header or a
+        multi-queue result: the same fields)."""
+        mq = q.mq
+        q.broker_id = h.suggest_which_broker_id
+        if status is PullStatus.FOUND:
+            sel = self._subs.get(mq.topic, EVERYTHING)
+            msgs, end = decode_pull_body(
+                body, from_offset=offset, broker_name=mq.broker_name, tags=sel.tags,
+                check_crc=self.check_crc, topic=mq.topic,
+                on_corrupt=functools.partial(self._corrupt, mq),
+                max_uncompressed=self.max_uncompressed_bytes,
+            )
+            if sel.sql is not None:
+                msgs = sel.keep(msgs, body, h.members)
+            nxt = max(h.next_begin_offset, end) if end > offset else h.next_begin_offset
+            self._push(q, self._assemble(q, msgs), nxt)
+        elif status is PullStatus.OFFSET_ILLEGAL:
+            log.warning(
+                "offset %d of %s is illegal (queue holds [%d, %d]); continuing at %d",
+                offset, mq, h.min_offset, h.max_offset, h.next_begin_offset,
+            )
+            self._push(q, [], h.next_begin_offset)
+        else:  # NO_NEW_MSG, NO_MATCHED_MSG
+            if h.next_begin_offset != offset:
+                self._push(q, [], h.next_begin_offset)
 
     @property
     def corrupt_batches(self) -> int:
@@ -744,28 +806,14 @@ class PullConsumer:
     def stats(self) -> dict[str, int]:
         return {
             "queues": len(self._queues),
-            "buffered": sum(q.buffered for q in self._queues.values()),
+            "buffered": self._buffered,
+            "multi_pull_requests": self._lite.requests,
             "corrupt_skipped": self.corrupt.total,
             "chunks_assembled": sum(q.assembler.assembled for q in self._queues.values()
                                     if q.assembler is not None),
             "chunks_expired": sum(q.assembler.expired for q in self._queues.values()
                                   if q.assembler is not None),
         }
-
-    def _multi_pulls(self) -> bool:
-        return (not self._no_resolve and self.multi_queue_min > 0
-                and len(self._queues) >= self.multi_queue_min)
-
-    def _batcher(self, addr: str, suspend_ms: int, timeout: float) -> PullBatcher | None:
-        """The PULL_MULTI_QUEUE batcher of ``addr`` when this consumer pulls many queues
-        (``multi_queue_min`` or more), None to pull queue by queue."""
-        if self.multi_queue_min <= 0 or len(self._queues) < self.multi_queue_min:
-            return None
-        b = self._batchers.get(addr)
-        if b is None:
-            b = self._batchers[addr] = PullBatcher(self.pool, addr, self.group,
-                                                   suspend_ms=suspend_ms, timeout=timeout)
-        return None if b.unsupported else b
 
     def _fail(self, q: _Queue, exc: BrokerError) -> None:
         """Stop pulling ``q`` after a refusal no retry fixes; the next poll raises it."""
@@ -806,6 +854,7 @@ class PullConsumer:
             return
         q.chunks.append((msgs, nxt))
         q.buffered += len(msgs)
+        self._buffered += len(msgs)
         if not q.in_ready:
             q.in_ready = True
             self._ready_qs.append(q)

@@ -1,0 +1,120 @@
+"""The lite pull consumer with many queues (issue 17), against a real `tidemq dev`: one pull
+driver per broker pulls every queue (standing PULL_MULTI_QUEUE requests, no task per queue),
+every message arrives once, a seek and a tailing message work through it; the consumer-wide
+cap (``pull_threshold_for_all``) bounds what it buffers, queue by queue or through drivers."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+import pytest
+
+from tidemq.client.admin import Admin
+from tidemq.client.consumer import PullConsumer
+from tidemq.client.message import Message
+from tidemq.client.producer import Producer
+
+
+async def _topics(namesrv: str, prefix: str, n: int, queues: int) -> list[str]:
+    names = [f"{prefix}{i}" for i in range(n)]
+    async with Admin(namesrv) as admin:
+        for t in names:
+            await admin.create_topic(t, queues)
+    return names
+
+
+async def _spread(namesrv: str, topics: list[str], queues: int, count: int,
+                  tag: str) -> list[bytes]:
+    """``count`` messages with distinct bodies at random over every queue of the topics, each
+    stored on its own (a pull's batch size then counts messages)."""
+    rnd = random.Random(count)
+    bodies = [b"%s-%d" % (tag.encode(), i) for i in range(count)]
+    async with Producer(namesrv, auto_batch=False) as p:
+        sends = []
+        for b in bodies:
+            t = topics[rnd.randrange(len(topics))]
+            sends.append(p.send_batch([Message(t, b)], queue_id=rnd.randrange(queues)))
+        await asyncio.gather(*sends)
+    return bodies
+
+
+async def _poll_until(c: PullConsumer, n: int, got: list[bytes], timeout: float = 5.0) -> None:
+    while len(got) < n:
+        msgs = await c.poll(timeout=timeout)
+        assert msgs, f"only {len(got)} of {n} messages arrived"
+        got += [m.body for m in msgs]
+
+
+def test_many_queues_are_pulled_by_one_driver_and_every_message_arrives_once(dev) -> None:
+    async def run() -> None:
+        topics = await _topics(dev.namesrv, "drv", 8, 8)  # 64 queues
+        bodies = await _spread(dev.namesrv, topics, 8, 2000, "a")
+        c = PullConsumer(dev.namesrv, "g-drv", consume_from="first", auto_commit=False,
+                         multi_queue_min=16, suspend_timeout=2.0, pull_batch_size=16)
+        for t in topics:
+            c.subscribe(t)
+        got: list[bytes] = []
+        async with c:
+            await _poll_until(c, len(bodies), got)
+            assert len(c.assignment()) == 64
+            assert len(c._lite._drivers) == 1
+            assert all(q.task is None for q in c._queues.values())  # no task per queue
+            # far fewer requests than queue pulls (each request carries many queues)
+            assert 1 <= c._lite.requests < c._lite.pulls / 4
+            # tailing: the queues stand on the broker; a new message wakes its queue
+            await asyncio.sleep(0.3)
+            async with Producer(dev.namesrv) as p:
+                await p.send(Message(topics[5], b"late"))
+            late = await c.poll(timeout=5)
+            assert [m.body for m in late] == [b"late"]
+            assert await c.poll(timeout=0.5) == []  # and nothing else: no duplicates
+            # a seek goes through the driver too: the fullest queue again from its start
+            mq = max(c.assignment(), key=lambda m: c.position(m) or 0)
+            before = c.position(mq)
+            assert before and before > 1
+            assert all(c.position(m) for m in c.assignment())  # every queue had messages
+            await c.seek(mq, 0)
+            again: list[bytes] = []
+            await _poll_until(c, before, again)
+            assert await c.poll(timeout=0.5) == []
+            assert all(b in set(bodies) for b in again) and len(set(again)) == before
+        dup = [b for b, k in Counter(got).items() if k > 1]
+        assert not dup, dup[:5]
+        assert sorted(got) == sorted(bodies)
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("multi_queue_min", [0, 16], ids=["queue-by-queue", "drivers"])
+def test_the_consumer_wide_cap_bounds_what_it_buffers(dev, multi_queue_min: int) -> None:
+    cap, batch, queues = 100, 8, 32
+
+    async def run() -> None:
+        topics = await _topics(dev.namesrv, f"cap{multi_queue_min}-", 4, 8)
+        bodies = await _spread(dev.namesrv, topics, 8, 3000, f"c{multi_queue_min}")
+        c = PullConsumer(dev.namesrv, f"g-cap{multi_queue_min}", consume_from="first",
+                         auto_commit=False, multi_queue_min=multi_queue_min,
+                         suspend_timeout=2.0, pull_batch_size=batch, max_poll_records=40,
+                         pull_threshold_for_all=cap)
+        for t in topics:
+            c.subscribe(t)
+        got: list[bytes] = []
+        peak = 0
+        async with c:
+            while len(got) < len(bodies):
+                msgs = await c.poll(timeout=5)
+                assert msgs, f"only {len(got)} of {len(bodies)} messages arrived"
+                got += [m.body for m in msgs]
+                # let the pulls the poll allowed arrive before looking
+                await asyncio.sleep(0.002)
+                peak = max(peak, c.stats()["buffered"])
+                assert c._buffered == sum(q.buffered for q in c._queues.values())
+            # the cap is checked before each pull: what is in flight then (one batch per
+            # queue at most) may land on top of it; never the 3,000 of the backlog
+            assert cap <= peak <= cap + queues * batch
+        assert not [b for b, k in Counter(got).items() if k > 1]
+        assert sorted(got) == sorted(bodies)
+
+    asyncio.run(run())
