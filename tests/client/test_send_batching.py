@@ -263,3 +263,98 @@ def test_a_blocking_send_to_a_cached_route_without_writable_queues_fails_at_once
                 p.send(tidemq.Message("ab-ro", b"x"))
             assert time.monotonic() - t0 < 2.0
         assert p._aio.accumulator.npending == 0
+
+
+def test_a_message_the_broker_refuses_in_a_shared_blocking_batch_fails_only_its_caller(dev):
+    # Batches of waiting callers are written without a task and answered from the
+    # connection's callback; a batch the broker refuses for one message's content goes back
+    # through the coroutine path, which fails just that message and sends the others again.
+    with tidemq.Producer(dev.namesrv, max_properties_size=128 * 1024) as p:
+        p.send(tidemq.Message("ab-shared-bad", b"warm"))
+        b0 = p._aio.accumulator.batches
+        errors: list[tuple[int, int, BaseException]] = []
+        lock = threading.Lock()
+
+        def run(t: int) -> None:
+            for i in range(30):
+                if (t, i) == (3, 10):
+                    m = tidemq.Message("ab-shared-bad", b"bad", properties={"p": "v" * 40_000})
+                else:
+                    m = tidemq.Message("ab-shared-bad", f"t{t}-{i}".encode())
+                try:
+                    p.send(m)
+                except Exception as exc:  # noqa: BLE001 - collected and checked below
+                    with lock:
+                        errors.append((t, i, exc))
+
+        ts = [threading.Thread(target=run, args=(t,)) for t in range(8)]
+        for th in ts:
+            th.start()
+        for th in ts:
+            th.join()
+        assert p._aio.accumulator.batches - b0 < 240  # they did share frames
+        assert p._aio.accumulator.npending == 0
+    assert [(t, i) for t, i, _ in errors] == [(3, 10)]
+    assert isinstance(errors[0][2], tidemq.BrokerError)
+    assert sorted(_bodies(dev, "ab-shared-bad")) == sorted(
+        [b"warm"] + [f"t{t}-{i}".encode() for t in range(8) for i in range(30)
+                     if (t, i) != (3, 10)])
+
+
+def test_the_callers_of_one_answered_batch_are_woken_in_turn_past_one_that_gave_up():
+    # The blocking facade wakes the callers of an answered batch one after the other (each
+    # woken caller wakes the next): one that stopped waiting must not stall those after it.
+    from tidemq.client.blocking import _deliver, _Waiter
+
+    ws = [_Waiter() for _ in range(6)]
+    with pytest.raises(tidemq.RequestTimeoutError):
+        ws[2].wait(0.01)  # gave up before the answer
+    got: dict[int, tidemq.SendResult] = {}
+
+    def wait(i: int) -> None:
+        got[i] = ws[i].wait(10)
+
+    ts = [threading.Thread(target=wait, args=(i,)) for i in range(6) if i != 2]
+    for th in ts:
+        th.start()
+    r = tidemq.SendResult(tidemq.SendStatus.SEND_OK, "x", "t", 1, 100, 6, "b", 7, 50)
+    t0 = time.monotonic()
+    _deliver(r, ws)
+    for th in ts:
+        th.join(5)
+    assert time.monotonic() - t0 < 2
+    assert sorted(got) == [0, 1, 3, 4, 5]
+    assert [got[i].queue_offset for i in sorted(got)] == [100, 101, 103, 104, 105]
+    assert len({got[i].msg_id for i in got}) == 5
+
+
+def test_many_awaiting_coroutines_travel_as_two_alternating_groups(dev):
+    # 64 coroutines each awaiting its sends: one group's batch is in flight while the other
+    # group gathers (the broker stores one while the client runs the other's senders), not
+    # all 64 in lock-step; the groups even out (the first lone send's caller joins one).
+    async def main():
+        await ensure_topic(dev.namesrv, "ab-groups", 4)
+        async with aio.Producer(dev.namesrv) as p:
+            await p.send(aio.Message("ab-groups", b"warm"))
+            acc = p.accumulator
+            b0, m0 = acc.batches, acc.batched_messages
+            two = 0
+
+            async def run(t: int) -> list:
+                nonlocal two
+                out = []
+                for i in range(20):
+                    out.append(await p.send(aio.Message("ab-groups", f"{t}-{i}".encode())))
+                    two += acc._buckets["ab-groups"].inflight >= 2 or (
+                        acc._buckets["ab-groups"].inflight == 1
+                        and bool(acc._buckets["ab-groups"].msgs))
+                return out
+
+            results = [r for rs in await asyncio.gather(*(run(t) for t in range(64)))
+                       for r in rs]
+            return results, acc.batches - b0, acc.batched_messages - m0, two
+
+    results, batches, msgs, two = _run(main())
+    assert len({r.msg_id for r in results}) == 64 * 20 == msgs
+    assert 20 * 2 - 2 <= batches <= 20 * 2 + 4, f"{batches} batches for 20 rounds of 64"
+    assert two > 64 * 20 / 2  # most sends saw a batch in flight and another gathering

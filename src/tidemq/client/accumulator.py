@@ -58,10 +58,14 @@ Check = Callable[[Message], Exception | None]
 
 _InvalidState = (asyncio.InvalidStateError, concurrent.futures.InvalidStateError)
 
+#: Awaiting coroutines of one bucket travel as two alternating groups (two batches, one in
+#: flight while the other gathers) when there are at least twice this many of them.
+PIPELINE_MIN = 8
+
 
 class _Bucket:
     __slots__ = ("key", "topic", "mq", "msgs", "futs", "deadlines", "size", "waiting",
-                 "inflight", "loop", "scheduled", "timer", "cool")
+                 "inflight", "loop", "scheduled", "timer", "cool", "listed")
 
     def __init__(self, key: Hashable, topic: str, mq: MessageQueue | None,
                  loop: asyncio.AbstractEventLoop) -> None:
@@ -80,21 +84,24 @@ class _Bucket:
         # A batch was answered in this loop iteration: the senders it wakes are about to send
         # again, so a send finding the bucket empty joins them instead of leaving alone.
         self.cool = False
+        self.listed = False  # in the accumulator's list of lingering buckets
 
 
 class _Lone:
-    """Where the connection puts the answer of a lone message's request (what
-    ``Connection.start_request`` calls with a ``sink``): handed straight to the accumulator.
-    Awaitable (until answered), so ``close()`` and ``flush()`` wait for it as for a task."""
+    """Where the connection puts the answer of a batch's request written without a task (a
+    lone message, or a batch of waiting callers: what ``Connection.start_request`` calls with
+    a ``sink``): handed straight to the accumulator. Awaitable (until answered), so
+    ``close()`` and ``flush()`` wait for it as for a task."""
 
-    __slots__ = ("acc", "b", "msgs", "futs", "st", "_done", "_waiter")
+    __slots__ = ("acc", "b", "msgs", "futs", "deadlines", "st", "_done", "_waiter")
 
     def __init__(self, acc: Accumulator, b: _Bucket, msgs: list[Message],
-                 futs: list[Any]) -> None:
+                 futs: list[Any], deadlines: list[float]) -> None:
         self.acc = acc
         self.b = b
         self.msgs = msgs
         self.futs = futs
+        self.deadlines = deadlines
         self.st: Any = None
         self._done = False
         self._waiter: asyncio.Future[None] | None = None
@@ -142,6 +149,9 @@ class Accumulator:
         self.max_pending_messages = max_pending_messages
         self._buckets: dict[Hashable, _Bucket] = {}
         self._flush_scheduled = False
+        #: the buckets that got a lingering message since the last flush: the flush looks at
+        #: these, not at every bucket (a producer spread over 100,000 queues has 12,500)
+        self._lingering: list[_Bucket] = []
         #: messages handed over and not answered yet (in a bucket or in flight)
         self.npending = 0
         self._room: asyncio.Event | None = None  # set when npending drops below the bound
@@ -150,10 +160,11 @@ class Accumulator:
         #: when several topics' batches flush together: takes those it sends in frames of many
         #: batches per broker (SEND_MULTI_QUEUE, client/multi_sender.py), returns the rest
         self.send_many: Callable[[list[Any]], list[Any]] | None = None
-        #: a lone message's send without a task (BatchSender.start / finish / send with
-        #: ``started``, wired by the producer); None: every batch is a task
-        self.start_one: Callable[[str, MessageQueue | None, Message, float | None, Any],
-                                 Any] | None = None
+        #: a lone message's (or a batch of waiting callers') send without a task
+        #: (BatchSender.start / finish / send with ``started``, wired by the producer); None:
+        #: every batch is a task
+        self.start_one: Callable[[str, MessageQueue | None, list[Message], float | None,
+                                  Any], Any] | None = None
         self.finish_one: Callable[[Any, str, Any], SendResult | None] | None = None
         self.resume_one: Callable[[str, MessageQueue | None, list[Message], Any],
                                   Awaitable[SendResult]] | None = None
@@ -164,6 +175,12 @@ class Accumulator:
         #: called (on the loop) after each batch's answer is handled: the blocking facade's
         #: inbox drains there (client/blocking.py)
         self.on_answered: Callable[[], None] | None = None
+        #: writes the frames queued so far now (the connection pool's flush_now, wired by the
+        #: producer): a batch that leaves at the end of a loop iteration is written in it
+        self.flush_now: Callable[[], None] | None = None
+        #: gives each caller of an answered batch of waiting callers on other threads its
+        #: SendResult (the blocking facade wakes them in turn: client/blocking.py)
+        self.deliver: Callable[[SendResult, list[Any]], None] = split_result
         #: batches sent from buckets so far, and the messages in them
         self.batches = 0
         self.batched_messages = 0
@@ -221,7 +238,7 @@ class Accumulator:
             return await self._send(b.topic, mq, [msg], max(deadline - b.loop.time(), 0.0))
         finally:
             self._answered(1)
-            self._after(b)
+            self._after(b, answered=1)
 
     def add(self, msg: Message, key: Hashable | None = None, mq: MessageQueue | None = None,
             deadline: float = 0.0, fut: Any = None) -> asyncio.Future[SendResult]:
@@ -260,8 +277,12 @@ class Accumulator:
                         b.loop.call_soon(self._leave, b)
             elif b.timer is None:  # it waits for the batch in flight: not past its deadline
                 b.timer = b.loop.call_at(deadline, self._expire, b)
-        elif not self._flush_scheduled:
-            self._schedule_flush(b.loop)
+        else:
+            if not b.listed:
+                b.listed = True
+                self._lingering.append(b)
+            if not self._flush_scheduled:
+                self._schedule_flush(b.loop)
         return result
 
     def add_async(self, msg: Message) -> SendFuture:
@@ -280,8 +301,12 @@ class Accumulator:
         size = b.size = b.size + len(msg.body)
         if len(msgs) >= self.batch_max_messages or size >= self.batch_max_bytes:
             self._dispatch(b)  # an unpinned bucket: never held back by a batch in flight
-        elif not self._flush_scheduled:
-            self._schedule_flush(b.loop)
+        else:
+            if not b.listed:
+                b.listed = True
+                self._lingering.append(b)
+            if not self._flush_scheduled:
+                self._schedule_flush(b.loop)
         return fut
 
     def _schedule_flush(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -289,9 +314,9 @@ class Accumulator:
         of this loop iteration when it is 0): one timer for all of them."""
         self._flush_scheduled = True
         if self.batch_max_delay > 0:
-            loop.call_later(self.batch_max_delay, self.flush_open)
+            loop.call_later(self.batch_max_delay, self._flush_lingering)
         else:
-            loop.call_soon(self.flush_open)
+            loop.call_soon(self._flush_lingering)
 
     def _expire(self, b: _Bucket) -> None:
         """Fail the messages of ``b`` whose callers' deadlines passed while they waited."""
@@ -312,12 +337,24 @@ class Accumulator:
         if waiting:
             b.timer = b.loop.call_at(min(waiting), self._expire, b)
 
-    def _leave(self, b: _Bucket) -> None:
+    def _leave(self, b: _Bucket, flush: bool = True) -> None:
+        """(At the end of a loop iteration, or at a kick: ``flush`` False, the caller writes
+        the frames.) Send what ``b`` gathered, unless it left already."""
         if not b.scheduled:  # left already (kick)
             return
         b.scheduled = False
-        if b.msgs and not b.inflight:
+        msgs = b.msgs
+        if msgs and not b.inflight:
+            n = len(msgs)
+            if (n >= 2 * PIPELINE_MIN and b.mq is None and b.waiting
+                    and isinstance(b.futs[0], _Future)):
+                # Awaiting coroutines, nothing in flight: two frames, so that the broker
+                # stores the second while this thread wakes the first's senders, and from
+                # then on one group's batch is in flight while the other's gathers (_after).
+                self._dispatch(b, (n + 1) // 2)
             self._dispatch(b)
+            if flush and self.flush_now is not None:
+                self.flush_now()
 
     @staticmethod
     def _uncool(b: _Bucket) -> None:
@@ -335,7 +372,7 @@ class Accumulator:
         kicking, self._kicking = self._kicking, None
         for b in self._buckets.values() if kicking is None else kicking:
             if b.scheduled:
-                self._leave(b)
+                self._leave(b, False)
 
     def answer_pending(self, topic: str) -> bool:
         """A batch of ``topic``'s (unpinned) bucket is in flight: ``on_answered`` will be
@@ -353,8 +390,24 @@ class Accumulator:
         With ``send_many`` set, the lingering ``send_async`` batches of several topics go to
         it together (frames of many batches per broker); what it hands back goes alone."""
         self._flush_scheduled = False
-        ready = [b for b in self._buckets.values()
-                 if b.msgs and not (b.mq is not None and b.inflight)]
+        for b in self._lingering:
+            b.listed = False
+        self._lingering = []
+        self._flush_ready([b for b in self._buckets.values()
+                           if b.msgs and not (b.mq is not None and b.inflight)])
+
+    def _flush_lingering(self) -> None:
+        """The flush ``batch_max_delay`` after a lingering message: :meth:`flush_open` of the
+        buckets that got one since the last flush (the others have nothing to send, or send
+        it themselves: a waiting caller's bucket leaves on its own)."""
+        self._flush_scheduled = False
+        lingering, self._lingering = self._lingering, []
+        for b in lingering:
+            b.listed = False
+        self._flush_ready([b for b in lingering
+                           if b.msgs and not (b.mq is not None and b.inflight)])
+
+    def _flush_ready(self, ready: list[_Bucket]) -> None:
         if self.send_many is not None:
             many = [b for b in ready if b.mq is None and not b.waiting]
             if len(many) > 1:
@@ -385,40 +438,48 @@ class Accumulator:
         """``n`` messages sent by ``send_many`` were answered."""
         self._answered(n)
 
-    def _dispatch(self, b: _Bucket) -> None:
+    def _dispatch(self, b: _Bucket, limit: int = 0) -> None:
+        """Send what ``b`` gathered as one batch (``limit``: at most that many messages; the
+        rest stays for the next)."""
         if b.timer is not None:
             b.timer.cancel()
             b.timer = None
         msgs, futs, deadlines = b.msgs, b.futs, b.deadlines
-        if len(msgs) > self.batch_max_messages or b.size > self.batch_max_bytes:
+        most = min(limit, self.batch_max_messages) if limit else self.batch_max_messages
+        if len(msgs) > most or b.size > self.batch_max_bytes:
             # A pinned bucket gathered past the limits while its batch was in flight: send
             # the first batch's worth; the rest leaves when that is answered.
             k, size = 0, 0
-            while k < len(msgs) and k < self.batch_max_messages and (
+            while k < len(msgs) and k < most and (
                     k == 0 or size + len(msgs[k].body) <= self.batch_max_bytes):
                 size += len(msgs[k].body)
                 k += 1
             b.msgs, b.futs, b.deadlines = msgs[k:], futs[k:], deadlines[k:]
             b.size -= size
-            b.waiting = any(b.deadlines)
+            waiting = [d for d in b.deadlines if d]
+            b.waiting = bool(waiting)
+            if waiting:  # the rest's callers: not past their deadlines while they wait
+                b.timer = b.loop.call_at(min(waiting), self._expire, b)
             msgs, futs, deadlines = msgs[:k], futs[:k], deadlines[:k]
         else:
             b.msgs, b.futs, b.deadlines, b.size, b.waiting = [], [], [], 0, False
         b.inflight += 1
         self.batches += 1
         self.batched_messages += len(msgs)
-        if len(msgs) == 1 and self.start_one is not None:
-            # A lone message (the blocking facade's send when nothing else is in flight):
-            # written now, answered from the connection's data_received through a _Lone (no
-            # task, no future, no loop iteration between the answer and the caller's wake-up);
-            # a task only when the answer is not a plain success (errors, retries).
-            d = deadlines[0]
+        if self.start_one is not None and (len(msgs) == 1 or all(deadlines)):
+            # A lone message (the blocking facade's send when nothing else is in flight), or a
+            # batch of waiting callers only (blocking sends of many threads, many coroutines'
+            # ``await send()``): written now, answered from the connection's data_received
+            # through a _Lone (no task, no future, no loop iteration between the answer and
+            # the callers' wake-up); a task only when the answer is not a plain success
+            # (errors, retries) or a message waited past its deadline in the bucket.
+            d = min(deadlines) if len(deadlines) > 1 else deadlines[0]
             timeout = None
             if d:
                 timeout = d - b.loop.time()
             if timeout is None or timeout > 0:
-                lone = _Lone(self, b, msgs, futs)
-                st = self.start_one(b.topic, b.mq, msgs[0], timeout, lone)
+                lone = _Lone(self, b, msgs, futs, deadlines)
+                st = self.start_one(b.topic, b.mq, msgs, timeout, lone)
                 if st is not None:
                     lone.st = st
                     self.tasks.add(lone)
@@ -426,7 +487,7 @@ class Accumulator:
         self.track(b.loop.create_task(self._send_batch(b, msgs, futs, deadlines)))
 
     def _one_done(self, lone: _Lone, frame: Any, exc: BaseException | None) -> None:
-        """The outcome of a lone message's request (on the loop, from the connection)."""
+        """The outcome of a started batch's request (on the loop, from the connection)."""
         assert self.finish_one is not None
         b, st, futs = lone.b, lone.st, lone.futs
         r = None
@@ -442,35 +503,54 @@ class Accumulator:
             else:
                 f.set_exception(exc)
             self.track(b.loop.create_task(self._resume(b, st._replace(fut=f), lone.msgs,
-                                                       futs)))
+                                                       futs, lone.deadlines)))
             return
-        self._answered(1)
-        f0 = futs[0]
-        if not f0.done():
-            try:  # (not contextlib.suppress: three calls more, on every lone send)
-                f0.set_result(r)
-            except _InvalidState:  # cancelled by another thread
-                pass
-        # A sender on another thread (the blocking facade) sends its next message through the
-        # inbox, never in this loop iteration: no cool-down to hold the bucket for it.
-        self._after(b, cool=isinstance(f0, _Future))
+        self._answered(len(futs))
+        if isinstance(futs[0], _Future):
+            # Coroutines: woken first (they run in the next loop iteration). What gathered
+            # behind this batch leaves now when it is a group of its own (_after: two
+            # alternating groups), else at the end of that iteration, with them.
+            split_result(r, futs)
+            self._after(b, answered=len(futs))
+            return
+        # Senders on other threads (the blocking facade): what gathered meanwhile (its inbox,
+        # drained by on_answered) is written first, and only then are these callers woken:
+        # woken earlier, they would fight this thread for the GIL while it encodes and
+        # writes the next batch (a wait and a context switch more per message). They send
+        # their next messages through the inbox, never in this loop iteration: no cool-down.
+        try:
+            self._after(b, cool=False)
+        finally:
+            if len(futs) > 1:
+                self.deliver(r, futs)
+            elif not (f0 := futs[0]).done():
+                try:  # (not contextlib.suppress: three calls more, on every lone send)
+                    f0.set_result(r)
+                except _InvalidState:  # cancelled by another thread
+                    pass
 
-    async def _resume(self, b: _Bucket, st: Any, msgs: list[Message], futs: list[Any]
-                      ) -> None:
-        """A started lone message whose answer was not a plain success: the send's coroutine
-        from its first answer on (retries, errors), then as any batch."""
+    async def _resume(self, b: _Bucket, st: Any, msgs: list[Message], futs: list[Any],
+                      deadlines: list[float]) -> None:
+        """A started batch whose answer was not a plain success: the send's coroutine from its
+        first answer on (retries, errors), then as any batch."""
         assert self.resume_one is not None
         try:
             try:
                 r = await self.resume_one(b.topic, b.mq, msgs, st)
             except BaseException as exc:
-                self._answered(1)
-                if not futs[0].done():
-                    futs[0].set_exception(exc)
+                if (len(msgs) > 1 and isinstance(exc, MessageRejectedError | BrokerError)
+                        and (isinstance(exc, MessageRejectedError)
+                             or exc.response_code in CONTENT_CODES)):
+                    await self._isolate(b, msgs, futs, deadlines)
+                    return
+                self._answered(len(msgs))
+                for f in futs:
+                    if not f.done():
+                        f.set_exception(exc)
                 if not isinstance(exc, Exception):
                     raise
                 return
-            self._answered(1)
+            self._answered(len(msgs))
             split_result(r, futs)
         finally:
             self._after(b)
@@ -493,11 +573,33 @@ class Accumulator:
         finally:
             self._after(b)
 
-    def _after(self, b: _Bucket, cool: bool = True) -> None:
+    def _after(self, b: _Bucket, cool: bool = True, answered: int = 0) -> None:
         """A batch of ``b`` was answered: send what gathered meanwhile. ``cool``: its senders
-        may send again in this loop iteration (coroutines woken by the answer)."""
+        may send again in this loop iteration (coroutines woken by the answer);
+        ``answered``: how many of them (0: do not pipeline)."""
         b.inflight -= 1
-        if b.msgs and (b.waiting or b.mq is not None) and not b.inflight and not b.scheduled:
+        if not cool and self.on_answered is not None:
+            # The blocking facade's callers (woken after this): what its inbox holds joins the
+            # bucket now and leaves at once with what gathered in it (the drain kicks and
+            # writes it), or what gathered leaves alone -- nobody else sends in this loop
+            # iteration, so waiting for its end would only add an iteration and a write.
+            self.on_answered()
+            if b.msgs and (b.waiting or b.mq is not None) and not b.inflight and not b.scheduled:
+                self._dispatch(b)
+                if self.flush_now is not None:
+                    self.flush_now()
+            return
+        if (answered and b.mq is None and b.waiting and not b.inflight and not b.scheduled
+                and len(b.msgs) >= PIPELINE_MIN):
+            # Coroutines gathered behind the answered batch: they leave now, and the
+            # ``answered`` senders this answer wakes gather behind them -- two groups, one
+            # batch in flight while the other gathers (the broker stores one while this
+            # thread runs the other's senders). The larger group gives some to the other.
+            g = len(b.msgs)
+            self._dispatch(b, max((g + answered + 1) // 2, PIPELINE_MIN))
+            if self.flush_now is not None:
+                self.flush_now()
+        elif b.msgs and (b.waiting or b.mq is not None) and not b.inflight and not b.scheduled:
             # At the end of this loop iteration: the senders this answer wakes send their
             # next messages first, and they all leave together.
             b.scheduled = True

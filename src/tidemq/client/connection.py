@@ -44,6 +44,7 @@ import struct
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from tidemq.base.gc_tune import tune_gc
 from tidemq.base.malloc import tune_malloc
 from tidemq.client.errors import (
     ClientClosedError,
@@ -499,6 +500,7 @@ class ConnectionPool:
         on_request: Callable[[Connection, Frame], None] | None = None,
     ) -> None:
         tune_malloc()  # pull answers and bodies reuse heap pages (tidemq.base.malloc)
+        tune_gc()  # batches' small objects die young, uncollected (tidemq.base.gc_tune)
         self.connect_timeout = connect_timeout
         #: Handler of peer -> client requests, given to every connection (see Connection).
         self.on_request = on_request

@@ -157,7 +157,12 @@ class Producer:
         )
         if multi_queue and producer_name is None:
             acc.send_many = self.multi.take
+            if type(self)._encode is Producer._encode and not self.sender.compression:
+                # batches encoded as encode_batch would (no subclass marks them)
+                self.multi.encode_one = self.sender.encode_one
+                self.multi.packed_host = self.sender.packed_host
         acc.start_one = self._start_one
+        acc.flush_now = self.pool.flush_now
         acc.finish_one = self.sender.finish
         acc.resume_one = self._resume_one
         self._started = False
@@ -539,17 +544,19 @@ class Producer:
         code = RequestCode.SEND_BATCH if len(msgs) > 1 else RequestCode.SEND_MESSAGE
         return await self._send(topic, msgs, mq, None, None, None, timeout, code)
 
-    def _start_one(self, topic: str, mq: MessageQueue | None, msg: Message,
+    def _start_one(self, topic: str, mq: MessageQueue | None, msgs: list[Message],
                    timeout: float | None, sink: Any) -> Started | None:
-        """A lone message of the accumulator written without a task (None: it needs one)."""
+        """A batch of the accumulator written without a task (None: it needs one)."""
         if not self._started or self._closed:
             return None
-        return self.sender.start(topic, (msg,), mq, timeout, RequestCode.SEND_MESSAGE, sink)
+        code = RequestCode.SEND_BATCH if len(msgs) > 1 else RequestCode.SEND_MESSAGE
+        return self.sender.start(topic, msgs, mq, timeout, code, sink)
 
     async def _resume_one(self, topic: str, mq: MessageQueue | None, msgs: list[Message],
                           st: Started) -> SendResult:
-        return await self.sender.send(topic, msgs, mq, None, None, None, None,
-                                      RequestCode.SEND_MESSAGE, started=st)
+        code = RequestCode.SEND_BATCH if len(msgs) > 1 else RequestCode.SEND_MESSAGE
+        return await self.sender.send(topic, msgs, mq, None, None, None, None, code,
+                                      started=st)
 
     async def _counted(self, coro: Any, n: int) -> SendResult:
         """Run a send_async send; its ``n`` messages stop counting as pending before its
