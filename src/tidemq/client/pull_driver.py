@@ -60,6 +60,9 @@ _NOT_FOUND = int(ResponseCode.PULL_NOT_FOUND)
 # queue of the answer: codec._base_bytes), and its messages then do not keep the whole answer
 # alive.
 _COPY_MAX = 64 * 1024
+# The body bytes a broker puts in one answer at most (its max_read_bytes, 4 MiB by default):
+# the queues of a request beyond it are answered "not read" and pulled again (see _per_request)
+_ANSWER_BYTES = 4 << 20
 
 Key = tuple[str, int]
 
@@ -80,6 +83,8 @@ class PullDriver:
         self.in_flight = 0
         self.requests = 0
         self.unsupported = False
+        #: body bytes of a queue's answer with messages, smoothed (sizes the requests)
+        self.bytes_per_queue = 0.0
         self._scheduled = False
         self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -114,8 +119,18 @@ class PullDriver:
             if self.standing and self.in_flight == 0:
                 self._start(items)  # only waits for the standing queues
             return
-        for i in range(0, len(items), self.max_queues):
-            self._start(items[i : i + self.max_queues])
+        n = self._per_request()
+        for i in range(0, len(items), n):
+            self._start(items[i : i + n])
+
+    def _per_request(self) -> int:
+        """Queues per request: ``max_queues``, fewer when the answers of that many would not
+        fit one answer's bytes (a backlog of 10 KiB a queue: about 380), so that queues are
+        not sent only to come back "not read" and be sent again."""
+        per = self.bytes_per_queue
+        if per <= 0:
+            return self.max_queues
+        return max(16, min(self.max_queues, int(_ANSWER_BYTES * 0.9 / per)))
 
     def _start(self, items: list[tuple[PullRequest, MultiQueuePull]]) -> None:
         t = self.loop.create_task(self._send(items))
@@ -188,6 +203,9 @@ class PullDriver:
             n = r.body_bytes
             part = bytes(body[pos : pos + n]) if n <= _COPY_MAX else body[pos : pos + n]
             pos += n
+            if n:
+                self.bytes_per_queue = n if not self.bytes_per_queue else (
+                    0.9 * self.bytes_per_queue + 0.1 * n)
             key = (req.mq.topic, req.mq.queue_id)
             if latest.get(key) is not req:
                 continue

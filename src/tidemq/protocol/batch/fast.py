@@ -60,7 +60,7 @@ from tidemq.protocol.batch.layout import (
 from tidemq.protocol.batch.tags import tag_hash
 from tidemq.protocol.batch.varied import varied_records
 
-__all__ = ["OutgoingMessage", "encode_messages", "encode_plain_columns"]
+__all__ = ["OutgoingMessage", "encode_messages", "encode_one", "encode_plain_columns"]
 
 _ZERO16 = ZERO_HOST
 _REC_DTYPE = REC_DTYPE
@@ -343,6 +343,11 @@ def _encode_one(
     CRC_FIELD.pack_into(buf, 0, total)  # total_size, outside both CRCs
     CRC_FIELD.pack_into(buf, p, crc32c(memoryview(buf)[p + 4 :]))
     return buf
+
+
+#: a batch of one message without compression, delay nor deliver_at, checked by the caller
+#: (``encode_messages`` without its dispatch: a frame of many one-message batches)
+encode_one = _encode_one
 
 
 def _seal(
