@@ -112,6 +112,7 @@ class MessageDeduplication:
         self.replayed_batches = 0
         self.replay_seconds = 0.0
         self._pending: tuple[int, bytes] | None = None  # (covered offset, snapshot bytes)
+        self._written_offset = -1  # offset covered by the snapshot last written periodically
         #: CommitLog offset the replay reached (a slave's table follows its replicated log)
         self.replayed_to = 0
         #: a slave: the table is folded from the replicated CommitLog before every snapshot
@@ -295,7 +296,12 @@ class MessageDeduplication:
         pending = self._pending
         if pending is not None and store.flushed_phys_offset >= pending[0]:
             self._pending = None
-            await asyncio.to_thread(write_atomic, self.path, pending[1])
+            # Nothing stored since the snapshot on disk: it already covers this offset, and
+            # the replay from it rebuilds the same table (an idle broker writes nothing).
+            if pending[0] != self._written_offset:
+                self._written_offset = -1
+                await asyncio.to_thread(write_atomic, self.path, pending[1])
+                self._written_offset = pending[0]
         # Written even with no named producer: the snapshot's offset is also where the next
         # start's replay begins (without it, every start replayed the whole CommitLog).
         if self._pending is None:

@@ -142,6 +142,7 @@ class PopSnapshots:
         self.path = path
         self.store = store
         self._pending: tuple[int, bytes] | None = None  # (phys offset it needs flushed, bytes)
+        self._written_offset = -1  # offset covered by the snapshot last written
         self.written = 0
 
     def take(self, windows: dict[Any, Any], log_offset: int) -> tuple[int, bytes]:
@@ -178,8 +179,13 @@ class PopSnapshots:
                 pending = self._pending
                 if pending is not None and self.store.flushed_phys_offset >= pending[0]:
                     self._pending = None
-                    await asyncio.to_thread(write_atomic, self.path, pending[1])
-                    self.written += 1
+                    # Nothing logged since the snapshot on disk (it covers this offset, the
+                    # replay from it gives the same windows): an idle broker writes nothing.
+                    if pending[0] != self._written_offset:
+                        self._written_offset = -1
+                        await asyncio.to_thread(write_atomic, self.path, pending[1])
+                        self._written_offset = pending[0]
+                        self.written += 1
                 if self._pending is None:
                     self._pending = self.take(*windows_of())
             except OSError as exc:

@@ -171,6 +171,9 @@ class MessageStore:
         # other's write, one's rename under the other's fsync -- and a newer checkpoint could
         # be replaced by an older one.
         self._checkpoint_lock = threading.Lock()
+        # What the checkpoint on disk records (None: write the next one whatever it holds).
+        # An idle store writes nothing: a checkpoint equal to it is skipped (issue 17).
+        self._saved_cp: tuple[int, int, int, int] | None = None
         self._listeners: list[DispatchListener] = []
         self._queue_offsets: dict[tuple[str, int], int] = {}
         self._store_port = config.store_port
@@ -718,6 +721,7 @@ class MessageStore:
             for phys in [q for q in self.quarantine if q >= end]:
                 del self.quarantine[phys]
             self._copied_bad = None
+            self._saved_cp = None
         self._save_checkpoint()
 
     def reset_to(self, offset: int) -> None:
@@ -739,6 +743,7 @@ class MessageStore:
             self._queue_offsets = {}
             self.quarantine.clear()
             self._copied_bad = None
+            self._saved_cp = None
         self._save_checkpoint()
 
     def warm_ahead(self, enabled: bool) -> None:
@@ -1099,15 +1104,22 @@ class MessageStore:
         flushed = self.commitlog.flush()
         log_end = self.cqs.flush()
         self.index.flush()
+        state = (flushed, min(dispatched, flushed), log_end, index_phys)
+        if state == self._saved_cp:
+            # Nothing new since the last checkpoint (the flushes above were no-ops too): the
+            # file already says this, so no tmp, fsync, rename (``written_at`` is informative).
+            return
         cp = Checkpoint(
             version=2,
-            commitlog_flushed=flushed,
-            dispatched=min(dispatched, flushed),
-            index_log_end=log_end,
-            index_phys=index_phys,
+            commitlog_flushed=state[0],
+            dispatched=state[1],
+            index_log_end=state[2],
+            index_phys=state[3],
             written_at=time.time_ns() // 1_000_000,
         )
+        self._saved_cp = None  # a failed write leaves the file unknown: write again next time
         save_checkpoint(self.dir / "checkpoint", cp)
+        self._saved_cp = state
 
     def flush(self) -> None:
         """Make everything put so far durable, indexes and checkpoint included."""

@@ -107,6 +107,10 @@ class TimerLog:
         self.bucket_ms = bucket_ms
         self.indexed = 0
         self.heartbeat_ms = 0
+        #: Entries appended so far (a version: the owner skips an idle checkpoint by it).
+        self.changes = 0
+        #: ``changes`` and ``indexed`` as of the last checkpoint written.
+        self.saved: tuple[int, int] | None = None
         self.problems: list[str] = []
         self._buckets: list[int] = []  # sorted starts of bucket files that exist
         self._fds: OrderedDict[int, int] = OrderedDict()  # bucket start -> append fd (LRU)
@@ -170,6 +174,7 @@ class TimerLog:
         32-byte entry on the event loop cost 0.2-0.4 ms here under other processes' writeback
         -- dirty-page throttling -- so the owner's thread never writes.)"""
         with self._fd_lock:
+            self.changes += 1
             buf = self._buf.get(start)
             if buf is None:
                 if start not in self._buckets:
@@ -251,10 +256,16 @@ class TimerLog:
     def save_checkpoint(self, now_ms: int) -> None:
         """Sync the buckets, then durably record ``indexed`` and the heartbeat (tmp, fsync,
         rename, fsync dir). Blocking; the owner may run it in a worker thread."""
-        indexed = self.indexed
+        indexed, changes = self.indexed, self.changes
         self.sync()
         data = json.dumps({"indexed": indexed, "heartbeat_ms": now_ms}).encode()
+        self.saved = None
         write_atomic(self.dir / "checkpoint.json", data)
+        self.saved = (changes, indexed)
+
+    def unchanged(self) -> bool:
+        """Nothing appended and nothing indexed since the last checkpoint written."""
+        return self.saved == (self.changes, self.indexed) and not self.pending_deletes
 
     def _read_bucket(self, start: int) -> np.ndarray:
         """Every entry of the bucket: its file, plus what is buffered or being written (taken
