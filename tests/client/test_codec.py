@@ -371,3 +371,52 @@ def test_single_message_heads_past_the_cache_bound_match_reference(monkeypatch):
             assert got == encode_batch(topic, data, queue_id=queue_id, producer_id=5,
                                        base_seq=9, born_host="10.0.0.7", born_port=1)
     assert not fast._one_heads
+
+
+# -- the column-wise encoder of varied messages (protocol/batch/varied.py): batches of more
+# than fast._SMALL messages, each of its own tags, keys and properties, and the irregular
+# inputs that send it back to the per-message loop
+
+ODD_TEXT = st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=0x2FF)
+                   | st.sampled_from("é€\x01\x02 "), max_size=6)
+VARIED = st.builds(
+    lambda body, tags, keys, props: Message("topic-a", body, tags, keys, props),
+    st.binary(max_size=40),
+    st.none() | st.sampled_from(["", "a", "TagB", "é"]) | TEXT,
+    st.none() | st.just("") | TEXT | st.lists(TEXT, min_size=1, max_size=2),
+    st.none() | st.dictionaries(TEXT, TEXT, max_size=3),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(VARIED, min_size=33, max_size=90))
+def test_varied_batch_matches_the_reference_encoder(msgs):
+    got = encode_messages("topic-a", msgs, queue_id=3, producer_id=99, base_seq=7, born_ts=1234,
+                          born_host=pack_host("10.0.0.7"), born_port=4321)
+    assert got == reference(msgs, queue_id=3, producer_id=99, base_seq=7)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.dictionaries(ODD_TEXT, ODD_TEXT | st.integers(), max_size=2),
+                min_size=33, max_size=40))
+def test_varied_batch_refuses_or_encodes_odd_properties_as_the_reference(props):
+    msgs = [Message("topic-a", b"x", "t", f"k{i}", p) for i, p in enumerate(props)]
+    try:
+        want = reference(msgs, queue_id=3, producer_id=99, base_seq=7)
+    except ValueError as exc:
+        with pytest.raises(ValueError) as got_exc:
+            encode_messages("topic-a", msgs, queue_id=3, producer_id=99, base_seq=7,
+                            born_ts=1234, born_host=pack_host("10.0.0.7"), born_port=4321)
+        assert type(got_exc.value) is type(exc)
+        return
+    got = encode_messages("topic-a", msgs, queue_id=3, producer_id=99, base_seq=7, born_ts=1234,
+                          born_host=pack_host("10.0.0.7"), born_port=4321)
+    assert got == want
+
+
+def test_varied_batch_names_the_message_whose_properties_are_too_large():
+    msgs = [Message("topic-a", b"x", "t", f"k{i}", {"a": "b"}) for i in range(40)]
+    msgs[37] = Message("topic-a", b"x", "t", "k", {"big": "v" * 100})
+    with pytest.raises(ValueError, match="37"):
+        encode_messages("topic-a", msgs, queue_id=0, producer_id=1, base_seq=0, born_ts=1,
+                        max_properties_size=64)

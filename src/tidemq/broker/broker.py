@@ -38,6 +38,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from tidemq.base.gc_tune import tune_gc
 from tidemq.base.server import FrameServer
 from tidemq.broker.admin_processor import AdminProcessor, rss_bytes
 from tidemq.broker.config import BrokerConfig
@@ -184,6 +185,7 @@ class Broker:
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
+        tune_gc()  # a frame's thousands of small objects die young (tidemq.base.gc_tune)
         self._loop = loop = asyncio.get_running_loop()
         self.port = await self.frames.start(cfg.listen_host, cfg.listen_port, start_serving=False)
         self.addr = cfg.broker_addr(self.port)

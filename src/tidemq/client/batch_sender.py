@@ -31,7 +31,7 @@ from tidemq.client.retry_policy import RetryPolicy
 from tidemq.client.route import TopicRoute
 from tidemq.client.send_router import Selector, SendRouter
 from tidemq.client.sequencer import Sequencer
-from tidemq.protocol.batch.fast import encode_messages
+from tidemq.protocol.batch.fast import encode_messages, encode_one
 from tidemq.protocol.batch.fields import set_queue_id
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import BrokerError, LocalProtocolError
@@ -106,6 +106,25 @@ class BatchSender:
         if packed is None:
             packed = self._hosts[host] = pack_host(host)
         return packed
+
+    def encode_one(self, topic: str, m: Message, queue_id: int, packed_host: bytes, port: int,
+                   born_ts: int) -> tuple[bytearray, int]:
+        """:meth:`encode_batch` of one message without compression, delay nor deliver_at
+        (the caller checked): a frame of 1,000 one-message batches (spread traffic,
+        client/multi_sender.py) pays the encoder's per-batch dispatch once per frame."""
+        sq = self.sequencer
+        seq = sq.next_seq
+        try:
+            batch = encode_one(topic, queue_id, m, sq.producer_id, seq, born_ts, packed_host,
+                               port, self.max_properties_size)
+        except (ValueError, struct.error) as exc:
+            raise MessageRejectedError(f"cannot encode the message: {exc}") from exc
+        if len(batch) > self.max_message_size:
+            raise MessageRejectedError(
+                f"the message encodes to {len(batch)} bytes, over the "
+                f"{self.max_message_size}-byte limit")
+        sq.next_seq = seq + 1
+        return batch, seq
 
     def encode_batch(
         self, topic: str, msgs: Sequence[Message], queue_id: int, host: str, port: int,
@@ -266,6 +285,11 @@ class BatchSender:
                     frame = await first
                 else:
                     conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
+                    if not conn.writable:
+                        # Before encoding: a backlog of batches waits here as messages, and
+                        # each is encoded just before it is written (cache-hot, and not a
+                        # backlog's worth of encoded copies in memory).
+                        await conn.drain()
                     born_ts = int(time.time() * 1000)
                     if batch is None:
                         batch, seq = self.encode(topic, msgs, mq.queue_id, conn.local_host,
@@ -275,8 +299,6 @@ class BatchSender:
                         batch = bytearray(batch)
                         set_queue_id(batch, mq.queue_id)
                     header = self.header(topic, mq.queue_id, code == _SEND_BATCH, born_ts)
-                    if not conn.writable:
-                        await conn.drain()
                     frame = await conn.start_request(code, header, batch, left)
                 fcode = frame.code
                 if fcode not in _SEND_OK_CODES:

@@ -58,6 +58,12 @@ class MultiQueueSender:
         self._answered = answered  # n messages answered (the accumulator's pending count)
         self._track = track
         self.no_multi: set[str] = set()  # brokers that answered REQUEST_CODE_NOT_SUPPORTED
+        #: encodes a batch of one plain message (BatchSender.encode_one), with
+        #: ``packed_host``; None: every batch through ``encode`` (a producer whose encoder
+        #: marks batches, or compresses them)
+        self.encode_one: Callable[[str, Message, int, bytes, int, int],
+                                  tuple[bytearray, int]] | None = None
+        self.packed_host: Callable[[str], bytes] = lambda host: b""
         self.frames = 0  # SEND_MULTI_QUEUE frames sent (stats, tests)
 
     def take(self, batches: list[OpenBatch]) -> list[OpenBatch]:
@@ -74,12 +80,18 @@ class MultiQueueSender:
         # (100,000 queues: 4.4 k msgs/s and 1,788 send errors of 100,000).
         # once per batch, and at 100,000 queues nearly every batch is one message: locals
         cached, select, no_multi = router.cached, router.select, self.no_multi
+        # the router's everyday choice (plain round robin while no broker is avoided), inlined
+        rr = None if router.faults.avoiding else router._rr
         for b in batches:
             route = cached(b[0])
             if route is None or not route.write_queues:
                 rest.append(b)
                 continue
-            mq, _ = select(route, b[1][0], None, None, None, None, None)
+            if rr is not None:
+                queues = route.write_queues
+                mq = queues[next(rr) % len(queues)]
+            else:
+                mq, _ = select(route, b[1][0], None, None, None, None, None)
             addr = route.broker_addrs.get(mq.broker_name)
             if addr is None or addr in no_multi:
                 rest.append(b)
@@ -120,10 +132,23 @@ class MultiQueueSender:
             encode = self._encode()
             host, port = conn.local_host, conn.local_port
             parts = []
-            for mq, (topic, msgs, _futs) in items:
-                encoded, seq = encode(topic, msgs, mq.queue_id, host, port, None, born_ts)
-                parts.append(encoded)
-                seqs.append(seq)
+            one = self.encode_one
+            if one is not None:
+                packed = self.packed_host(host)
+                for mq, (topic, msgs, _futs) in items:
+                    if len(msgs) == 1 and not (msgs[0].delay_level or msgs[0].deliver_at):
+                        # a batch of one plain message (at 100,000 queues nearly every one)
+                        encoded, seq = one(topic, msgs[0], mq.queue_id, packed, port, born_ts)
+                    else:
+                        encoded, seq = encode(topic, msgs, mq.queue_id, host, port, None,
+                                              born_ts)
+                    parts.append(encoded)
+                    seqs.append(seq)
+            else:
+                for mq, (topic, msgs, _futs) in items:
+                    encoded, seq = encode(topic, msgs, mq.queue_id, host, port, None, born_ts)
+                    parts.append(encoded)
+                    seqs.append(seq)
             header = SendMultiQueueRequestHeader(producer_group=self.group, batches=len(parts),
                                                  born_timestamp=born_ts)
             if not conn.writable:
@@ -145,24 +170,30 @@ class MultiQueueSender:
                 self._single(b)
             return
         pid = self._producer_id()
-        for (mq, b), r, seq in zip(items, h.results, seqs, strict=True):
-            topic, msgs, futs = b
-            status = STATUS.get(r.code)
-            if status is None:
-                if r.code in RETRY_CODES or (r.code in CONTENT_CODES and len(msgs) > 1):
-                    # again on its own: with its retries, or to tell the bad message apart
-                    # from the callers it shares the batch with
-                    self._single(b)
+        prefix = f"{pid:016X}"  # of every message id of the frame
+        answered = 0  # messages answered, told to the accumulator once per frame
+        try:
+            for (mq, b), r, seq in zip(items, h.results, seqs, strict=True):
+                topic, msgs, futs = b
+                status = STATUS.get(r.code)
+                if status is None:
+                    if r.code in RETRY_CODES or (r.code in CONTENT_CODES and len(msgs) > 1):
+                        # again on its own: with its retries, or to tell the bad message apart
+                        # from the callers it shares the batch with
+                        self._single(b)
+                        continue
+                    answered += len(msgs)
+                    exc = BrokerError(r.message or f"batch refused (response code {r.code})",
+                                      response_code=r.code)
+                    for f in futs:
+                        if not f.done():
+                            f.set_exception(exc)
                     continue
-                self._answered(len(msgs))
-                exc = BrokerError(r.message or f"batch refused (response code {r.code})",
-                                  response_code=r.code)
-                for f in futs:
-                    if not f.done():
-                        f.set_exception(exc)
-                continue
-            self._answered(len(msgs))
-            # One SendResult per batch; each message's (offset and sequence + i) is built by
-            # split_result, or only when read for a send_async SendFuture.
-            split_result(SendResult(status, f"{pid:016X}{seq:016X}", topic, mq.queue_id,
-                                    r.queue_offset, len(msgs), mq.broker_name, pid, seq), futs)
+                answered += len(msgs)
+                # One SendResult per batch; each message's (offset and sequence + i) is built
+                # by split_result, or only when read for a send_async SendFuture.
+                split_result(SendResult(status, f"{prefix}{seq:016X}", topic, mq.queue_id,
+                                        r.queue_offset, len(msgs), mq.broker_name, pid, seq),
+                             futs)
+        finally:
+            self._answered(answered)

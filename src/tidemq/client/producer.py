@@ -157,6 +157,10 @@ class Producer:
         )
         if multi_queue and producer_name is None:
             acc.send_many = self.multi.take
+            if type(self)._encode is Producer._encode and not self.sender.compression:
+                # batches encoded as encode_batch would (no subclass marks them)
+                self.multi.encode_one = self.sender.encode_one
+                self.multi.packed_host = self.sender.packed_host
         acc.start_one = self._start_one
         acc.flush_now = self.pool.flush_now
         acc.finish_one = self.sender.finish
