@@ -512,3 +512,48 @@ def test_large_responses_arrive_whole_whatever_the_reads(seed):
         server.close()
 
     run(main())
+
+
+def test_drain_lets_waiters_write_one_at_a_time_into_a_full_transport():
+    """Many senders wait for a full transport (a send_async backlog): each writes only when
+    the buffer is below its mark, so it never holds more than about one frame over the mark
+    (it once returned to all of them at once, and a backlog's frames were buffered
+    together: their send timeouts ran while they waited in the client)."""
+
+    async def main():
+        release = asyncio.Event()
+
+        async def slow_reader(reader, writer):
+            await release.wait()
+            while await reader.read(256 << 10):
+                await asyncio.sleep(0.002)
+            writer.close()
+
+        srv = await asyncio.start_server(slow_reader, "127.0.0.1", 0)
+        addr = f"127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        conn = await ConnectionPool().get(addr)
+        transport = conn._transport
+        high = transport.get_write_buffer_limits()[1]
+        big = b"x" * (1 << 20)
+        while conn.writable:  # fill the socket and the transport past its mark
+            conn.send_oneway(999, None, big)
+            await asyncio.sleep(0)
+        buffered: list[int] = []
+
+        async def sender():
+            await conn.drain()
+            conn.send_oneway(999, None, big)
+            buffered.append(transport.get_write_buffer_size())
+            await asyncio.sleep(0)
+            buffered.append(transport.get_write_buffer_size())
+
+        waiters = [asyncio.create_task(sender()) for _ in range(8)]
+        await asyncio.sleep(0.05)
+        assert buffered == []  # nobody writes into a full transport
+        release.set()
+        await asyncio.wait_for(asyncio.gather(*waiters), 60)
+        assert max(buffered) <= high + len(big) + 1024, (high, buffered)
+        conn.close()
+        srv.close()
+
+    run(main())
