@@ -235,3 +235,24 @@ def test_an_add_between_released_entries_is_not_served_after_them(tmp_path) -> N
     assert log.next_due() == 10
     assert log.pop_due(13, 5) == [(10, 1003, 1), (11, 1002, 1)]
     log.close()
+
+
+def test_unchanged_until_an_entry_is_appended_or_indexed(tmp_path) -> None:
+    """The owner skips an idle checkpoint by ``unchanged()`` (issue 17): false before the first
+    checkpoint, true after it, false again after an add, a mark or a re-index."""
+    log = TimerLog(tmp_path, BUCKET_MS)
+    try:
+        assert not log.unchanged()
+        log.save_checkpoint(1)
+        assert log.unchanged()
+        log.add(100, 1, 10)
+        assert not log.unchanged()
+        log.save_checkpoint(2)
+        assert log.unchanged()
+        log.done(100, 1, 10)
+        assert not log.unchanged()
+        log.save_checkpoint(3)
+        log.indexed += 1
+        assert not log.unchanged()
+    finally:
+        log.close()
