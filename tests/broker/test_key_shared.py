@@ -95,9 +95,21 @@ def test_the_slot_table_is_the_ring_read_off_a_list(names):
     table = sel.table()
     assert table is not None and len(table) == SLOTS
     assert all(table[s] == sel.owner(s) for s in range(SLOTS))
+    _same_index(sel, table)
     sel.remove(names[0])
     after = sel.table()
     if len(names) == 1:
-        assert after is None
+        assert after is None and sel.index_table() is None
     else:
         assert after is not None and all(after[s] == sel.owner(s) for s in range(SLOTS))
+        _same_index(sel, after)
+
+
+def _same_index(sel: KeySharedSelector, table: list[str]) -> None:
+    """``index_table()`` (read off the ring by a vectorised search) is the list table: the same
+    owner position per slot, and a keyless slot (-1) owned by nobody."""
+    it = sel.index_table()
+    assert it is not None and it.names == sorted(set(table))
+    assert [it.names[k] for k in it.index[:SLOTS].tolist()] == table
+    assert it.index[-1] == len(it.names)
+    assert all(it.owner(s) == table[s] for s in range(0, SLOTS, 251))

@@ -512,3 +512,103 @@ def test_large_responses_arrive_whole_whatever_the_reads(seed):
         server.close()
 
     run(main())
+
+
+def test_a_corked_pool_writes_at_flush_now_and_schedules_nothing():
+    """cork(): a frame written meanwhile goes out at flush_now, with no end-of-iteration write
+    scheduled (the blocking facade's hand-over); after flush_now writes are scheduled as
+    before (nothing stays corked), even when a connection's write raises."""
+
+    async def handler(frame: Frame):
+        return frame.response(0, {"echo": frame.header["n"]})
+
+    async def main():
+        srv = await FakeServer(handler).start()
+        pool = ConnectionPool()
+        conn = await pool.get(srv.address)
+        loop = asyncio.get_running_loop()
+        scheduled: list[object] = []
+        real_call_soon = loop.call_soon
+
+        def call_soon(cb, *args, **kw):
+            scheduled.append(cb)
+            return real_call_soon(cb, *args, **kw)
+
+        loop.call_soon = call_soon  # type: ignore[method-assign]
+        try:
+            pool.cork()
+            fut = conn.start_request(999, {"n": 1})
+            assert conn._wbuf and not scheduled  # queued, nothing scheduled
+            pool.flush_now()
+            assert not conn._wbuf  # written by flush_now itself
+            assert (await fut).header["echo"] == 1
+            del scheduled[:]
+            # uncorked: the next frame is written at the end of the loop iteration again
+            fut = conn.start_request(999, {"n": 2})
+            assert conn._flush in scheduled
+            assert (await fut).header["echo"] == 2
+        finally:
+            loop.call_soon = real_call_soon  # type: ignore[method-assign]
+        # a write that raises at flush_now leaves no connection corked
+        other = await pool.get(srv.address)
+        assert other is conn
+        pool.cork()
+        conn.start_request(999, {"n": 3})
+
+        def boom() -> None:
+            raise RuntimeError("write failed")
+
+        conn.flush_now = boom  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError):
+            pool.flush_now()
+        assert not conn._corked and not conn._flush_scheduled
+        del conn.flush_now
+        pool.close()
+        await srv.close()
+
+    run(main())
+
+
+def test_drain_lets_waiters_write_one_at_a_time_into_a_full_transport():
+    """Many senders wait for a full transport (a send_async backlog): each writes only when
+    the buffer is below its mark, so it never holds more than about one frame over the mark
+    (it once returned to all of them at once, and a backlog's frames were buffered
+    together: their send timeouts ran while they waited in the client)."""
+
+    async def main():
+        release = asyncio.Event()
+
+        async def slow_reader(reader, writer):
+            await release.wait()
+            while await reader.read(256 << 10):
+                await asyncio.sleep(0.002)
+            writer.close()
+
+        srv = await asyncio.start_server(slow_reader, "127.0.0.1", 0)
+        addr = f"127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        conn = await ConnectionPool().get(addr)
+        transport = conn._transport
+        high = transport.get_write_buffer_limits()[1]
+        big = b"x" * (1 << 20)
+        while conn.writable:  # fill the socket and the transport past its mark
+            conn.send_oneway(999, None, big)
+            await asyncio.sleep(0)
+        buffered: list[int] = []
+
+        async def sender():
+            await conn.drain()
+            conn.send_oneway(999, None, big)
+            buffered.append(transport.get_write_buffer_size())
+            await asyncio.sleep(0)
+            buffered.append(transport.get_write_buffer_size())
+
+        waiters = [asyncio.create_task(sender()) for _ in range(8)]
+        await asyncio.sleep(0.05)
+        assert buffered == []  # nobody writes into a full transport
+        release.set()
+        await asyncio.wait_for(asyncio.gather(*waiters), 60)
+        assert max(buffered) <= high + len(big) + 1024, (high, buffered)
+        conn.close()
+        srv.close()
+
+    run(main())

@@ -284,15 +284,14 @@ def _read_ahead(p: PendingOffsets, read: Reader, start: int, stop: int, max_offs
 def _route_loop(p: PendingOffsets, parts: list[tuple[int, int, int, list[int]]],
                 owner_of: OwnerOf, table: IndexTable | None) -> None:
     """Route new offsets one by one (few of them, or joiner marks to apply)."""
-    owners = table.owners if table is not None else None
     for base, lo, hi, slots in parts:
         runs: dict[str | None, list[int]] = {}
         for o in range(lo, hi):
             s = slots[o - base]
             if s == KEYLESS:
                 who = None
-            elif owners is not None:
-                who = owners[s]
+            elif table is not None:
+                who = table.owner(s)
             else:
                 who = owner_of(o, s)
             r = runs.get(who)

@@ -285,6 +285,11 @@ class BatchSender:
                     frame = await first
                 else:
                     conn = self.pool.get_nowait(addr) or await self.pool.get(addr)
+                    if not conn.writable:
+                        # Before encoding: a backlog of batches waits here as messages, and
+                        # each is encoded just before it is written (cache-hot, and not a
+                        # backlog's worth of encoded copies in memory).
+                        await conn.drain()
                     born_ts = int(time.time() * 1000)
                     if batch is None:
                         batch, seq = self.encode(topic, msgs, mq.queue_id, conn.local_host,
@@ -294,8 +299,6 @@ class BatchSender:
                         batch = bytearray(batch)
                         set_queue_id(batch, mq.queue_id)
                     header = self.header(topic, mq.queue_id, code == _SEND_BATCH, born_ts)
-                    if not conn.writable:
-                        await conn.drain()
                     frame = await conn.start_request(code, header, batch, left)
                 fcode = frame.code
                 if fcode not in _SEND_OK_CODES:

@@ -170,24 +170,30 @@ class MultiQueueSender:
                 self._single(b)
             return
         pid = self._producer_id()
-        for (mq, b), r, seq in zip(items, h.results, seqs, strict=True):
-            topic, msgs, futs = b
-            status = STATUS.get(r.code)
-            if status is None:
-                if r.code in RETRY_CODES or (r.code in CONTENT_CODES and len(msgs) > 1):
-                    # again on its own: with its retries, or to tell the bad message apart
-                    # from the callers it shares the batch with
-                    self._single(b)
+        prefix = f"{pid:016X}"  # of every message id of the frame
+        answered = 0  # messages answered, told to the accumulator once per frame
+        try:
+            for (mq, b), r, seq in zip(items, h.results, seqs, strict=True):
+                topic, msgs, futs = b
+                status = STATUS.get(r.code)
+                if status is None:
+                    if r.code in RETRY_CODES or (r.code in CONTENT_CODES and len(msgs) > 1):
+                        # again on its own: with its retries, or to tell the bad message apart
+                        # from the callers it shares the batch with
+                        self._single(b)
+                        continue
+                    answered += len(msgs)
+                    exc = BrokerError(r.message or f"batch refused (response code {r.code})",
+                                      response_code=r.code)
+                    for f in futs:
+                        if not f.done():
+                            f.set_exception(exc)
                     continue
-                self._answered(len(msgs))
-                exc = BrokerError(r.message or f"batch refused (response code {r.code})",
-                                  response_code=r.code)
-                for f in futs:
-                    if not f.done():
-                        f.set_exception(exc)
-                continue
-            self._answered(len(msgs))
-            # One SendResult per batch; each message's (offset and sequence + i) is built by
-            # split_result, or only when read for a send_async SendFuture.
-            split_result(SendResult(status, f"{pid:016X}{seq:016X}", topic, mq.queue_id,
-                                    r.queue_offset, len(msgs), mq.broker_name, pid, seq), futs)
+                answered += len(msgs)
+                # One SendResult per batch; each message's (offset and sequence + i) is built
+                # by split_result, or only when read for a send_async SendFuture.
+                split_result(SendResult(status, f"{prefix}{seq:016X}", topic, mq.queue_id,
+                                        r.queue_offset, len(msgs), mq.broker_name, pid, seq),
+                             futs)
+        finally:
+            self._answered(answered)
