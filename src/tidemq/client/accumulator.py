@@ -59,8 +59,11 @@ Check = Callable[[Message], Exception | None]
 _InvalidState = (asyncio.InvalidStateError, concurrent.futures.InvalidStateError)
 
 #: Awaiting coroutines of one bucket travel as two alternating groups (two batches, one in
-#: flight while the other gathers) when there are at least twice this many of them.
-PIPELINE_MIN = 8
+#: flight while the other gathers) when there are at least twice this many of them. High:
+#: each request costs ~110 us of broker and ~80 us of client CPU on top of its messages, so
+#: with 64 coroutines the lock-step of one batch of 64 beat two groups of 32 in 6 of 6
+#: alternated runs here (42-72 k against 19-40 k msgs/s, a loaded 2-core machine).
+PIPELINE_MIN = 256
 
 
 class _Bucket:
