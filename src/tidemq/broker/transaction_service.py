@@ -111,6 +111,7 @@ class TransactionService:
         self.path = progress_path
         self.half_progress = 0
         self.op_progress = 0
+        self._written: tuple[int, int] | None = None  # (half, op) the file holds, if known
         self.producers: dict[str, dict[Any, float]] = {}  # group -> {connection: last seen}
         self.resolved: dict[str, int] = {}  # txn id -> half offset of its latest copy
         self.latest_copy: dict[str, int] = {}  # txn id -> offset of its latest put-back copy
@@ -125,6 +126,7 @@ class TransactionService:
         if raw:
             data = json.loads(raw)
             self.half_progress, self.op_progress = int(data["half"]), int(data["op"])
+            self._written = (self.half_progress, self.op_progress)
         self._rebuild()
         self._task = loop.create_task(self._check_forever(), name="transaction-check")
 
@@ -334,8 +336,13 @@ class TransactionService:
                 log.error("transaction check round: its puts may not be durable (%s); progress "
                           "not persisted", err)
                 continue
+            progress = (self.half_progress, self.op_progress)
+            if progress == self._written:
+                continue  # nothing moved since the file was written: an idle broker writes nothing
             try:
+                self._written = None
                 await asyncio.to_thread(write_atomic, self.path, self._snapshot())
+                self._written = progress
             except OSError as exc:
                 log.error("persisting transaction progress to %s failed: %s", self.path, exc)
 
