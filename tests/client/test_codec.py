@@ -93,6 +93,17 @@ def test_single_message_fast_path_refuses_what_the_format_cannot_hold():
                         producer_id=1, base_seq=0, born_ts=1)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.binary(max_size=300), min_size=2, max_size=40))
+def test_small_plain_batches_match_reference(bodies):
+    """A few messages with no tags, keys nor properties (spread traffic's batches) take their
+    own path up to 32 messages, and the numpy path above: both give the reference bytes."""
+    msgs = [Message("topic-a", b) for b in bodies]
+    got = encode_messages("topic-a", msgs, queue_id=5, producer_id=11, base_seq=3, born_ts=1234,
+                          born_host=pack_host("10.0.0.7"), born_port=4321)
+    assert got == reference(msgs, queue_id=5, producer_id=11, base_seq=3)
+
+
 def test_fixed_size_fast_path_matches_reference():
     msgs = [Message("topic-a", os.urandom(100)) for _ in range(50)]
     got = encode_messages("topic-a", msgs, queue_id=0, producer_id=1, base_seq=0, born_ts=1234,

@@ -514,6 +514,61 @@ def test_large_responses_arrive_whole_whatever_the_reads(seed):
     run(main())
 
 
+def test_a_corked_pool_writes_at_flush_now_and_schedules_nothing():
+    """cork(): a frame written meanwhile goes out at flush_now, with no end-of-iteration write
+    scheduled (the blocking facade's hand-over); after flush_now writes are scheduled as
+    before (nothing stays corked), even when a connection's write raises."""
+
+    async def handler(frame: Frame):
+        return frame.response(0, {"echo": frame.header["n"]})
+
+    async def main():
+        srv = await FakeServer(handler).start()
+        pool = ConnectionPool()
+        conn = await pool.get(srv.address)
+        loop = asyncio.get_running_loop()
+        scheduled: list[object] = []
+        real_call_soon = loop.call_soon
+
+        def call_soon(cb, *args, **kw):
+            scheduled.append(cb)
+            return real_call_soon(cb, *args, **kw)
+
+        loop.call_soon = call_soon  # type: ignore[method-assign]
+        try:
+            pool.cork()
+            fut = conn.start_request(999, {"n": 1})
+            assert conn._wbuf and not scheduled  # queued, nothing scheduled
+            pool.flush_now()
+            assert not conn._wbuf  # written by flush_now itself
+            assert (await fut).header["echo"] == 1
+            del scheduled[:]
+            # uncorked: the next frame is written at the end of the loop iteration again
+            fut = conn.start_request(999, {"n": 2})
+            assert conn._flush in scheduled
+            assert (await fut).header["echo"] == 2
+        finally:
+            loop.call_soon = real_call_soon  # type: ignore[method-assign]
+        # a write that raises at flush_now leaves no connection corked
+        other = await pool.get(srv.address)
+        assert other is conn
+        pool.cork()
+        conn.start_request(999, {"n": 3})
+
+        def boom() -> None:
+            raise RuntimeError("write failed")
+
+        conn.flush_now = boom  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError):
+            pool.flush_now()
+        assert not conn._corked and not conn._flush_scheduled
+        del conn.flush_now
+        pool.close()
+        await srv.close()
+
+    run(main())
+
+
 def test_drain_lets_waiters_write_one_at_a_time_into_a_full_transport():
     """Many senders wait for a full transport (a send_async backlog): each writes only when
     the buffer is below its mark, so it never holds more than about one frame over the mark

@@ -463,7 +463,8 @@ class SendProcessor:
     def _admit(self, conn: BrokerConnection, producer_group: str, topic: str, qid: int,
                body: bytes | bytearray | memoryview, v: BatchView | None = None) -> BatchView:
         """The door of one batch (the checks of the module docstring, in that order):
-        RequestRejected, or the batch's view. ``v``: the view of ``body`` already parsed."""
+        RequestRejected, or the batch's view. ``v``: the view of ``body`` already parsed, whose
+        own topic and queue id the caller passes (SEND_MULTI_QUEUE: nothing to compare)."""
         size = len(body)
         cfg = self.config
         if size == 0:
@@ -515,6 +516,7 @@ class SendProcessor:
                 f"queue id {qid} is out of range: topic {topic!r} has {tc.write_queue_nums} "
                 f"write queues (0..{tc.write_queue_nums - 1}) on broker {cfg.broker_name}",
             )
+        own = v is not None  # topic and queue id were read from this very view
         if v is None:
             try:
                 v = BatchView(body)
@@ -528,19 +530,20 @@ class SendProcessor:
                 f"the batch says it is {v.total_size} bytes but the body has {size}; a send "
                 "carries exactly one batch",
             )
-        tb = self._topic_bytes.get(topic)
-        if tb is None:
-            tb = self._topic_bytes[topic] = topic.encode()
-        if v.topic_bytes != tb:
-            raise RequestRejected(
-                ResponseCode.MESSAGE_ILLEGAL,
-                f"header topic {topic!r} differs from the batch's topic {v.topic!r}",
-            )
-        if v.queue_id != qid:
-            raise RequestRejected(
-                ResponseCode.MESSAGE_ILLEGAL,
-                f"header queue id {qid} differs from the batch's queue id {v.queue_id}",
-            )
+        if not own:
+            tb = self._topic_bytes.get(topic)
+            if tb is None:
+                tb = self._topic_bytes[topic] = topic.encode()
+            if v.topic_bytes != tb:
+                raise RequestRejected(
+                    ResponseCode.MESSAGE_ILLEGAL,
+                    f"header topic {topic!r} differs from the batch's topic {v.topic!r}",
+                )
+            if v.queue_id != qid:
+                raise RequestRejected(
+                    ResponseCode.MESSAGE_ILLEGAL,
+                    f"header queue id {qid} differs from the batch's queue id {v.queue_id}",
+                )
         try:
             validate_batch(v, self.limits)
         except (CorruptBatchError, MessageTooLargeError) as exc:

@@ -550,9 +550,10 @@ _fork_generation = 0
 
 
 def _after_fork_in_child() -> None:
-    global _fork_generation, _hosts_lock
+    global _fork_generation, _hosts_lock, _held
     _fork_generation += 1
     _hosts_lock = threading.Lock()  # another thread may have held it at the fork
+    _held = None  # the parent's loop thread may have been inside _deliver at the fork
 
 
 if hasattr(os, "register_at_fork"):

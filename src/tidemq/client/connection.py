@@ -522,9 +522,11 @@ class ConnectionPool:
     def flush_now(self) -> None:
         """:meth:`Connection.flush_now` of every connection of the pool (and the end of a
         :meth:`cork`)."""
-        for c in self._conns.values():
+        conns = self._conns.values()
+        for c in conns:  # all uncorked first: a write that raises leaves none corked
             if c._corked:
                 c._corked = c._flush_scheduled = False
+        for c in conns:
             if c._wbuf:
                 c.flush_now()
 

@@ -167,6 +167,9 @@ class Producer:
         acc.resume_one = self._resume_one
         self._started = False
         self._closed = False
+        #: the loop the producer was started on (asyncio.get_running_loop() costs a getpid
+        #: system call on Python 3.11: not once per send)
+        self._loop: Any = None
 
     @property
     def last_sequence_id(self) -> int:
@@ -183,6 +186,7 @@ class Producer:
             raise ClientClosedError("this producer was closed; create a new one")
         if not self._started:
             self._started = True
+            self._loop = asyncio.get_running_loop()
             self.routes.start()
             if self.producer_name:
                 try:
@@ -249,8 +253,7 @@ class Producer:
                                     timeout, RequestCode.SEND_MESSAGE, sequence_id)
         if not self._started or self._closed:
             await self._ensure_started()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + (self.send_timeout if timeout is None else timeout)
+        deadline = self._loop.time() + (self.send_timeout if timeout is None else timeout)
         key: Any = None
         mq: MessageQueue | None = None
         if queue_id is not None or selector is not None or hash_key is not None:
@@ -405,7 +408,7 @@ class Producer:
                     deadline = 0.0
                     if wait:
                         timeout = options.get("timeout")
-                        deadline = asyncio.get_running_loop().time() + (
+                        deadline = self._loop.time() + (
                             self.send_timeout if timeout is None else timeout)
                     acc.npending += 1
                     acc.add(msg, key, mq, deadline, sink)
