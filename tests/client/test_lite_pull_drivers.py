@@ -118,3 +118,28 @@ def test_the_consumer_wide_cap_bounds_what_it_buffers(dev, multi_queue_min: int)
         assert sorted(got) == sorted(bodies)
 
     asyncio.run(run())
+
+
+def test_non_persistent_topics_through_the_drivers_lose_nothing(dev):
+    """Non-persistent topics (%NP%, memory only; the broker resolves no start for them in a
+    multi pull): every message sent after the consumer started arrives, once."""
+    async def run() -> None:
+        topics = await _topics(dev.namesrv, "%NP%drv", 3, 8)  # 24 queues
+        c = PullConsumer(dev.namesrv, "g-np", consume_from="last", auto_commit=False,
+                         multi_queue_min=16, suspend_timeout=2.0)
+        for t in topics:
+            c.subscribe(t)
+        got: list[bytes] = []
+        async with c:
+            for _ in range(100):  # every queue knows where it starts
+                if len(c.assignment()) == 24 and all(
+                        c.position(mq) is not None for mq in c.assignment()):
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)
+            bodies = await _spread(dev.namesrv, topics, 8, 300, "np")
+            await _poll_until(c, len(bodies), got)
+            assert await c.poll(timeout=0.5) == []
+        assert sorted(got) == sorted(bodies)
+
+    asyncio.run(run())

@@ -49,7 +49,7 @@ def dev() -> Iterator[DevCluster]:
 
 
 def create_topic(dev: DevCluster, topic: str, queues: int) -> None:
-    with tidemq.Admin(dev.namesrv) as admin:
+    with tidemq.Admin(dev.namesrv, timeout=10.0) as admin:
         admin.create_topic(topic, queues)
 
 

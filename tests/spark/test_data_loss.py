@@ -32,7 +32,7 @@ def dev():
 
 
 def _min_offset(dev) -> int:
-    with tidemq.Admin(dev.namesrv) as admin:
+    with tidemq.Admin(dev.namesrv, timeout=10.0) as admin:
         (st,) = admin.topic_status(TOPIC)
         return st.min_offset
 

@@ -130,7 +130,7 @@ def test_sink_exactly_once_when_a_task_fails_and_is_retried(spark, dev, tmp_path
         # Both tasks (one per queue) pause part-way in their first attempt; then kill their
         # Python workers: Spark retries the tasks (local[2,4]), which re-send everything from
         # their first row.
-        with tidemq.Admin(dev.namesrv) as admin:
+        with tidemq.Admin(dev.namesrv, timeout=10.0) as admin:
             def stored() -> int:
                 return sum(st.max_offset for st in admin.topic_status("sk-retry-out"))
             wait_for(lambda: len(os.listdir(gate_dir)) == 2, 120,
@@ -206,7 +206,7 @@ def test_batch_write_routes_by_topic_and_queue_columns(spark, dev):
 def test_batch_write_to_a_topic_that_does_not_exist_yet(spark, dev):
     """As ``Producer.send``: the broker creates the topic on the first write (auto-create), the
     sink does not ask for a route that is not there yet."""
-    with tidemq.Admin(dev.namesrv) as admin:
+    with tidemq.Admin(dev.namesrv, timeout=10.0) as admin:
         assert "sk-new-out" not in admin.list_topics()
     rows = [(f"n{i:04d}".encode(), f"c{i % 7}") for i in range(500)]
     df = spark.createDataFrame(rows, "body binary, hash_key string").repartition(2)

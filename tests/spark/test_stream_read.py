@@ -132,7 +132,7 @@ def test_group_offsets_are_committed(spark, dev, tmp_path):
                    processingTime="200 milliseconds")
     try:
         query.processAllAvailable()
-        with tidemq.Admin(dev.namesrv) as admin:
+        with tidemq.Admin(dev.namesrv, timeout=10.0) as admin:
             def caught_up() -> bool:
                 lag = admin.group_lag(group, topic)
                 return len(lag.queues) == 2 and lag.total_lag == 0

@@ -123,10 +123,16 @@ class LitePulls:
         q.committed = r.start_offset if r.start_committed else None
         return True
 
-    def on_standing(self, q: _Queue, r: Any) -> None:
-        """``q`` found nothing and stands on the broker: keep its resolved start."""
-        if self._current(q):
-            self._started(q, r)
+    def on_standing(self, q: _Queue, r: Any) -> bool:
+        """``q`` found nothing and stands on the broker: keep its resolved start. False: it
+        does not stand here -- gone, or the broker resolved no start (a non-persistent
+        topic, an older broker): its start is looked up and it is pulled again from there."""
+        if not self._current(q):
+            return False
+        if self._started(q, r):
+            return True
+        self.c._start_task(q)
+        return False
 
     def on_result(self, q: _Queue, r: Any, body: Any, addr: str) -> bool:
         """One queue's answer of a PULL_MULTI_QUEUE; True: pull it again at once."""

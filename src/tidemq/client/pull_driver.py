@@ -210,10 +210,10 @@ class PullDriver:
             if latest.get(key) is not req:
                 continue
             if stand and r.code == _NOT_FOUND:
+                if not self.s.on_standing(req, r):
+                    continue  # the service pulls it otherwise (its woken answer is ignored)
                 self.standing[key] = req  # held on the broker: answered when woken
                 req.pq.standing = True
-                if r.start_offset >= 0:  # a start the broker resolved (a lite consumer's)
-                    self.s.on_standing(req, r)
                 continue
             self._result(key, req, r, part)
         for w in h.woken:

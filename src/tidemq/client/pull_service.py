@@ -316,9 +316,10 @@ class PullService:
                               commit, sub.expression if sub.filters else None,
                               sub.expression_type)
 
-    def on_standing(self, req: PullRequest, r: Any) -> None:
-        """A queue standing with a resolved start (PullDriver): the push consumer does not ask
-        the broker to resolve starts, so never called."""
+    def on_standing(self, req: PullRequest, r: Any) -> bool:
+        """``req``'s queue found nothing and stands on the broker (PullDriver): keep it
+        standing (the lite consumer's service also takes a resolved start here)."""
+        return True
 
     def on_result(self, req: PullRequest, r: Any, body: Any, addr: str) -> bool:
         """One queue's result of a PULL_MULTI_QUEUE, handled as a PULL_MESSAGE's answer;
