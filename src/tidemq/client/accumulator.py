@@ -181,9 +181,6 @@ class Accumulator:
         #: writes the frames queued so far now (the connection pool's flush_now, wired by the
         #: producer): a batch that leaves at the end of a loop iteration is written in it
         self.flush_now: Callable[[], None] | None = None
-        #: gives each caller of an answered batch of waiting callers on other threads its
-        #: SendResult (the blocking facade wakes them in turn: client/blocking.py)
-        self.deliver: Callable[[SendResult, list[Any]], None] = split_result
         #: batches sent from buckets so far, and the messages in them
         self.batches = 0
         self.batched_messages = 0
@@ -530,7 +527,7 @@ class Accumulator:
             self._after(b, cool=False)
         finally:
             if len(futs) > 1:
-                self.deliver(r, futs)
+                split_result(r, futs)
             elif not (f0 := futs[0]).done():
                 try:  # (not contextlib.suppress: three calls more, on every lone send)
                     f0.set_result(r)
