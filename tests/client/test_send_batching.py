@@ -301,33 +301,6 @@ def test_a_message_the_broker_refuses_in_a_shared_blocking_batch_fails_only_its_
                      if (t, i) != (3, 10)])
 
 
-def test_the_callers_of_one_answered_batch_are_woken_in_turn_past_one_that_gave_up():
-    # The blocking facade wakes the callers of an answered batch one after the other (each
-    # woken caller wakes the next): one that stopped waiting must not stall those after it.
-    from tidemq.client.blocking import _deliver, _Waiter
-
-    ws = [_Waiter() for _ in range(6)]
-    with pytest.raises(tidemq.RequestTimeoutError):
-        ws[2].wait(0.01)  # gave up before the answer
-    got: dict[int, tidemq.SendResult] = {}
-
-    def wait(i: int) -> None:
-        got[i] = ws[i].wait(10)
-
-    ts = [threading.Thread(target=wait, args=(i,)) for i in range(6) if i != 2]
-    for th in ts:
-        th.start()
-    r = tidemq.SendResult(tidemq.SendStatus.SEND_OK, "x", "t", 1, 100, 6, "b", 7, 50)
-    t0 = time.monotonic()
-    _deliver(r, ws)
-    for th in ts:
-        th.join(5)
-    assert time.monotonic() - t0 < 2
-    assert sorted(got) == [0, 1, 3, 4, 5]
-    assert [got[i].queue_offset for i in sorted(got)] == [100, 101, 103, 104, 105]
-    assert len({got[i].msg_id for i in got}) == 5
-
-
 def test_many_awaiting_coroutines_travel_as_two_alternating_groups(dev, monkeypatch):
     # Coroutines each awaiting its sends: one group's batch is in flight while the other
     # group gathers (the broker stores one while the client runs the other's senders), not

@@ -181,9 +181,6 @@ class Accumulator:
         #: writes the frames queued so far now (the connection pool's flush_now, wired by the
         #: producer): a batch that leaves at the end of a loop iteration is written in it
         self.flush_now: Callable[[], None] | None = None
-        #: gives each caller of an answered batch of waiting callers on other threads its
-        #: SendResult (the blocking facade wakes them in turn: client/blocking.py)
-        self.deliver: Callable[[SendResult, list[Any]], None] = split_result
         #: batches sent from buckets so far, and the messages in them
         self.batches = 0
         self.batched_messages = 0
@@ -530,7 +527,7 @@ class Accumulator:
             self._after(b, cool=False)
         finally:
             if len(futs) > 1:
-                self.deliver(r, futs)
+                split_result(r, futs)
             elif not (f0 := futs[0]).done():
                 try:  # (not contextlib.suppress: three calls more, on every lone send)
                     f0.set_result(r)
@@ -546,17 +543,7 @@ class Accumulator:
             try:
                 r = await self.resume_one(b.topic, b.mq, msgs, st)
             except BaseException as exc:
-                if (len(msgs) > 1 and isinstance(exc, MessageRejectedError | BrokerError)
-                        and (isinstance(exc, MessageRejectedError)
-                             or exc.response_code in CONTENT_CODES)):
-                    await self._isolate(b, msgs, futs, deadlines)
-                    return
-                self._answered(len(msgs))
-                for f in futs:
-                    if not f.done():
-                        f.set_exception(exc)
-                if not isinstance(exc, Exception):
-                    raise
+                await self._failed(b, msgs, futs, deadlines, exc, may_isolate=True)
                 return
             self._answered(len(msgs))
             split_result(r, futs)
@@ -645,20 +632,26 @@ class Accumulator:
         try:
             r = await self._send(b.topic, b.mq, msgs, timeout)
         except BaseException as exc:
-            if (len(msgs) > 1 and not alone and isinstance(exc, MessageRejectedError | BrokerError)
-                    and (isinstance(exc, MessageRejectedError)
-                         or exc.response_code in CONTENT_CODES)):
-                await self._isolate(b, msgs, futs, deadlines)
-                return
-            self._answered(len(msgs))
-            for f in futs:
-                if not f.done():
-                    f.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
+            await self._failed(b, msgs, futs, deadlines, exc, may_isolate=not alone)
             return
         self._answered(len(msgs))
         split_result(r, futs)
+
+    async def _failed(self, b: _Bucket, msgs: list[Message], futs: list[Any],
+                      deadlines: list[float], exc: BaseException, *, may_isolate: bool) -> None:
+        """A batch's send raised: a shared batch refused for its content is isolated (only the
+        messages that cannot be sent fail); otherwise every caller gets the error, and what is
+        not an Exception (cancellation) is raised on."""
+        if (may_isolate and len(msgs) > 1 and isinstance(exc, MessageRejectedError | BrokerError)
+                and (isinstance(exc, MessageRejectedError) or exc.response_code in CONTENT_CODES)):
+            await self._isolate(b, msgs, futs, deadlines)
+            return
+        self._answered(len(msgs))
+        for f in futs:
+            if not f.done():
+                f.set_exception(exc)
+        if not isinstance(exc, Exception):
+            raise exc
 
     async def _isolate(self, b: _Bucket, msgs: list[Message],
                        futs: list[asyncio.Future[SendResult]], deadlines: list[float]) -> None:
@@ -674,7 +667,8 @@ class Accumulator:
                         futs[i].set_exception(err)
         if bad:
             self._answered(len(bad))
-            keep = [i for i in range(len(msgs)) if i not in set(bad)]
+            bad_set = set(bad)
+            keep = [i for i in range(len(msgs)) if i not in bad_set]
             if keep:
                 await self._send_some(b, [msgs[i] for i in keep], [futs[i] for i in keep],
                                       [deadlines[i] for i in keep], alone=True)

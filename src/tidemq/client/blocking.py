@@ -21,13 +21,11 @@ import asyncio.events as asyncio_events
 import atexit
 import collections
 import concurrent.futures
-import contextlib
 import os
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
-from tidemq.client.accumulator import split_result
 from tidemq.client.admin import Admin as AioAdmin
 from tidemq.client.admin import GroupInfo, GroupLag, QueueStatus
 from tidemq.client.consumer import PullConsumer as AioPullConsumer
@@ -349,22 +347,15 @@ class _Facade:
         _open.discard(self)
 
 
-#: (The producers' loop thread only.) While the callers of one answered batch get their
-#: results (:func:`_deliver`): the waiters to wake, in the batch's order.
-_held: list[_Waiter] | None = None
-
-
 class _Waiter:
-    """Where one blocking ``send`` waits: a lock taken at birth, released when the answer is
-    in (one wake-up of one thread, no Condition, no Future).
+    """Where one blocking ``send`` waits: a lock taken at birth, released by the loop thread
+    when the answer is in (one wake-up of one thread, no Condition, no Future). (Waking the
+    callers of one answered batch in turn instead -- each woken caller waking the next --
+    saved context switches, 2.9 against 3.9 per message with 16 threads, but the callers then
+    came back spread out and the batches shrank, 5.9 against 7.4 messages: it lost 4 of 4
+    alternated runs, the per-request cost outweighing the switches.)"""
 
-    The callers of one answered batch are woken in turn (:func:`_deliver`): the loop thread
-    wakes the first, each woken caller wakes the next (``_next``) before it returns. Woken
-    all at once, a dozen threads would queue for the GIL together -- each one waking, finding
-    the GIL taken, sleeping on it and waking again: two more context switches per message,
-    measured (perf stat) as 4.2 per message against ~2 in turn."""
-
-    __slots__ = ("_lock", "_done", "result", "error", "_next", "_gone")
+    __slots__ = ("_lock", "_done", "result", "error")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -372,8 +363,6 @@ class _Waiter:
         self._done = False
         self.result: SendResult | None = None
         self.error: BaseException | None = None
-        self._next: _Waiter | None = None  # woken by this one (set before this is woken)
-        self._gone = False  # its caller stopped waiting (timed out)
 
     def done(self) -> bool:
         return self._done
@@ -381,57 +370,20 @@ class _Waiter:
     def set_result(self, result: SendResult) -> None:
         self.result = result
         self._done = True
-        if _held is not None:
-            _held.append(self)
-        else:
-            self._lock.release()
+        self._lock.release()
 
     def set_exception(self, exc: BaseException) -> None:
         self.error = exc
         self._done = True
-        if _held is not None:
-            _held.append(self)
-        else:
-            self._lock.release()
-
-    def _wake_next(self) -> None:
-        n = self._next
-        if n is not None:
-            self._next = None
-            with contextlib.suppress(RuntimeError):  # woken already (by the loop thread)
-                n._lock.release()
+        self._lock.release()
 
     def wait(self, timeout: float) -> SendResult:
         if not self._lock.acquire(timeout=timeout):
-            self._gone = True
-            self._wake_next()  # (linked before this thread saw _gone set: wake it here)
             raise RequestTimeoutError(f"no answer from the tidemq-io thread in {timeout:g} s")
-        self._wake_next()
         if self.error is not None:
             raise self.error
         assert self.result is not None
         return self.result
-
-
-def _deliver(r: SendResult, futs: list[Any]) -> None:
-    """The accumulator's ``deliver`` for the blocking facade: results for every caller of an
-    answered batch, then the callers woken in turn (see _Waiter)."""
-    global _held
-    held: list[_Waiter] = []
-    _held = held
-    try:
-        split_result(r, futs)
-    finally:
-        _held = None
-        # Linked in the batch's order, past the callers that stopped waiting (timed out).
-        ws = [w for w in held if not w._gone]
-        for a, b in zip(ws, ws[1:], strict=False):
-            a._next = b
-        if ws:
-            ws[0]._lock.release()
-            for w in ws:
-                if w._gone:  # gave up while being linked: it may not have seen its _next
-                    w._wake_next()
 
 
 class _Driven:
@@ -493,7 +445,6 @@ class _Inbox:
         self._draining = False
         acc = aio.accumulator
         acc.on_answered = self._answered
-        acc.deliver = _deliver
         self._answer_pending = acc.answer_pending
 
     def put(self, msg: Message, options: dict[str, Any], sink: Any, wait: bool) -> None:
@@ -550,10 +501,9 @@ _fork_generation = 0
 
 
 def _after_fork_in_child() -> None:
-    global _fork_generation, _hosts_lock, _held
+    global _fork_generation, _hosts_lock
     _fork_generation += 1
     _hosts_lock = threading.Lock()  # another thread may have held it at the fork
-    _held = None  # the parent's loop thread may have been inside _deliver at the fork
 
 
 if hasattr(os, "register_at_fork"):

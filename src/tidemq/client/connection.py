@@ -307,7 +307,7 @@ class Connection(asyncio.BufferedProtocol):
         parts = encode_frame_parts(Frame(code, opaque, flags, header, body),
                                    max_frame_size=self.max_frame_size)
         self._wbuf += parts
-        if len(body) >= _WRITE_NOW:
+        if len(parts) > 1 and len(parts[-1]) >= _WRITE_NOW:  # [prefix + header, body]
             # A large frame (a batch) is written now, with what is queued before it: the
             # transport then pauses writing at once when its buffer is full, and the next
             # sender of this loop iteration waits in drain() (a send_async backlog would else
