@@ -282,12 +282,8 @@ class Accumulator:
                         b.loop.call_soon(self._leave, b)
             elif b.timer is None:  # it waits for the batch in flight: not past its deadline
                 b.timer = b.loop.call_at(deadline, self._expire, b)
-        else:
-            if not b.listed:
-                b.listed = True
-                self._lingering.append(b)
-            if not self._flush_scheduled:
-                self._schedule_flush(b.loop)
+        elif not (b.listed and self._flush_scheduled):
+            self._linger(b)
         return result
 
     def add_async(self, msg: Message) -> SendFuture:
@@ -306,22 +302,23 @@ class Accumulator:
         size = b.size = b.size + len(msg.body)
         if len(msgs) >= self.batch_max_messages or size >= self.batch_max_bytes:
             self._dispatch(b)  # an unpinned bucket: never held back by a batch in flight
-        else:
-            if not b.listed:
-                b.listed = True
-                self._lingering.append(b)
-            if not self._flush_scheduled:
-                self._schedule_flush(b.loop)
+        elif not (b.listed and self._flush_scheduled):
+            self._linger(b)
         return fut
 
-    def _schedule_flush(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The lingering ``send_async`` batches leave ``batch_max_delay`` from now (at the end
-        of this loop iteration when it is 0): one timer for all of them."""
-        self._flush_scheduled = True
-        if self.batch_max_delay > 0:
-            loop.call_later(self.batch_max_delay, self._flush_lingering)
-        else:
-            loop.call_soon(self._flush_lingering)
+    def _linger(self, b: _Bucket) -> None:
+        """``b`` holds a message that waits for the timed flush: list it for that flush, and
+        schedule the flush -- ``batch_max_delay`` from now (at the end of this loop iteration
+        when it is 0), one timer for all lingering buckets."""
+        if not b.listed:
+            b.listed = True
+            self._lingering.append(b)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            if self.batch_max_delay > 0:
+                b.loop.call_later(self.batch_max_delay, self._flush_lingering)
+            else:
+                b.loop.call_soon(self._flush_lingering)
 
     def _expire(self, b: _Bucket) -> None:
         """Fail the messages of ``b`` whose callers' deadlines passed while they waited."""

@@ -118,11 +118,9 @@ class BatchSender:
             batch = encode_one(topic, queue_id, m, sq.producer_id, seq, born_ts, packed_host,
                                port, self.max_properties_size)
         except (ValueError, struct.error) as exc:
-            raise MessageRejectedError(f"cannot encode the message: {exc}") from exc
+            raise _unencodable(exc) from exc
         if len(batch) > self.max_message_size:
-            raise MessageRejectedError(
-                f"the message encodes to {len(batch)} bytes, over the "
-                f"{self.max_message_size}-byte limit")
+            raise self._oversize(len(batch), 1)
         sq.next_seq = seq + 1
         return batch, seq
 
@@ -148,14 +146,21 @@ class BatchSender:
                     max_properties_size=self.max_properties_size,
                 )
         except (ValueError, struct.error) as exc:  # struct.error: a field out of its range
-            raise MessageRejectedError(f"cannot encode the message: {exc}") from exc
+            raise _unencodable(exc) from exc
         if len(batch) > self.max_message_size:
-            raise MessageRejectedError(
-                f"the {'batch' if len(msgs) > 1 else 'message'} encodes to {len(batch)} bytes, "
-                f"over the {self.max_message_size}-byte limit; send fewer or smaller messages "
-                "per batch"
-            )
+            raise self._oversize(len(batch), len(msgs))
         return batch, seq
+
+    def _oversize(self, size: int, n: int) -> MessageRejectedError:
+        """The refusal of a batch of ``n`` messages that encodes to ``size`` bytes, over
+        ``max_message_size`` (one wording for every encode path)."""
+        if n > 1:
+            return MessageRejectedError(
+                f"the batch encodes to {size} bytes, over the {self.max_message_size}-byte "
+                "limit; send fewer or smaller messages per batch")
+        return MessageRejectedError(
+            f"the message encodes to {size} bytes, over the {self.max_message_size}-byte "
+            "limit; send a smaller body, or fewer or shorter keys and properties")
 
     def check(self, msg: Message) -> Exception | None:
         """Why ``msg`` alone cannot be sent (the encoder's refusal), or None; sends nothing
@@ -168,11 +173,9 @@ class BatchSender:
                 max_properties_size=self.max_properties_size,
             )
         except (ValueError, struct.error) as exc:
-            return MessageRejectedError(f"cannot encode the message: {exc}")
+            return _unencodable(exc)
         if len(batch) > self.max_message_size:
-            return MessageRejectedError(
-                f"the message encodes to {len(batch)} bytes, over the "
-                f"{self.max_message_size}-byte limit")
+            return self._oversize(len(batch), 1)
         return None
 
     def start(self, topic: str, msgs: Sequence[Message], queue_id: MessageQueue | None,
@@ -364,3 +367,9 @@ class BatchSender:
         if last_exc is None:
             raise RequestTimeoutError(f"send to topic {topic!r} timed out after {timeout:g} s")
         raise last_exc
+
+
+def _unencodable(exc: Exception) -> MessageRejectedError:
+    """The refusal of a message the encoder cannot encode (its reason: a field out of range,
+    a property that does not fit, ...)."""
+    return MessageRejectedError(f"cannot encode the message: {exc}")

@@ -509,7 +509,7 @@ class Producer:
                                          None)
         conn = await self.pool.get(route.broker_addrs[mq.broker_name])
         batch, _seq = self._encode(topic, msgs, mq.queue_id, conn.local_host, conn.local_port)
-        code = RequestCode.SEND_BATCH if len(msgs) > 1 else RequestCode.SEND_MESSAGE
+        code = _send_code(msgs)
         await conn.drain()
         conn.send_oneway(code, self.sender.header(topic, mq.queue_id, len(msgs) > 1), batch)
 
@@ -544,7 +544,7 @@ class Producer:
     async def _send_auto(self, topic: str, mq: MessageQueue | None, msgs: list[Message],
                          timeout: float | None) -> SendResult:
         """One batch of the accumulator (``mq``: the queue of a pinned bucket)."""
-        code = RequestCode.SEND_BATCH if len(msgs) > 1 else RequestCode.SEND_MESSAGE
+        code = _send_code(msgs)
         return await self._send(topic, msgs, mq, None, None, None, timeout, code)
 
     def _start_one(self, topic: str, mq: MessageQueue | None, msgs: list[Message],
@@ -552,12 +552,12 @@ class Producer:
         """A batch of the accumulator written without a task (None: it needs one)."""
         if not self._started or self._closed:
             return None
-        code = RequestCode.SEND_BATCH if len(msgs) > 1 else RequestCode.SEND_MESSAGE
+        code = _send_code(msgs)
         return self.sender.start(topic, msgs, mq, timeout, code, sink)
 
     async def _resume_one(self, topic: str, mq: MessageQueue | None, msgs: list[Message],
                           st: Started) -> SendResult:
-        code = RequestCode.SEND_BATCH if len(msgs) > 1 else RequestCode.SEND_MESSAGE
+        code = _send_code(msgs)
         return await self.sender.send(topic, msgs, mq, None, None, None, None, code,
                                       started=st)
 
@@ -576,3 +576,8 @@ class Producer:
         if self.accumulator.has_open:
             self.accumulator.flush_open()
         await self.accumulator.wait_all()
+
+
+def _send_code(msgs: Sequence[Message]) -> int:
+    """SEND_BATCH for a batch of several messages, SEND_MESSAGE for one."""
+    return RequestCode.SEND_BATCH if len(msgs) > 1 else RequestCode.SEND_MESSAGE
