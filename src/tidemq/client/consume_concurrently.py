@@ -106,6 +106,7 @@ class ConsumeConcurrentlyService:
         self._tasks: set[asyncio.Task[None]] = set()
         self.consumed = 0
         self.failed = 0
+        self.jobs = 0  # pool jobs or tasks started
         #: Listener wall time per page, a running estimate written by the pool threads (a lost
         #: update between two of them only delays the estimate); starts "slow": pages are
         #: spread until the listener is measured fast.
@@ -160,6 +161,7 @@ class ConsumeConcurrentlyService:
             self._start(segments)
 
     def _start(self, segments: list[_Segment]) -> None:
+        self.jobs += 1
         if self.is_async:
             self._spawn(self._run_async(segments))
         else:
