@@ -510,7 +510,7 @@ class SendProcessor:
                 stored.append((topics[j], 1, sizes[j]))
                 put(i, MultiQueueSendResult(ok, q, 1))
             else:
-                exc = rejection_for_store_error(errors[j])  # type: ignore[arg-type]
+                exc = rejection_for_store_error(errors[j])
                 put(i, MultiQueueSendResult(exc.response_code, message=exc.message))
         self.stats.record_puts(stored, each)
 

@@ -160,7 +160,7 @@ def plain_singles(body: bytes | bytearray | memoryview, cols: BatchColumns,
     records = p["records_size"].astype(np.int64)
     tl = f["tags_len"].astype(np.int64)
     pl = f["props_len"].astype(np.int64)
-    ok = (
+    ok: np.ndarray = (
         cols.in_bounds
         & (s["magic"] == BATCH_MAGIC) & (s["version"] == FORMAT_VERSION) & (s["reserved"] == 0)
         & (s["total"] == cols.sizes)

@@ -79,7 +79,8 @@ def _gather(arr: np.ndarray, at: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``dtype`` items read at byte positions ``at`` of ``arr`` (each within it)."""
     w = dtype.itemsize
     every = np.ndarray((len(arr) - w + 1,), dtype=f"V{w}", buffer=arr, strides=(1,))
-    return every[at].view(dtype)
+    out: np.ndarray = every[at].view(dtype)
+    return out
 
 
 def read_columns(body: bytes | bytearray | memoryview, starts: list[int],
