@@ -205,11 +205,6 @@ class PullDriver:
         pos = 0
         stand = h.standing
         latest = self.latest
-        if stand and self.in_flight == 0 and not self._closed:
-            # the next request (to carry the next woken queues) goes before this answer's
-            # messages are consumed, not after: the broker holds it meanwhile, and what
-            # wakes while this answer is handled is answered without waiting for it
-            self._start([])
         for (req, _p), r in zip(items, h.results, strict=True):
             n = r.body_bytes
             part = bytes(body[pos : pos + n]) if n <= _COPY_MAX else body[pos : pos + n]
