@@ -545,6 +545,7 @@ class _Inbox:
         self._draining = False
         acc = aio.accumulator
         acc.on_answered = self._answered
+        acc.wake_first = _Waiter is not _LockWaiter
         self._answer_pending = acc.answer_pending
 
     def put(self, msg: Message, options: dict[str, Any], sink: Any, wait: bool) -> None:
