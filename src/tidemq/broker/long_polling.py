@@ -187,16 +187,18 @@ class PullRequestHoldService:
 
     # -- way out 1: a message arrived ----------------------------------------------------------
     def on_message_arrival(
-        self, topic: str, queue_id: int, new_max_offset: int, batch: BatchView
+        self, topic: str, queue_id: int, new_max_offset: int, batch: BatchView | list[int]
     ) -> None:
-        """Store dispatch listener: runs on the putting thread inside the store's put lock."""
+        """Store dispatch listener: runs on the putting thread inside the store's put lock.
+        ``batch``: the stored batch, or its tag hashes (``MessageStore.put_frame``)."""
         if not self.long_polling or not self.table:  # nobody waits at all: no key to build
             return
         key = f"{topic}@{queue_id}"
         if key not in self.table:  # the common case: nobody waits on this queue
             return
         if threading.get_ident() != self._loop_thread:
-            tags = index_hashes(batch.index_view()).tolist()
+            tags = (batch if isinstance(batch, list)  # put_frame passes the tag hashes
+                    else index_hashes(batch.index_view()).tolist())
             self.loop.call_soon_threadsafe(self.notify_message_arriving, key, new_max_offset, tags)
             return
         self.notify_message_arriving(key, new_max_offset, batch)
