@@ -472,8 +472,8 @@ def test_varied_properties_take_the_json_path_only_when_it_is_exact():
         RED = "red"
 
     # each of these would come out of JSON unlike str() (or not at all): the general path
-    for odd in ({"t": "12:00"}, {"a": "x,y"}, {"a": "{}"}, {"l": "[1]"}, {"q": 'say "hi"'}, {"n": 1},
-                {1: "one"}, {"d": datetime.date(2026, 11, 27)}, {"c": Color.RED},
+    for odd in ({"t": "12:00"}, {"a": "x,y"}, {"a": "{}"}, {"l": "[1]"}, {"q": 'say "hi"'},
+                {"n": 1}, {1: "one"}, {"d": datetime.date(2026, 11, 27)}, {"c": Color.RED},
                 {"b": b"bytes"}, {}, {"a": "\x01"}):
         assert _properties_json([*plain, odd]) is None, odd
 
