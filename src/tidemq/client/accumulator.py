@@ -286,20 +286,29 @@ class Accumulator:
             self._linger(b)
         return result
 
-    def add_async(self, msg: Message) -> SendFuture:
-        """:meth:`add` of a ``send_async`` message to its topic's bucket (no key, no deadline,
-        no sink), answered through a :class:`SendFuture` (resolved per batch, no asyncio
-        future nor SendResult per message unless asked for)."""
+    def add_async(self, msg: Message) -> SendFuture | None:
+        """A ``send_async`` message (no routing options) into its topic's bucket, counted in
+        ``npending``, answered through a :class:`SendFuture` (resolved per batch, no asyncio
+        future nor SendResult per message unless asked for) -- or None when it travels alone
+        (a delay, a delivery time, a body of ``batch_max_bytes`` or more). Raises
+        ProducerQueueFullError when ``max_pending_messages`` are unanswered. The hot path of
+        ``send_async``: every check and count of it in one call."""
+        n = len(msg.body)
+        if n >= self.batch_max_bytes or msg.delay_level or msg.deliver_at:
+            return None
+        if self.npending >= self.max_pending_messages:
+            self.check_room()  # raises
         b = self._buckets.get(msg.topic)
         if b is None:
             k = msg.topic
             b = self._buckets[k] = _Bucket(k, k, None, asyncio.get_running_loop())
+        self.npending += 1  # given back per batch
         fut = SendFuture(b.loop)
         msgs = b.msgs
         msgs.append(msg)
         b.futs.append(fut)  # type: ignore[arg-type]
         b.deadlines.append(0.0)
-        size = b.size = b.size + len(msg.body)
+        size = b.size = b.size + n
         if len(msgs) >= self.batch_max_messages or size >= self.batch_max_bytes:
             self._dispatch(b)  # an unpinned bucket: never held back by a batch in flight
         elif not (b.listed and self._flush_scheduled):
