@@ -43,7 +43,7 @@ from typing import Any
 from tidemq.client.errors import MessageRejectedError, ProducerQueueFullError, RequestTimeoutError
 from tidemq.client.message import Message, MessageQueue, SendResult
 from tidemq.client.retry_policy import CONTENT_CODES
-from tidemq.client.send_future import SendFuture
+from tidemq.client.send_future import BatchCell, SendFuture
 from tidemq.protocol.errors import BrokerError
 
 __all__ = ["Accumulator", "BatchSend", "split_result"]
@@ -68,7 +68,7 @@ PIPELINE_MIN = 256
 
 class _Bucket:
     __slots__ = ("key", "topic", "mq", "msgs", "futs", "deadlines", "size", "waiting",
-                 "inflight", "loop", "scheduled", "timer", "cool", "listed")
+                 "inflight", "loop", "scheduled", "timer", "cool", "listed", "cell")
 
     def __init__(self, key: Hashable, topic: str, mq: MessageQueue | None,
                  loop: asyncio.AbstractEventLoop) -> None:
@@ -88,6 +88,10 @@ class _Bucket:
         # again, so a send finding the bucket empty joins them instead of leaving alone.
         self.cool = False
         self.listed = False  # in the accumulator's list of lingering buckets
+        #: the BatchCell of the send_async futures added to ``futs`` (None: none yet); a
+        #: new one whenever ``futs`` is replaced (a cell's futures are exactly its list's
+        #: while ``cell.count == len(futs)``)
+        self.cell: BatchCell | None = None
 
 
 class _Lone:
@@ -303,7 +307,12 @@ class Accumulator:
             k = msg.topic
             b = self._buckets[k] = _Bucket(k, k, None, asyncio.get_running_loop())
         self.npending += 1  # given back per batch
-        fut = SendFuture(b.loop)
+        c = b.cell
+        if c is None:
+            c = b.cell = BatchCell()
+        i = c.count
+        c.count = i + 1
+        fut = SendFuture(b.loop, c, i)
         msgs = b.msgs
         msgs.append(msg)
         b.futs.append(fut)  # type: ignore[arg-type]
@@ -341,6 +350,7 @@ class Accumulator:
             self._answered(len(b.msgs) - len(keep))
             b.msgs = [b.msgs[i] for i in keep]
             b.futs = [b.futs[i] for i in keep]
+            b.cell = None
             b.deadlines = [b.deadlines[i] for i in keep]
             b.size = sum(len(m.body) for m in b.msgs)
         waiting = [d for d in b.deadlines if d]
@@ -428,7 +438,7 @@ class Accumulator:
                     # new lists for what the batch took; the deadlines (all 0: send_async)
                     # are cleared in place: one list fewer per bucket and flush for the
                     # collector to track (at 100,000 queues, per message)
-                    b.msgs, b.futs, b.size = [], [], 0
+                    b.msgs, b.futs, b.size, b.cell = [], [], 0, None
                     b.deadlines.clear()
                 for batch in self.send_many(batches):
                     self.send_single(batch)
@@ -456,6 +466,10 @@ class Accumulator:
             b.timer.cancel()
             b.timer = None
         msgs, futs, deadlines = b.msgs, b.futs, b.deadlines
+        cell = b.cell
+        b.cell = None
+        if cell is not None and cell.count != len(futs):
+            cell = None  # not only send_async futures: each is resolved on its own
         most = min(limit, self.batch_max_messages) if limit else self.batch_max_messages
         if len(msgs) > most or b.size > self.batch_max_bytes:
             # A pinned bucket gathered past the limits while its batch was in flight: send
@@ -472,6 +486,7 @@ class Accumulator:
             if waiting:  # the rest's callers: not past their deadlines while they wait
                 b.timer = b.loop.call_at(min(waiting), self._expire, b)
             msgs, futs, deadlines = msgs[:k], futs[:k], deadlines[:k]
+            cell = None
         else:
             b.msgs, b.futs, b.deadlines, b.size, b.waiting = [], [], [], 0, False
         b.inflight += 1
@@ -495,7 +510,7 @@ class Accumulator:
                     lone.st = st
                     self.tasks.add(lone)
                     return
-        self.track(b.loop.create_task(self._send_batch(b, msgs, futs, deadlines)))
+        self.track(b.loop.create_task(self._send_batch(b, msgs, futs, deadlines, cell)))
 
     def _one_done(self, lone: _Lone, frame: Any, exc: BaseException | None) -> None:
         """The outcome of a started batch's request (on the loop, from the connection)."""
@@ -567,10 +582,10 @@ class Accumulator:
 
     # -- sending -----------------------------------------------------------------------------
     async def _send_batch(self, b: _Bucket, msgs: list[Message],
-                          futs: list[asyncio.Future[SendResult]], deadlines: list[float]
-                          ) -> None:
+                          futs: list[asyncio.Future[SendResult]], deadlines: list[float],
+                          cell: BatchCell | None = None) -> None:
         try:
-            await self._send_some(b, msgs, futs, deadlines)
+            await self._send_some(b, msgs, futs, deadlines, cell=cell)
         finally:
             self._after(b)
 
@@ -615,7 +630,9 @@ class Accumulator:
 
     async def _send_some(self, b: _Bucket, msgs: list[Message],
                          futs: list[asyncio.Future[SendResult]], deadlines: list[float],
-                         alone: bool = False) -> None:
+                         alone: bool = False, cell: BatchCell | None = None) -> None:
+        """Send one batch; on success each message gets its result (through ``cell``, when
+        the batch is exactly that cell's futures: one store for all of them)."""
         timeout: float | None = None
         waited = [d for d in deadlines if d]
         if waited:
@@ -629,6 +646,7 @@ class Accumulator:
                 self._answered(len(msgs) - len(keep))
                 msgs = [msgs[i] for i in keep]
                 futs = [futs[i] for i in keep]
+                cell = None
                 deadlines = [deadlines[i] for i in keep]
                 if not msgs:
                     return
@@ -641,7 +659,10 @@ class Accumulator:
             await self._failed(b, msgs, futs, deadlines, exc, may_isolate=not alone)
             return
         self._answered(len(msgs))
-        split_result(r, futs)
+        if cell is not None and len(futs) > 1:
+            cell.resolve(r, futs)  # type: ignore[arg-type]
+        else:
+            split_result(r, futs)
 
     async def _failed(self, b: _Bucket, msgs: list[Message], futs: list[Any],
                       deadlines: list[float], exc: BaseException, *, may_isolate: bool) -> None:
