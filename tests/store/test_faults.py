@@ -113,6 +113,32 @@ def test_bit_flip_is_detected_reported_and_contained(tmp_path, where):
             assert msgs[-1].queue_offset == 35
 
 
+def test_reads_verify_the_crcs_of_what_an_earlier_process_wrote(tmp_path):
+    """A batch this store appended was checked on its way in and is served from the same
+    memory: reads do not re-verify it (the consumer's own CRC check catches a later flip);
+    after a restart the same bytes come from the disk and are verified, the damage found."""
+    d = tmp_path / "s"
+    with open_store(d, segment_size=16384) as s:
+        puts = [s.put(batch("t", [f"m{i}-{j}".encode() for j in range(3)])) for i in range(4)]
+        victim = puts[2]
+        seg = d / "commitlog" / f"{0:020d}"
+        with open(seg, "r+b") as f:  # the mapping shares the page cache: the read sees it
+            f.seek(victim.phys_offset + victim.size - 2)
+            byte = f.read(1)[0]
+            f.seek(victim.phys_offset + victim.size - 2)
+            f.write(bytes([byte ^ 0x10]))
+        res = s.get_messages("t", 0, 0, 1000)
+        assert len(res.batches) == 4  # all four served, the damaged one too
+        damaged = BatchView(res.batches[2].data)
+        assert not damaged.batch_crc_ok()
+        assert victim.phys_offset not in s.quarantine
+    with open_store(d, segment_size=16384) as s:
+        msgs, _ = read_all(s, "t")
+        assert [m.body for m in msgs] == [
+            f"m{i}-{j}".encode() for i in range(4) for j in range(3) if i != 2]
+        assert victim.phys_offset in s.quarantine
+
+
 @pytest.mark.parametrize(
     "damage", ["delete_cq", "garble_cq", "delete_index", "garble_index", "garble_checkpoint"]
 )

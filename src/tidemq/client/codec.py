@@ -13,6 +13,7 @@ Pure functions: any thread may call them.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Container, Sequence
 from typing import Any
 
@@ -234,6 +235,32 @@ def decode_pull_body(
                                       _BatchMeta(btopic, broker_name, h, buf, a, buf, rec), 0))
                 pos += total
                 continue
+        elif (members is None and count <= _SMALL and not h[H_KEYS_SIZE]
+              and not h[H_ATTRIBUTES] & ATTR_COMPRESSION_MASK):
+            # A few messages without keys, uncompressed (a backlog spread over many queues):
+            # decoded here in one loop; anything that does not add up goes the general way
+            # below, which words it.
+            got = _decode_plain(buf, a, h, rec, count, start, btopic, broker_name, tags)
+            if got is not None:
+                out.extend(got)
+                pos += total
+                continue
+            if on_corrupt is None:
+                out.extend(_decode_general(mv, buf, a, pos, h, rec, start, btopic, broker_name,
+                                           tags, max_uncompressed, None, members))
+                pos += total
+                continue
+            try:
+                out.extend(_decode_general(mv, buf, a, pos, h, rec, start, btopic,
+                                           broker_name, tags, max_uncompressed, bad, members))
+            except CorruptBatchError as exc:
+                on_corrupt(qo + start, count - start, exc.message)
+            if bad:
+                for i, why in bad:
+                    on_corrupt(qo + i, 1, why)
+                bad.clear()
+            pos += total
+            continue
         elif on_corrupt is None:
             out.extend(_decode_general(mv, buf, a, pos, h, rec, start, btopic, broker_name,
                                        tags, max_uncompressed, None, members))
@@ -259,6 +286,54 @@ def decode_pull_body(
             break
         pos = nxt
     return out, end_offset
+
+
+# the index entries of a batch of n messages, one unpack (rel offsets at odd positions)
+_INDEX_OF = [struct.Struct("<" + "QI" * n) for n in range(_SMALL + 1)]
+
+
+def _decode_plain(
+    buf: bytes, a: int, h: tuple[Any, ...], rec: int, count: int, start: int, topic: str,
+    broker_name: str, tags: frozenset[str] | None,
+) -> list[MessageExt] | None:
+    """Messages ``start..count-1`` of the framed, CRC-checked batch of ``count`` (<= _SMALL)
+    messages without keys or compression at ``buf[a:]`` (``rec``: where a one-message batch's
+    records would start), or None when a record's sizes do not add up or a tag or properties
+    are not UTF-8 (the general path then words it). One unpack reads the whole index, and the
+    batch's shared metadata is built once."""
+    ipos = rec - INDEX_ENTRY_SIZE
+    off = ipos + count * INDEX_ENTRY_SIZE
+    rlen = off + h[H_RECORDS_SIZE]
+    rels = _INDEX_OF[count].unpack_from(buf, ipos)
+    meta = _BatchMeta(topic, broker_name, h, buf, a, buf, off)
+    unpack_rec = RECORD_HEADER.unpack_from
+    qo = h[H_QUEUE_OFFSET]
+    out: list[MessageExt] = []
+    append = out.append
+    for i in range(start, count):
+        r = off + rels[2 * i + 1]
+        if r + RECORD_HEADER_SIZE > rlen:
+            return None
+        size, _ts, _f, tl, _r, pl, bl = unpack_rec(buf, r)
+        q = r + RECORD_HEADER_SIZE
+        s = q + tl + pl
+        if size + 4 != RECORD_HEADER_SIZE + tl + pl + bl or s + bl > rlen:
+            return None
+        tag = None
+        if tl or pl:
+            try:
+                if tl:
+                    tag = buf[q : q + tl].decode()
+                if pl:
+                    buf[q + tl : s].decode()  # properties must decode too
+            except UnicodeDecodeError:
+                return None
+            if tags is not None and tag not in tags:
+                continue
+        elif tags is not None:
+            continue
+        append(MessageExt(buf[s : s + bl], qo + i, tag, meta, i))
+    return out
 
 
 def _why_undecodable(raw: bytes, q: int, tl: int, pl: int, i: int) -> str:
