@@ -195,3 +195,51 @@ def test_error_response_frame():
     assert error_response(req, 1, "boom").header.message == "boom"
     with pytest.raises(LocalProtocolError):
         error_response(req, ResponseCode.SUCCESS)
+
+
+class _MultiQueuePullV1(msgspec.Struct, array_like=True, omit_defaults=True):
+    """MultiQueuePull as a client without permits encodes and a broker without them decodes."""
+
+    topic: str
+    queue_id: int
+    queue_offset: int
+    max_msg_nums: int = 32
+    sys_flag: int = 0
+    commit_offset: int = 0
+    subscription: str | None = None
+    expression_type: str = "TAG"
+    resolve: int = 0
+    timestamp: int = 0
+
+
+class _MultiQueuePullResultV1(msgspec.Struct, array_like=True, omit_defaults=True):
+    code: int
+    next_begin_offset: int = 0
+    min_offset: int = 0
+    max_offset: int = 0
+    body_bytes: int = 0
+    message: str = ""
+    members: list[bytes] = []
+    suggest_which_broker_id: int = 0
+    start_offset: int = -1
+    start_committed: bool = False
+
+
+def test_standing_permits_travel_between_versions() -> None:
+    """``keep`` (a pull's permits) and ``stands`` (a result's) are trailing fields with
+    defaults (docs/protocol.md 4.0, "kept standing"): a peer without them decodes the new
+    layout, and the new one decodes theirs as "no permits" / "does not stand"."""
+    from tidemq.protocol.headers import MultiQueuePull, MultiQueuePullResult
+
+    enc = msgspec.msgpack.encode
+    new_pull = MultiQueuePull("t", 3, 17, keep=128, resolve=2)
+    old = msgspec.msgpack.decode(enc(new_pull), type=_MultiQueuePullV1)  # an older broker
+    assert (old.topic, old.queue_id, old.queue_offset, old.resolve) == ("t", 3, 17, 2)
+    from_old = msgspec.msgpack.decode(enc(_MultiQueuePullV1("t", 3, 17)), type=MultiQueuePull)
+    assert from_old.keep == 0  # an older client grants no permits
+
+    new_res = MultiQueuePullResult(0, next_begin_offset=9, body_bytes=5, stands=True)
+    old_res = msgspec.msgpack.decode(enc(new_res), type=_MultiQueuePullResultV1)
+    assert (old_res.code, old_res.next_begin_offset, old_res.body_bytes) == (0, 9, 5)
+    res = msgspec.msgpack.decode(enc(_MultiQueuePullResultV1(0, 9)), type=MultiQueuePullResult)
+    assert res.stands is False  # an older broker's answer: the client pulls again
