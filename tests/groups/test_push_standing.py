@@ -167,3 +167,30 @@ def test_a_queue_without_permits_is_answered_once(dev) -> None:
         waiting = _standing(w, [])
         sender.send_messages(topic, [b"b"], queue_id=0)
         assert not w.recv(waiting, timeout=10).header.woken
+
+
+def test_a_message_stored_while_its_queue_is_being_answered_is_not_left_behind(dev) -> None:
+    """A queue with permits is not held between its read and its answer's departure (the
+    5 ms linger here); a message stored in that window must be read when the queue stands on,
+    not wait for the periodic check (seconds)."""
+    topic = "standing-window"
+    with tidemq.Admin(dev.namesrv) as admin:
+        admin.create_topic(topic, 1)
+    with Wire(dev.broker) as w, Wire(dev.broker) as sender:
+        w.recv(_standing(w, [MultiQueuePull(topic, 0, 0, keep=1000)]), timeout=10)
+        sent = 0
+        got = 0
+        for _ in range(5):
+            waiting = _standing(w, [])
+            sender.send_messages(topic, [b"x"], queue_id=0)  # wakes the queue: 5 ms linger
+            sender.send_messages(topic, [b"y"], queue_id=0)  # most likely within the linger
+            sent += 2
+            t0 = time.monotonic()
+            while got < sent:
+                r = w.recv(waiting, timeout=10)
+                for wk in r.header.woken:
+                    assert wk.result.stands
+                    got = wk.result.next_begin_offset
+                waiting = _standing(w, []) if got < sent else None
+            # both within the request timeout (3 s), not after the periodic check
+            assert time.monotonic() - t0 < 2.0, sent
