@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
 import threading
 import time
 
@@ -14,6 +15,8 @@ import pytest
 from tidemq.broker.broker import Broker
 from tidemq.broker.config import BrokerConfig
 from tidemq.protocol.codes import RequestCode, ResponseCode
+from tidemq.protocol.frame import Frame, encode_frame
+from tidemq.protocol.headers import SendMessageRequestHeader
 
 from .wire import Wire, batch, decode_pull, error_message
 
@@ -74,3 +77,40 @@ def test_a_put_from_another_thread_wakes_a_held_pull(inproc):
         assert time.perf_counter() - t0 < 0.5
         assert p.code == ResponseCode.SUCCESS
         assert [m.body for m in decode_pull(p, 0)] == [b"from-a-thread"]
+
+
+def test_a_woken_pull_is_answered_within_the_read_that_woke_it(inproc):
+    """The pull a send wakes is answered (written to its connection) before the broker's loop
+    takes another turn: answered a turn later, the requests read in between went first (the
+    e2e tail, docs/benchmarks.md). Checked with the loop held: the send's read is fed to its
+    connection on the loop thread, and the held pull's answer must be on the puller's socket
+    before that callback returns."""
+    broker, loop = inproc
+    with Wire(f"127.0.0.1:{broker.port}") as puller, Wire(f"127.0.0.1:{broker.port}") as sender:
+        assert puller.create_topic("wk", 1).code == ResponseCode.SUCCESS
+        opaque = puller.send(RequestCode.PULL_MESSAGE, puller.pull_header("wk", 0, suspend_ms=5000))
+        deadline = time.monotonic() + 5
+        while broker.hold.held_count() != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert broker.hold.held_count() == 1
+        port = sender.sock.getsockname()[1]
+        frame = encode_frame(Frame.request(
+            RequestCode.SEND_MESSAGE, 99,
+            SendMessageRequestHeader(producer_group="pg", topic="wk", queue_id=0, batch=False),
+            bytes(batch("wk", [b"wake"]))))
+
+        def read_the_send() -> bool:
+            conn = next(c for c in broker.frames.connections if c.peer.endswith(f":{port}"))
+            conn.data_received(frame)  # what the transport does with the bytes it read
+            # the loop is held here: only an answer written inside that read can arrive
+            return bool(select.select([puller.sock], [], [], 0.5)[0])
+
+        async def on_loop() -> bool:
+            return read_the_send()
+
+        assert asyncio.run_coroutine_threadsafe(on_loop(), loop).result(10), \
+            "the woken pull was not answered within the read that stored its message"
+        p = puller.recv(opaque, timeout=5)
+        assert p.code == ResponseCode.SUCCESS
+        assert [m.body for m in decode_pull(p, 0)] == [b"wake"]
+        assert sender.recv(99, timeout=5).code == ResponseCode.SUCCESS

@@ -419,3 +419,43 @@ def test_standing_pulls_stay_held_past_the_answer(broker, topic):
         t0 = time.monotonic()
         r = w.recv(_standing(w, [], suspend_ms=600), timeout=10)
         assert 0.5 < time.monotonic() - t0 < 3 and r.header.woken == []
+
+
+def test_a_frame_of_single_messages_is_one_unit_and_a_bad_batch_refuses_only_its_part(
+        wire, topic):
+    """The frame path (issue 17): plain one-message batches checked as columns and stored by
+    one put_frame, interleaved with batches that need the per-batch door (two messages,
+    non-ASCII text, a damaged CRC, a queue that does not exist, a lying record): each gets
+    its own result, the refusals worded as for a SEND_BATCH, and every queue's offsets
+    follow the body's order."""
+    assert wire.create_topic(f"{topic}a", 4).code == R.SUCCESS
+    assert wire.create_topic(f"{topic}b", 4).code == R.SUCCESS
+    a, b = f"{topic}a", f"{topic}b"
+    damaged = bytearray(forge(b, [Rec(body=b"zz")], queue_id=2))
+    damaged[-1] ^= 0xFF
+    bodies = [
+        forge(a, [Rec(body=b"a0", tag=b"t1")], queue_id=1),
+        forge(b, [Rec(body=b"b0")], queue_id=2),
+        forge(a, [Rec(body=b"a1"), Rec(body=b"a2")], queue_id=1),    # two messages
+        forge(a, [Rec(body=b"a3", tag="é".encode())], queue_id=1),   # UTF-8, not ASCII
+        bytes(damaged),                                                # CRC
+        forge(b, [Rec(body=b"q")], queue_id=7),                        # no such queue
+        forge(b, [Rec(body=b"x", size_fix=1)], queue_id=2),            # sizes lie
+        forge(a, [Rec(body=b"a4", props=b"k\x01v\x02")], queue_id=1),
+        forge(b, [Rec(body=b"b1")], queue_id=2),
+    ]
+    r = _multi(wire, bodies)
+    assert r.code == R.SUCCESS, error_message(r)
+    res = r.header.results
+    assert [x.code for x in res] == [R.SUCCESS, R.SUCCESS, R.SUCCESS, R.SUCCESS,
+                                    R.MESSAGE_ILLEGAL, R.INVALID_ARGUMENT, R.MESSAGE_ILLEGAL,
+                                    R.SUCCESS, R.SUCCESS]
+    assert "CRC32C mismatch" in res[4].message and "out of range" in res[5].message
+    assert "record sizes are inconsistent" in res[6].message
+    assert [(x.queue_offset, x.count) for x in res if x.code == R.SUCCESS] == [
+        (0, 1), (0, 1), (1, 2), (3, 1), (4, 1), (1, 1)]
+    msgs = decode_pull(wire.pull(a, 0, queue_id=1), 0)
+    assert [(m.body, m.queue_offset) for m in msgs] == [
+        (b"a0", 0), (b"a1", 1), (b"a2", 2), (b"a3", 3), (b"a4", 4)]
+    assert msgs[0].tags == "t1" and msgs[3].tags == "é" and msgs[4].properties == {"k": "v"}
+    assert [m.body for m in decode_pull(wire.pull(b, 0, queue_id=2), 0)] == [b"b0", b"b1"]

@@ -288,3 +288,72 @@ def test_utf8_of_texts_of_any_length(length):
     assert "properties of message 39" in door(forge("t", rs), limits)
     rs[-1].props = b"a\x01" + "é".encode() * (length // 2) + b"\x02"
     assert door(forge("t", rs), limits) is None  # non-ASCII, valid
+
+
+# -- a whole SEND_MULTI_QUEUE frame at once (plain_singles) -------------------------------------
+
+def _frame_columns(bs: list[bytes]):
+    from tidemq.protocol.batch.columns import read_columns
+    from tidemq.protocol.multi_queue import split_offsets
+
+    body = b"".join(bs)
+    starts, sizes = split_offsets(body, len(bs), 1 << 20)
+    return body, read_columns(body, starts, sizes)
+
+
+@st.composite
+def frame_batches(draw):
+    """Batches of a frame: mostly one-message ones (clean, or with one of the lies above, or
+    a byte of the headers flipped), some larger or compressed ones."""
+    out = []
+    for _ in range(draw(st.integers(1, 12))):
+        if draw(st.booleans()):
+            b = draw(batches())
+        else:
+            b = forge("t", [draw(recs())], queue_id=draw(st.integers(0, 7)))
+        if draw(st.integers(0, 3)) == 0:
+            at = draw(st.integers(4, min(len(b), 220) - 1))  # not total_size: that frames
+            b = b[:at] + bytes([b[at] ^ (1 << draw(st.integers(0, 7)))]) + b[at + 1 :]
+        out.append(b)
+    return out
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bs=frame_batches())
+def test_a_frames_plain_singles_are_exactly_what_the_door_passes_one_by_one(bs):
+    """plain_singles answers "certainly valid, one plain message" for whole columns; every
+    batch it passes must pass the per-batch door (validate_batch stays the rule's owner),
+    and every plain one-message batch with ASCII text that the door passes must be passed
+    (else the frame's fast path would never be taken)."""
+    from tidemq.protocol.batch_rules import plain_singles
+
+    body, cols = _frame_columns(bs)
+    got = plain_singles(body, cols, LIMITS).tolist()
+    for b, ok in zip(bs, got, strict=True):
+        try:
+            v = BatchView(b)
+        except CorruptBatchError:
+            assert not ok
+            continue
+        passes = door(b) is None
+        plain = passes and v.count == 1 and not v.keys_size and not v.attributes
+        if plain:
+            h = RECORD_HEADER.unpack_from(b, len(b) - v.records_size)  # tags_len 3, props 5
+            text = b[len(b) - v.records_size + 28 :][: h[3] + h[5]]
+            plain = not v.deliver_at and text.isascii()
+        if ok:
+            assert passes and v.count == 1 and not v.keys_size and not v.attributes, door(b)
+        event(f"plain {ok}, door passes {passes}")
+        assert ok == plain, (door(b), v.count, v.keys_size, v.attributes)
+
+
+def test_plain_singles_with_non_ascii_or_long_text_leave_them_to_the_door():
+    from tidemq.protocol.batch_rules import plain_singles
+
+    bs = [forge("t", [Rec(body=b"a", tag="é".encode())]),       # valid UTF-8, not ASCII
+          forge("t", [Rec(body=b"b", props=b"k\x01" + b"v" * 290 + b"\x02")]),  # long
+          forge("t", [Rec(body=b"c", tag=b"\xc3(")]),            # not UTF-8
+          forge("t", [Rec(body=b"d", tag=b"ok", props=b"a\x01b\x02")]),
+          forge("t", [Rec(body=b"e"), Rec(body=b"f")])]           # two messages
+    body, cols = _frame_columns(bs)
+    assert plain_singles(body, cols, LIMITS).tolist() == [False, True, False, True, False]

@@ -311,3 +311,65 @@ def test_put_many_stores_each_batch_as_put_would_and_refuses_only_the_bad_one(da
         assert [(m.body, m.queue_offset) for m in msgs] == [(b"b1", 0), (b"b2", 1)]
         for m in msgs:
             s.read_batch(m.phys_offset).verify()  # both CRCs hold, the store header stamped
+
+
+def _frame(items):
+    from tidemq.protocol.batch.columns import read_columns
+    from tidemq.protocol.multi_queue import split_offsets
+
+    body = b"".join(bytes(b) for b in items)
+    starts, sizes = split_offsets(body, len(items), 1 << 20)
+    return body, read_columns(body, starts, sizes)
+
+
+def _stored(st):
+    """Every stored batch's bytes, store CRC and store time zeroed (both differ by the clock)."""
+    rows = []
+    for topic, qid in (("a", 0), ("b", 3), ("c", 1)):
+        for m in read_all(st, topic, qid)[0]:
+            v = st.read_batch(m.phys_offset)
+            v.verify()  # both CRCs hold: the store header is sealed
+            raw = bytearray(v.buf[v.pos : v.pos + v.total_size])
+            raw[8:12] = bytes(4)
+            raw[28:36] = bytes(8)
+            rows.append((topic, qid, m.queue_offset, m.phys_offset, bytes(raw)))
+    return rows
+
+
+def test_put_frame_stores_a_frame_as_put_many_would_in_one_write(data_dir, tmp_path):
+    """A SEND_MULTI_QUEUE frame's plain singles as one unit (one CommitLog write): every byte
+    stored equals what put_many stores for the same batches but the store time and the store
+    CRC over it; each batch keeps its own queue offset (a queue twice in the frame too), a
+    damaged one is refused alone, the id index finds each message, and a reopen (the
+    checkpoint + CommitLog re-dispatch) reads the same."""
+    items = [batch("a", [b"a1"], base_seq=1), batch("b", [b"b0"], queue_id=3, base_seq=2),
+             batch("a", [b"a2"], base_seq=3), batch("c", [b"c0"], queue_id=1, base_seq=4)]
+    damaged = batch("b", [b"bx"], queue_id=3, base_seq=9)
+    damaged[-1] ^= 0xFF
+    frame = items[:2] + [damaged] + items[2:]
+    body, cols = _frame(frame)
+    arrived = []
+    ref_dir = tmp_path / "ref"
+    with open_store(data_dir) as s, open_store(ref_dir) as ref:
+        for st in (s, ref):
+            st.put(batch("a", [b"a0"]))
+        s.add_dispatch_listener(lambda t, q, mx, b: arrived.append((t, q, mx, b)))
+        writes = []
+        real_advance = s.commitlog.advance
+        s.commitlog.advance = lambda n: (writes.append(n), real_advance(n))[1]
+        qoffs, errors = s.put_frame(body, cols, [0, 1, 2, 3, 4], ["a", "b", "b", "a", "c"])
+        assert list(errors) == [2] and isinstance(errors[2], CorruptBatchError)
+        assert qoffs == [1, 0, -1, 2, 0]
+        assert writes == [sum(len(b) for b in items)]  # one CommitLog write for the frame
+        assert [a[:3] for a in arrived] == [("a", 0, 2), ("b", 3, 1), ("a", 0, 3), ("c", 1, 1)]
+        assert [a[3] for a in arrived] == [[0]] * 4  # no tags: the tag hashes, all 0
+        want = ref.put_many([(b, BatchView(b)) for b in items])
+        assert [r.queue_offset for r in want] == [1, 0, 2, 0]
+        assert _stored(s) == _stored(ref)
+        m = s.get_by_id(read_all(s, "c", 1)[0][0].msg_id)
+        assert m is not None and m.body == b"c0"
+    with open_store(data_dir) as s:
+        assert [m.body for m in read_all(s, "a")[0]] == [b"a0", b"a1", b"a2"]
+        assert [m.queue_offset for m in read_all(s, "b", 3)[0]] == [0]
+        s.put(batch("b", [b"b1"], queue_id=3))
+        assert [m.queue_offset for m in read_all(s, "b", 3)[0]] == [0, 1]

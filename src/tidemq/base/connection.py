@@ -280,6 +280,9 @@ class ServerConnection(asyncio.BufferedProtocol):
         finally:
             self._out = None
             self._flush(out)
+        after = self.server.after_read
+        if after is not None:
+            after()
         if later and not self.closed:
             if self._paused:  # kept until the peer reads: as bytes, not Frame objects
                 self._backlog = _frames_bytes(later)
@@ -415,6 +418,12 @@ class ServerConnection(asyncio.BufferedProtocol):
                     # A burst (many held pulls woken at once): write it now so pause_writing
                     # and when_writable see the transport's state.
                     self._write_later()
+
+    def flush_writes(self) -> None:
+        """Write now what was queued outside a read for the end of the loop iteration: for a
+        caller that knows it queued its last answer (the broker's woken held pulls)."""
+        if self._later is not None:
+            self._write_later()
 
     def _write_later(self) -> None:
         later, self._later = self._later, None

@@ -49,10 +49,13 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from tidemq.broker.connection import decode_request
 from tidemq.broker.dedup import DupStatus, MessageDeduplication
 from tidemq.broker.errors import RequestRejected, rejection_for_store_error
-from tidemq.protocol.batch_rules import BatchLimits, validate_batch
+from tidemq.protocol.batch.columns import BatchColumns, read_columns
+from tidemq.protocol.batch_rules import BatchLimits, plain_singles, validate_batch
 from tidemq.protocol.codes import ResponseCode
 from tidemq.protocol.errors import CorruptBatchError, MessageTooLargeError, TidemqError
 from tidemq.protocol.frame import FLAG_ONEWAY
@@ -65,7 +68,7 @@ from tidemq.protocol.headers import (
     SendMultiQueueRequestHeader,
     SendMultiQueueResponseHeader,
 )
-from tidemq.protocol.multi_queue import split_batches
+from tidemq.protocol.multi_queue import split_offsets
 from tidemq.protocol.names import (
     dlq_group,
     group_name_problem,
@@ -73,7 +76,7 @@ from tidemq.protocol.names import (
     retry_group,
     topic_name_problem,
 )
-from tidemq.protocol.record import BatchView, TxnType, unique_id
+from tidemq.protocol.record import STORE_HEADER_SIZE, BatchView, TxnType, unique_id
 from tidemq.store.flush import FlushMode
 from tidemq.store.message_store import PutResult, PutStatus
 
@@ -336,6 +339,7 @@ class SendProcessor:
             broker.loop, self.store.config.sync_flush_timeout_ms / 1000.0
         )
         self._topic_bytes: dict[str, bytes] = {}
+        self._topic_names: dict[bytes, str] = {}  # a frame's topic bytes, decoded once
         self._groups_ok: set[str] = set()  # producer group names already checked
         #: topics any connection may send to (not system, dead-letter nor retry topics): the
         #: door's name checks run once per topic, not per frame
@@ -385,23 +389,64 @@ class SendProcessor:
         """SEND_MULTI_QUEUE: every batch of the body through exactly the door and the put of
         a SEND_BATCH (``_handle_send``), each answered into its slot of one response, which
         leaves once every batch has its outcome (SYNC_FLUSH / SYNC_MASTER batches when
-        durable / replicated)."""
+        durable / replicated).
+
+        The frame is one unit where it can be (issue 17): the header columns of all its
+        batches are read at once (``protocol.batch.columns``), ``batch_rules.plain_singles``
+        passes the plain one-message batches in one vectorised step, and those are stored by
+        one ``MessageStore.put_frame``. Every other batch (several messages, keys, held,
+        deduplicated, anything the vectorised step does not pass) takes the per-batch door,
+        which words any refusal; a refusal answers only that batch's slot."""
         h: SendMultiQueueRequestHeader = decode_request(frame, SendMultiQueueRequestHeader)
+        body = frame.body
         try:
-            parts = split_batches(frame.body, h.batches, self.max_batch)
+            starts, sizes = split_offsets(body, h.batches, self.max_batch)
         except CorruptBatchError as exc:
             raise RequestRejected(
                 ResponseCode.MESSAGE_ILLEGAL,
                 f"SEND_MULTI_QUEUE body is not {h.batches} whole batches: {exc.message}",
             ) from None
-        agg = _MultiResponse(conn, frame.opaque, len(parts))
+        mv = memoryview(body).cast("B")
+        agg = _MultiResponse(conn, frame.opaque, len(starts))
         flags = frame.flags
         group = h.producer_group
-        # The batches stored at once (_stored_at_once) are gathered into runs stored by one
-        # put_many (one put lock, no per-batch slot or header objects); any other batch goes
-        # alone through _accept, after the run before it (order kept).
+        cols, plain, qids = self._plain_rows(mv, starts, sizes)
+        # Stored in body order, in runs: ``fast`` (plain singles, one put_frame), ``run``
+        # (other batches stored at once, one put_many); any other batch goes alone through
+        # _accept, after the runs before it.
+        fast: list[int] = []
+        fast_topics: list[str] = []
         run: list[tuple[int, memoryview, BatchView, str]] = []
-        for i, part in enumerate(parts):
+        names = self._topic_names
+        for i, (start, size) in enumerate(zip(starts, sizes, strict=True)):
+            if plain is not None and plain[i]:
+                tl = plain[i]
+                tb = mv[start + STORE_HEADER_SIZE : start + STORE_HEADER_SIZE + tl].tobytes()
+                topic = names.get(tb)
+                if topic is None:
+                    try:
+                        topic = tb.decode()
+                    except UnicodeDecodeError:
+                        topic = None  # the per-batch door words it
+                    else:
+                        if len(names) < _PLAIN_MAX:
+                            names[tb] = topic
+                if topic is not None and not self.non_persistent.owns(topic):
+                    try:
+                        self._admit_queue(conn, group, topic, qids[i], size)
+                    except RequestRejected as exc:
+                        agg.put(i, MultiQueueSendResult(exc.response_code, message=exc.message))
+                        continue
+                    if run:
+                        self._put_run(agg, run)
+                        run = []
+                    fast.append(i)
+                    fast_topics.append(topic)
+                    continue
+            if fast:
+                self._put_fast(agg, mv, cols, fast, fast_topics)  # type: ignore[arg-type]
+                fast, fast_topics = [], []
+            part = mv[start : start + size]
             try:
                 v = BatchView(part)
                 topic, qid = v.topic, v.queue_id
@@ -429,9 +474,45 @@ class SendProcessor:
                 self._accept(_Slot(agg, i), sub, part, v, flags, i)  # type: ignore[arg-type]
             except RequestRejected as exc:
                 agg.put(i, MultiQueueSendResult(exc.response_code, message=exc.message))
+        if fast:
+            self._put_fast(agg, mv, cols, fast, fast_topics)  # type: ignore[arg-type]
         if run:
             self._put_run(agg, run)
         agg.armed()
+
+    def _plain_rows(self, mv: memoryview, starts: list[int], sizes: list[int]
+                    ) -> tuple[BatchColumns | None, list[int] | None, list[int]]:
+        """The frame's columns; per batch, its topic length when it may take the frame path
+        (a plain single that ``_stored_at_once`` would store at once), else 0; per batch its
+        queue id. (None, None, []) when no batch can (SYNC_FLUSH, SYNC_MASTER)."""
+        if self.sync_flush or self.sync_master:
+            return None, None, []
+        cols = read_columns(mv, starts, sizes)
+        ok = plain_singles(mv, cols, self.limits)
+        if self.dedup.enabled:
+            ok &= cols.producer["producer_id"] < DEDUP_PRODUCER_BIT
+        return (cols, np.where(ok, cols.store["topic_len"], 0).tolist(),
+                cols.store["queue_id"].tolist())
+
+    def _put_fast(self, agg: _MultiResponse, mv: memoryview, cols: BatchColumns,
+                  rows: list[int], topics: list[str]) -> None:
+        """Store plain singles of a SEND_MULTI_QUEUE with one put_frame; each answered into
+        its slot (a batch the store refuses as a SEND_BATCH of it would be)."""
+        t0 = time.perf_counter()
+        qoffs, errors = self.store.put_frame(mv, cols, rows, topics)
+        each = (time.perf_counter() - t0) / len(rows)
+        sizes = cols.sizes[rows].tolist()
+        stored: list[tuple[str, int, int]] = []
+        ok = ResponseCode.SUCCESS
+        put = agg.put
+        for j, (i, q) in enumerate(zip(rows, qoffs, strict=True)):
+            if q >= 0:
+                stored.append((topics[j], 1, sizes[j]))
+                put(i, MultiQueueSendResult(ok, q, 1))
+            else:
+                exc = rejection_for_store_error(errors[j])
+                put(i, MultiQueueSendResult(exc.response_code, message=exc.message))
+        self.stats.record_puts(stored, each)
 
     def _put_run(self, agg: _MultiResponse, run: list[tuple[int, memoryview, BatchView, str]]
                  ) -> None:
@@ -466,6 +547,13 @@ class SendProcessor:
         RequestRejected, or the batch's view. ``v``: the view of ``body`` already parsed, whose
         own topic and queue id the caller passes (SEND_MULTI_QUEUE: nothing to compare)."""
         size = len(body)
+        self._admit_queue(conn, producer_group, topic, qid, size)
+        return self._admit_content(topic, qid, body, size, v)
+
+    def _admit_queue(self, conn: BrokerConnection, producer_group: str, topic: str, qid: int,
+                     size: int) -> None:
+        """The door's checks of the size, the group, the topic and the queue (the first ones
+        of the module docstring): RequestRejected."""
         cfg = self.config
         if size == 0:
             raise RequestRejected(
@@ -516,6 +604,11 @@ class SendProcessor:
                 f"queue id {qid} is out of range: topic {topic!r} has {tc.write_queue_nums} "
                 f"write queues (0..{tc.write_queue_nums - 1}) on broker {cfg.broker_name}",
             )
+
+    def _admit_content(self, topic: str, qid: int, body: bytes | bytearray | memoryview,
+                       size: int, v: BatchView | None) -> BatchView:
+        """The door's checks of the batch itself (the last ones of the module docstring):
+        RequestRejected, or the batch's view."""
         own = v is not None  # topic and queue id were read from this very view
         if v is None:
             try:

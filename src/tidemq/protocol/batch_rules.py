@@ -40,6 +40,12 @@ ASCII, never a continuation byte, so the joined bytes are valid UTF-8 exactly wh
 is (a per-message Python loop of decodes cost ~0.5 ms per 1,000 messages, ten times this).
 Batches without tags or properties skip the UTF-8 step, and ASCII needs no decode at all.
 
+Many batches at once (a SEND_MULTI_QUEUE frame of one-message batches, issue 17):
+:func:`plain_singles` applies the same rules to the header columns of a whole frame
+(``batch/columns.py``) with a few numpy operations, and answers only "certainly passes": a batch
+it does not pass (several messages, compressed, keys, non-ASCII text, or anything wrong) goes
+through :func:`validate_batch`, which stays the one place a refusal is worded.
+
 Pure functions: any thread.
 """
 
@@ -49,14 +55,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tidemq.protocol.batch.layout import IDX_DTYPE
+from tidemq.protocol.batch.columns import BatchColumns
+from tidemq.protocol.batch.layout import BATCH_MAGIC, FORMAT_VERSION, IDX_DTYPE
 from tidemq.protocol.errors import CorruptBatchError, MessageTooLargeError
 from tidemq.protocol.record import (
     DEFAULT_MAX_PROPERTIES_SIZE,
     INDEX_ENTRY,
     INDEX_ENTRY_SIZE,
+    PRODUCER_HEADER_SIZE,
     RECORD_HEADER,
     RECORD_HEADER_SIZE,
+    STORE_HEADER_SIZE,
     BatchView,
     Compression,
     delay_level_for,
@@ -67,6 +76,7 @@ __all__ = [
     "DEFAULT_MAX_PROPERTIES_SIZE",
     "BatchLimits",
     "validate_batch",
+    "plain_singles",
     "properties_over_limit",
     "delay_level_for",
 ]
@@ -131,6 +141,51 @@ def validate_batch(v: BatchView, limits: BatchLimits) -> None:
         _check_records(v, raw, limits.max_properties_size)
     if v.keys_size:
         v.keys()
+
+
+def plain_singles(body: bytes | bytearray | memoryview, cols: BatchColumns,
+                  limits: BatchLimits) -> np.ndarray:
+    """Which batches of a multi-queue body certainly pass :func:`validate_batch` (and
+    ``BatchView``'s framing) *and* are plain single messages: one message, no keys, attributes
+    0 (uncompressed, no transaction type, no delay level), no delivery time. A bool per batch;
+    False says nothing about validity (call :func:`validate_batch` on that batch's view).
+
+    The rules, as columns: magic, version and reserved byte; the sections add up to the batch's
+    size; ``raw_size == records_size``; the one record starts at 0, its sizes add up and it
+    fills the records section exactly; its properties within ``max_properties_size``; its tag
+    and properties ASCII (valid UTF-8 with no decode; other text takes the per-batch path)."""
+    s, p, f = cols.store, cols.producer, cols.first
+    p_start = STORE_HEADER_SIZE + s["topic_len"].astype(np.int64)
+    rec_size = f["record_size"].astype(np.int64)
+    records = p["records_size"].astype(np.int64)
+    tl = f["tags_len"].astype(np.int64)
+    pl = f["props_len"].astype(np.int64)
+    ok: np.ndarray = (
+        cols.in_bounds
+        & (s["magic"] == BATCH_MAGIC) & (s["version"] == FORMAT_VERSION) & (s["reserved"] == 0)
+        & (s["total"] == cols.sizes)
+        & (p["count"] == 1) & (p["keys_size"] == 0) & (p["attributes"] == 0)
+        & (p["deliver_at"] == 0)
+        & (p_start + PRODUCER_HEADER_SIZE + INDEX_ENTRY_SIZE + records == cols.sizes)
+        & (p["raw_size"] == records)
+        & (f["rel"] == 0)
+        & (rec_size + 4 == records)
+        & (rec_size + 4 == RECORD_HEADER_SIZE + tl + pl + f["body_len"].astype(np.int64))
+        & (pl <= limits.max_properties_size)
+    )
+    text = tl + pl
+    has_text = ok & (text > 0)
+    if has_text.any():
+        k = np.flatnonzero(has_text)
+        arr = np.frombuffer(body, dtype=np.uint8)
+        starts = (cols.starts[k] + p_start[k] + PRODUCER_HEADER_SIZE + INDEX_ENTRY_SIZE
+                  + RECORD_HEADER_SIZE)
+        lens = text[k]
+        if not _ascii(arr, starts, lens):  # some are not: find which, one by one
+            for j, at, n in zip(k.tolist(), starts.tolist(), lens.tolist(), strict=True):
+                if max(memoryview(body)[at : at + n]) >= 0x80:
+                    ok[j] = False
+    return ok
 
 
 def _check_records_small(v: BatchView, raw: memoryview, max_props: int) -> None:

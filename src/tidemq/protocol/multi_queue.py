@@ -23,41 +23,53 @@ import struct
 
 from tidemq.protocol.errors import CorruptBatchError
 
-__all__ = ["split_batches", "join_batches", "MIN_BATCH_BYTES"]
+__all__ = ["split_batches", "split_offsets", "join_batches", "MIN_BATCH_BYTES"]
 
 _TOTAL = struct.Struct("<I")
 #: No batch is shorter than its fixed headers; a smaller total_size is a framing error.
 MIN_BATCH_BYTES = 16
 
 
-def split_batches(body: bytes | bytearray | memoryview, expected: int,
-                  max_batch: int) -> list[memoryview]:
-    """The ``expected`` batches of a SEND_MULTI_QUEUE body as views, or CorruptBatchError
-    saying where the framing breaks (a batch size below MIN_BATCH_BYTES or above
-    ``max_batch``, a batch running past the body, bytes left over, a different count)."""
+def split_offsets(body: bytes | bytearray | memoryview, expected: int,
+                  max_batch: int) -> tuple[list[int], list[int]]:
+    """Where the ``expected`` batches of a SEND_MULTI_QUEUE body start and how long each is,
+    or CorruptBatchError saying where the framing breaks (a batch size below MIN_BATCH_BYTES
+    or above ``max_batch``, a batch running past the body, bytes left over, a different
+    count)."""
     mv = memoryview(body).cast("B")
     n = len(mv)
-    out: list[memoryview] = []
+    starts: list[int] = []
+    sizes: list[int] = []
+    unpack = _TOTAL.unpack_from
     pos = 0
     while pos < n:
         if pos + 4 > n:
-            raise CorruptBatchError(f"{n - pos} stray bytes after batch {len(out)}")
-        size = _TOTAL.unpack_from(mv, pos)[0]
+            raise CorruptBatchError(f"{n - pos} stray bytes after batch {len(starts)}")
+        size = unpack(mv, pos)[0]
         if size < MIN_BATCH_BYTES or size > max_batch:
             raise CorruptBatchError(
-                f"batch {len(out)} at byte {pos} says it is {size} bytes (limit {max_batch})")
+                f"batch {len(starts)} at byte {pos} says it is {size} bytes (limit {max_batch})")
         if pos + size > n:
             raise CorruptBatchError(
-                f"batch {len(out)} at byte {pos} ({size} bytes) runs past the body end {n}")
-        out.append(mv[pos : pos + size])
+                f"batch {len(starts)} at byte {pos} ({size} bytes) runs past the body end {n}")
+        starts.append(pos)
+        sizes.append(size)
         pos += size
-        if len(out) > expected:
+        if len(starts) > expected:
             break
-    if len(out) != expected:
+    if len(starts) != expected:
         raise CorruptBatchError(
             f"the header says {expected} batches but the body holds "
-            f"{'more' if len(out) > expected else len(out)}")
-    return out
+            f"{'more' if len(starts) > expected else len(starts)}")
+    return starts, sizes
+
+
+def split_batches(body: bytes | bytearray | memoryview, expected: int,
+                  max_batch: int) -> list[memoryview]:
+    """The ``expected`` batches of a SEND_MULTI_QUEUE body as views (``split_offsets``)."""
+    mv = memoryview(body).cast("B")
+    starts, sizes = split_offsets(mv, expected, max_batch)
+    return [mv[s : s + z] for s, z in zip(starts, sizes, strict=True)]
 
 
 def join_batches(batches: list[bytes | bytearray]) -> tuple[list[bytes | bytearray], int]:

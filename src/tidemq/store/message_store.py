@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tidemq.protocol.batch.columns import BatchColumns
 from tidemq.protocol.batch.layout import index_hashes
 from tidemq.protocol.corrupt import CorruptRecords
 from tidemq.protocol.errors import (
@@ -58,10 +59,13 @@ from tidemq.protocol.record import (
     BATCH_MAGIC,
     CRC_FIELD,
     FILLER_MAGIC,
+    FILLER_MIN,
     INDEX_ENTRY_SIZE,
     STORE_CRC_FROM,
     STORE_CRC_OFFSET,
+    STORE_FIELDS,
     STORE_FIELDS_OFFSET,
+    STORE_HEADER_SIZE,
     STORE_TAIL,
     TOTAL_SIZE_MAGIC,
     BatchView,
@@ -103,6 +107,15 @@ ID_BLOCK_BITS = 10
 
 
 _ZERO_CHUNK = bytes(1 << 20)
+
+# put_frame's stamps: the store fields set at append time (STORE_FIELDS at
+# STORE_FIELDS_OFFSET) and the broker's port and host (STORE_HEADER's last two fields)
+_STAMP_DTYPE = np.dtype([("phys", "<u8"), ("qoff", "<u8"), ("ts", "<i8")])
+assert _STAMP_DTYPE.itemsize == STORE_FIELDS.size
+_STAMP_VOID = np.dtype(f"V{_STAMP_DTYPE.itemsize}")
+_HOST_DTYPE = np.dtype([("port", "<u2"), ("host", "V16")])
+_HOST_VOID = np.dtype(f"V{_HOST_DTYPE.itemsize}")
+_HOST_OFFSET = STORE_HEADER_SIZE - _HOST_DTYPE.itemsize
 
 
 def _garbage_end(fd: int, rel: int, size: int) -> int:
@@ -154,7 +167,8 @@ class PutResult:
 #: PutStatus.PUT_OK, looked up once (a StrEnum member lookup costs ~0.2 us; puts are hot)
 _PUT_OK = PutStatus.PUT_OK
 
-DispatchListener = Callable[[str, int, int, BatchView], None]
+#: (topic, queue id, new max offset, the batch stored -- or, from put_frame, its tag hashes)
+DispatchListener = Callable[[str, int, int, "BatchView | list[int]"], None]
 
 
 class MessageStore:
@@ -567,6 +581,156 @@ class MessageStore:
         self._put_bytes += n_bytes
         return out
 
+    def put_frame(
+        self, body: bytes | bytearray | memoryview, cols: BatchColumns, rows: list[int],
+        topics: list[str],
+    ) -> tuple[list[int], dict[int, StoreError | CorruptBatchError]]:
+        """``put_many`` of the plain one-message batches of a SEND_MULTI_QUEUE body as one unit
+        (issue 17): ``rows`` of ``cols`` (``protocol.batch.columns``; batches that
+        ``batch_rules.plain_singles`` passed), in order, ``topics`` their topics. Each batch is
+        stored exactly as ``put`` would store it, with its own queue offset and store header;
+        what is per frame instead of per batch: one CommitLog write for all of them (the
+        batches copied into one buffer, their store fields stamped with numpy, one store CRC
+        call each), one reservation, the index room checked once. Per batch remain the batch
+        CRC check, the queue offset, one consume-queue unit, one id-index entry and the
+        dispatch listeners (called with the batch's tag hashes, a ``list[int]``, instead of its
+        view). Returns each row's queue offset (in ``rows`` order; -1 for a refused one) and
+        the refusals by position in ``rows``. ASYNC_FLUSH only, as ``put_many``."""
+        if self._sync_flush:
+            raise StoreError("put_frame is for ASYNC_FLUSH stores; use put under SYNC_FLUSH")
+        k = len(rows)
+        errors: dict[int, StoreError | CorruptBatchError] = {}
+        if self._closed:
+            err: StoreError = StoreClosedError("the store is closed")
+            return [-1] * k, dict.fromkeys(range(k), err)
+        if self.disk_full:
+            blocked = self.retention.blocked
+            err = DiskFullError(
+                f"disk holding {self.dir} is over {self.config.disk_refuse_writes_ratio:.0%} "
+                "full; writes are refused until retention frees space"
+                + (f": {blocked}" if blocked else ""))
+            return [-1] * k, dict.fromkeys(range(k), err)
+        mv = memoryview(body).cast("B")
+        sel = np.asarray(rows, dtype=np.int64)
+        starts = cols.starts[sel].tolist()
+        sizes = cols.sizes[sel].tolist()
+        p_starts = (cols.store["topic_len"][sel].astype(np.int64) + STORE_HEADER_SIZE).tolist()
+        crcs = cols.producer["batch_crc"][sel].tolist()
+        max_bytes = self._max_batch_bytes
+        good: list[int] = []
+        for j in range(k):
+            st, z, ps = starts[j], sizes[j], p_starts[j]
+            if z > max_bytes:
+                errors[j] = MessageTooLargeError(
+                    f"batch of {z} bytes exceeds max_batch_bytes={self.config.max_batch_bytes}; "
+                    "send fewer or smaller messages per batch")
+            elif crc32c(mv[st + ps + 4 : st + z]) != crcs[j]:
+                errors[j] = CorruptBatchError(
+                    "batch CRC32C mismatch: the batch was damaged on its way")
+            else:
+                good.append(j)
+        qoffs = [-1] * k
+        if not good:
+            return qoffs, errors
+        # One buffer of every good batch, back to back as they will lie in the CommitLog
+        first, last = good[0], good[-1]
+        total = sum(sizes[j] for j in good) if errors else 0
+        if not errors or starts[last] + sizes[last] - starts[first] == total:
+            out = bytearray(mv[starts[first] : starts[last] + sizes[last]])
+        else:
+            out = bytearray(b"".join([mv[starts[j] : starts[j] + sizes[j]] for j in good]))
+        total = len(out)
+        g = np.asarray(good, dtype=np.int64)
+        g_sizes = cols.sizes[sel[g]]
+        at = np.cumsum(g_sizes) - g_sizes  # each good batch's position in ``out``
+        qids = cols.store["queue_id"][sel].tolist()
+        tags = cols.first["tag_hash"][sel].tolist()
+        pids = cols.producer["producer_id"][sel].tolist()
+        seqs = cols.producer["base_seq"][sel].tolist()
+        cl = self.commitlog
+        if total + FILLER_MIN > cl.segment_size // 2:
+            # a frame near a segment's size (tiny test segments): batch by batch instead
+            return self._put_frame_by_batch(mv, good, starts, sizes, topics, qoffs, errors)
+        index = self._index_enabled
+        with self._put_lock:
+            seg, rel = cl.reserve(total)
+            now = time.time_ns() // 1_000_000
+            if index:
+                self.index.make_room(now, len(good))
+            phys0 = seg.start + rel
+            # Queue offsets, assigned in order (a queue may have several batches here);
+            # committed to _queue_offsets only once the write succeeded.
+            known = self._queue_offsets
+            nxt: dict[tuple[str, int], int] = {}
+            keys: list[tuple[str, int]] = []
+            g_qoffs: list[int] = []
+            for j in good:
+                key = (topics[j], qids[j])
+                q = nxt.get(key)
+                if q is None:
+                    q = known.get(key, 0)
+                nxt[key] = q + 1
+                keys.append(key)
+                g_qoffs.append(q)
+            arr = np.frombuffer(out, dtype=np.uint8)
+            fields = np.empty(len(good), _STAMP_DTYPE)
+            fields["phys"] = at + phys0
+            fields["qoff"] = g_qoffs
+            fields["ts"] = now
+            np.ndarray((total - _STAMP_DTYPE.itemsize + 1,), dtype=_STAMP_VOID, buffer=arr,
+                       strides=(1,))[at + STORE_FIELDS_OFFSET] = fields.view(_STAMP_VOID)
+            host = np.empty(1, _HOST_DTYPE)
+            host["port"] = self._store_port
+            host["host"] = np.void(self._store_host)
+            np.ndarray((total - _HOST_DTYPE.itemsize + 1,), dtype=_HOST_VOID, buffer=arr,
+                       strides=(1,))[at + _HOST_OFFSET] = host.view(_HOST_VOID)[0]
+            om = memoryview(out)
+            at_l = at.tolist()
+            seal = [crc32c(om[o + STORE_CRC_FROM : o + p_starts[j]])
+                    for o, j in zip(at_l, good, strict=True)]
+            np.ndarray((total - 3,), dtype="<u4", buffer=arr, strides=(1,))[
+                at + STORE_CRC_OFFSET] = seal
+            if total < self._pwrite_min:
+                seg.mm[rel : rel + total] = out
+            else:
+                cl.pwrite(seg, rel, (out,), total)
+            cl.advance(total)
+            get_cq = self.cqs.get_or_create
+            put_hash = self.index.put_hash
+            id_hashes = self._id_hashes
+            listeners = self._listeners
+            for o, j, key, q in zip(at_l, good, keys, g_qoffs, strict=True):
+                phys = phys0 + o
+                tag = tags[j]
+                get_cq(*key).append_one(q, phys, sizes[j], tag)
+                known[key] = q + 1
+                qoffs[j] = q
+                pid = pids[j]
+                if index and pid:
+                    block = (pid, seqs[j] >> ID_BLOCK_BITS)
+                    h = id_hashes.get(block)
+                    put_hash(h if h is not None else self._id_block_hash(*block), phys, now)
+                if listeners:
+                    for cb in listeners:
+                        cb(key[0], key[1], q + 1, [tag])
+        self._put_batches += len(good)
+        self._put_messages += len(good)
+        self._put_bytes += total
+        return qoffs, errors
+
+    def _put_frame_by_batch(
+        self, mv: memoryview, good: list[int], starts: list[int], sizes: list[int],
+        topics: list[str], qoffs: list[int], errors: dict[int, StoreError | CorruptBatchError],
+    ) -> tuple[list[int], dict[int, StoreError | CorruptBatchError]]:
+        parts = [mv[starts[j] : starts[j] + sizes[j]] for j in good]
+        results = self.put_many([(p, BatchView(p)) for p in parts], [topics[j] for j in good])
+        for j, r in zip(good, results, strict=True):
+            if isinstance(r, PutResult):
+                qoffs[j] = r.queue_offset
+            else:
+                errors[j] = r
+        return qoffs, errors
+
     # -- replication (a slave's side; the broker's HA service drives it) ---------------------
     def append_replicated(
         self, data: bytes | bytearray | memoryview,
@@ -875,7 +1039,9 @@ class MessageStore:
         """``listener(topic, queue_id, new_max_offset, batch)`` after every put (the broker
         wakes held pulls with it). ``batch`` views the bytes as they were put: its message
         index, keys and records are what was stored, its store header fields are not (read the
-        stored batch for those). Runs on the putting thread inside the put lock."""
+        stored batch for those); from ``put_frame`` (a SEND_MULTI_QUEUE frame's plain
+        one-message batches) it is the batch's tag hashes, a ``list[int]``, instead. Runs on
+        the putting thread inside the put lock."""
         self._listeners.append(listener)
 
     # -- reading -------------------------------------------------------------------------------
