@@ -22,6 +22,9 @@ import atexit
 import collections
 import concurrent.futures
 import os
+import socket
+import struct
+import sys
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
@@ -347,13 +350,106 @@ class _Facade:
         _open.discard(self)
 
 
+class _Bell:
+    """A thread's doorbell: where its blocking ``send`` sleeps until the loop has the answer.
+
+    A socket pair per thread (made on first use, again in a child after ``fork()``): the
+    caller sleeps in one ``recv`` (bounded by ``SO_RCVTIMEO``, so the safety timeout costs no
+    ``poll`` call), the loop rings it with one non-blocking ``write``. Both calls release the
+    GIL, and that is the point: a ``threading.Lock`` is released with the GIL held, so the
+    caller it wakes (on the other CPU) finds the GIL taken by the loop thread and sleeps a
+    second time on it -- two sleeps and two wake-ups per message. Rung by a ``write`` that
+    drops the GIL, the caller takes it at once and runs until it sends again: one sleep per
+    message. Measured (a hand-over without any network, 16 threads and a loop thread, 2-core
+    machine): 12-15 -> 6-8 us of CPU per message, 2.3 -> 1.1 voluntary context switches per
+    message (docs/benchmarks.md, "Many blocking senders"). Linux only (the ``timeval`` of
+    ``SO_RCVTIMEO``); elsewhere a lock (:class:`_LockWaiter`)."""
+
+    __slots__ = ("_r", "_w", "_wfd", "_timeout", "pid")
+
+    def __init__(self) -> None:
+        r, w = socket.socketpair()
+        w.setblocking(False)  # a full buffer (stale rings) must never block the loop
+        self._r, self._w = r, w
+        self._wfd = w.fileno()
+        self._timeout = -1.0
+        self.pid = os.getpid()
+
+    def ring(self) -> None:
+        try:
+            os.write(self._wfd, b"\0")
+        except OSError:  # full: the sleeper has bytes to wake on already (or it is gone)
+            pass
+
+    def sleep(self, timeout: float) -> bool:
+        """Until rung (True; possibly by a stale ring: check the waiter) or ``timeout``."""
+        if timeout != self._timeout:
+            sec = int(timeout)
+            self._r.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                               _TIMEVAL.pack(sec, int((timeout - sec) * 1e6)))
+            self._timeout = timeout
+        try:
+            self._r.recv(64)  # every pending ring at once
+        except BlockingIOError:  # SO_RCVTIMEO ran out
+            return False
+        return True
+
+
+_TIMEVAL = struct.Struct("@ll")
+_bells = threading.local()
+
+
+def _bell() -> _Bell:
+    b: _Bell | None = getattr(_bells, "bell", None)
+    if b is None or b.pid != _pid:
+        b = _bells.bell = _Bell()
+    return b
+
+
 class _Waiter:
-    """Where one blocking ``send`` waits: a lock taken at birth, released by the loop thread
-    when the answer is in (one wake-up of one thread, no Condition, no Future). (Waking the
-    callers of one answered batch in turn instead -- each woken caller waking the next --
-    saved context switches, 2.9 against 3.9 per message with 16 threads, but the callers then
-    came back spread out and the batches shrank, 5.9 against 7.4 messages: it lost 4 of 4
-    alternated runs, the per-request cost outweighing the switches.)"""
+    """Where one blocking ``send`` waits: the calling thread's :class:`_Bell`, rung by the
+    loop thread when the answer is in (one wake-up of one thread, no Condition, no Future).
+    (Waking the callers of one answered batch in turn instead -- each woken caller waking the
+    next -- saved context switches, 2.9 against 3.9 per message with 16 threads, but the
+    callers then came back spread out and the batches shrank, 5.9 against 7.4 messages: it
+    lost 4 of 4 alternated runs, the per-request cost outweighing the switches.)"""
+
+    __slots__ = ("_bell", "_done", "result", "error")
+
+    def __init__(self) -> None:
+        self._bell = _bell()
+        self._done = False
+        self.result: SendResult | None = None
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, result: SendResult) -> None:
+        self.result = result
+        self._done = True
+        self._bell.ring()
+
+    def set_exception(self, exc: BaseException) -> None:
+        self.error = exc
+        self._done = True
+        self._bell.ring()
+
+    def wait(self, timeout: float) -> SendResult:
+        bell = self._bell
+        while not self._done:
+            if not bell.sleep(timeout) and not self._done:
+                raise RequestTimeoutError(
+                    f"no answer from the tidemq-io thread in {timeout:g} s")
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+class _LockWaiter:
+    """:class:`_Waiter` where there is no :class:`_Bell` (not Linux): a lock taken at birth,
+    released by the loop thread when the answer is in."""
 
     __slots__ = ("_lock", "_done", "result", "error")
 
@@ -384,6 +480,13 @@ class _Waiter:
             raise self.error
         assert self.result is not None
         return self.result
+
+
+#: callers sleep on a _Bell (Linux); else on a lock (_LockWaiter), and the answered callers
+#: are then woken after the next batch is written (accumulator ``wake_first``)
+_BELLS = sys.platform.startswith("linux")
+if not _BELLS:  # pragma: no cover - CI runs on Linux
+    _Waiter = _LockWaiter  # type: ignore[misc,assignment]
 
 
 class _Driven:
@@ -445,6 +548,7 @@ class _Inbox:
         self._draining = False
         acc = aio.accumulator
         acc.on_answered = self._answered
+        acc.wake_first = _BELLS
         self._answer_pending = acc.answer_pending
 
     def put(self, msg: Message, options: dict[str, Any], sink: Any, wait: bool) -> None:
@@ -500,9 +604,14 @@ class _Inbox:
 _fork_generation = 0
 
 
+#: this process's id (a thread's _Bell made before a fork() is the parent's: made anew)
+_pid = os.getpid()
+
+
 def _after_fork_in_child() -> None:
-    global _fork_generation, _hosts_lock
+    global _fork_generation, _hosts_lock, _pid
     _fork_generation += 1
+    _pid = os.getpid()
     _hosts_lock = threading.Lock()  # another thread may have held it at the fork
 
 
@@ -519,8 +628,9 @@ class Producer(_Facade):
     that sends alone runs that loop itself inside ``send`` (it borrows it: the round trip on
     the calling thread, over the same connections); sends of several threads are handed to
     the loop through an inbox (one wake-up for everything that arrives before the loop picks
-    it up) and wait on a lock the loop releases with the answer; concurrent senders' messages
-    share frames (the batch container). docs/producer-path.md, "The blocking facade"."""
+    it up) and sleep on their thread's doorbell (_Bell), which the loop rings with the
+    answer; concurrent senders' messages share frames (the batch container), and 16 threads
+    sending in a loop travel as one batch. docs/producer-path.md, "The blocking facade"."""
 
     _host_name = PRODUCERS
 

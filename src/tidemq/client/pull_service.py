@@ -90,6 +90,8 @@ FLOW_CONTROL_DELAY = 0.05
 PAUSED_DELAY = 1.0
 ERROR_DELAY = 3.0
 OFFSET_ILLEGAL_DELAY = 10.0
+#: A standing pull's permits cover at most this many pulls' worth of messages (keep_permits)
+KEEP_PULLS = 4
 
 
 class PullRequest:
@@ -315,6 +317,29 @@ class PullService:
         return MultiQueuePull(mq.topic, mq.queue_id, req.next_offset, c.pull_batch_size, flags,
                               commit, sub.expression if sub.filters else None,
                               sub.expression_type)
+
+    def keep_permits(self, req: PullRequest) -> int:
+        """Permits of ``req``'s standing pull (PullDriver; docs/protocol.md 4.0, "kept
+        standing"): how many messages the broker may deliver for the queue, answer after
+        answer, before it is pulled -- and so checked against the flow-control limits --
+        again. Within every limit of the queue (count, bytes at its average message size so
+        far, span; one pull's worth while that size is unknown) and at most
+        ``KEEP_PULLS`` pulls' worth, so that a consumer paused meanwhile receives a bounded
+        amount more (as Pulsar's granted permits). 0 with ``pull_interval`` or orderly
+        consumption (each pull is its own decision there)."""
+        c = self.c
+        if c.pull_interval > 0 or c.orderly:
+            return 0
+        pq = req.pq
+        room = min(c.pull_threshold_for_queue - pq.msg_count,
+                   c.consume_concurrently_max_span - pq.max_span(),
+                   KEEP_PULLS * c.pull_batch_size)
+        if pq.msg_count and pq.msg_size:
+            room = min(room, (c.pull_threshold_size_for_queue - pq.msg_size)
+                       * pq.msg_count // pq.msg_size)
+        elif not pq.msg_count:
+            room = min(room, c.pull_batch_size)
+        return max(0, room)
 
     def on_standing(self, req: PullRequest, r: Any) -> bool:
         """``req``'s queue found nothing and stands on the broker (PullDriver): keep it
