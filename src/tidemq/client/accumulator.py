@@ -309,6 +309,11 @@ class Accumulator:
         if b is None:
             k = msg.topic
             b = self._buckets[k] = _Bucket(k, k, None, asyncio.get_running_loop())
+        elif b.size + n > self.batch_max_bytes and b.msgs:
+            # What the bucket holds leaves now and this message starts the next batch: the
+            # batch _dispatch would cut at the limit, without its walk over the messages,
+            # and whole (its futures resolved through their cell).
+            self._dispatch(b)
         self.npending += 1  # given back per batch
         c = b.cell
         if c is None:
