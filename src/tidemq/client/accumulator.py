@@ -647,7 +647,8 @@ class Accumulator:
         """Send one batch; on success each message gets its result (through ``cell``, when
         the batch is exactly that cell's futures: one store for all of them)."""
         timeout: float | None = None
-        waited = [d for d in deadlines if d]
+        # (any() first: a send_async batch has no deadlines, and any() walks them in C)
+        waited = [d for d in deadlines if d] if any(deadlines) else None
         if waited:
             now = b.loop.time()
             first = min(waited)
