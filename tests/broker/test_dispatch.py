@@ -114,3 +114,56 @@ def test_a_woken_pull_is_answered_within_the_read_that_woke_it(inproc):
         assert p.code == ResponseCode.SUCCESS
         assert [m.body for m in decode_pull(p, 0)] == [b"wake"]
         assert sender.recv(99, timeout=5).code == ResponseCode.SUCCESS
+
+
+def test_a_pull_woken_on_the_senders_connection_shares_the_sends_write(inproc):
+    """A client whose producer and consumer share a connection gets the send's answer and the
+    answer of the pull it woke in one write (one wake-up for the client), with the loop held
+    right after the read -- as the woken pull's answer used to follow a loop turn later."""
+    broker, loop = inproc
+    with Wire(f"127.0.0.1:{broker.port}") as w:
+        assert w.create_topic("wk1", 1).code == ResponseCode.SUCCESS
+        pull = w.send(RequestCode.PULL_MESSAGE, w.pull_header("wk1", 0, suspend_ms=5000))
+        deadline = time.monotonic() + 5
+        while broker.hold.held_count() != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert broker.hold.held_count() == 1
+        port = w.sock.getsockname()[1]
+        send = 1000
+        w._pending[send] = RequestCode.SEND_MESSAGE  # the Wire decodes its answer's header
+        frame = encode_frame(Frame.request(
+            RequestCode.SEND_MESSAGE, send,
+            SendMessageRequestHeader(producer_group="pg", topic="wk1", queue_id=0, batch=False),
+            bytes(batch("wk1", [b"same-conn"]))))
+
+        def read_the_send() -> int:
+            conn = next(c for c in broker.frames.connections if c.peer.endswith(f":{port}"))
+            t = conn.transport
+            writes: list[str] = []
+            real_write, real_writelines = t.write, t.writelines
+
+            def write(data):
+                if not writes or writes[-1] != "writelines...":
+                    writes.append("write")
+                real_write(data)
+
+            def writelines(parts):  # asyncio's may call write itself: one write all the same
+                writes.append("writelines...")
+                real_writelines(parts)
+                writes[-1] = "writelines"
+
+            t.write, t.writelines = write, writelines
+            try:
+                conn.data_received(frame)  # what the transport does with the bytes it read
+            finally:
+                del t.write, t.writelines
+            return len(writes)
+
+        async def on_loop() -> int:
+            return read_the_send()
+
+        assert asyncio.run_coroutine_threadsafe(on_loop(), loop).result(10) == 1
+        assert w.recv(send, timeout=5).code == ResponseCode.SUCCESS
+        p = w.recv(pull, timeout=5)
+        assert p.code == ResponseCode.SUCCESS
+        assert [m.body for m in decode_pull(p, 0)] == [b"same-conn"]

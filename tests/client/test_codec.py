@@ -425,6 +425,59 @@ def test_varied_batch_refuses_or_encodes_odd_properties_as_the_reference(props):
     assert got == want
 
 
+# Properties as JSON (varied._properties_json): every message with at least one property;
+# names and values drawn around the characters JSON escapes or the path counts on
+JSONISH = st.text(alphabet=st.sampled_from('ab"\\:,{}[] é€\x01\x02\x1f\x7f\u2028'),
+                  max_size=5)
+
+
+CLEAN = st.text(alphabet=st.sampled_from("ab0 é€-_.\u2028/"), max_size=5)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.dictionaries(CLEAN, CLEAN, min_size=1, max_size=3), min_size=33,
+                max_size=60),
+       st.none() | st.tuples(st.integers(0, 32),
+                             st.dictionaries(JSONISH, JSONISH | CLEAN, max_size=3)))
+def test_varied_batch_properties_through_json_match_the_reference(props, odd):
+    if odd is not None:  # one message's properties may send the batch to the general path
+        props[odd[0]] = odd[1]
+    msgs = [Message("topic-a", b"x", "t", f"k{i}", p) for i, p in enumerate(props)]
+    try:
+        want = reference(msgs, queue_id=3, producer_id=99, base_seq=7)
+    except ValueError:  # a separator byte in a name or value: refused either way
+        with pytest.raises(ValueError):
+            encode_messages("topic-a", msgs, queue_id=3, producer_id=99, base_seq=7,
+                            born_ts=1234, born_host=pack_host("10.0.0.7"), born_port=4321)
+        return
+    got = encode_messages("topic-a", msgs, queue_id=3, producer_id=99, base_seq=7, born_ts=1234,
+                          born_host=pack_host("10.0.0.7"), born_port=4321)
+    assert got == want
+
+
+def test_varied_properties_take_the_json_path_only_when_it_is_exact():
+    import datetime
+    import enum
+
+    from tidemq.protocol.batch.codec import encode_properties
+    from tidemq.protocol.batch.varied import _properties_json
+
+    plain = [{"region": "eu-west-1", "attempt": str(i % 3), "é": "€"} for i in range(40)]
+    got = _properties_json(plain)
+    assert got is not None
+    assert got[0] == [encode_properties(p) for p in plain]
+    assert got[1] == [len(encode_properties(p)) for p in plain]
+
+    class Color(enum.Enum):
+        RED = "red"
+
+    # each of these would come out of JSON unlike str() (or not at all): the general path
+    for odd in ({"t": "12:00"}, {"a": "x,y"}, {"a": "{}"}, {"l": "[1]"}, {"q": 'say "hi"'},
+                {"n": 1}, {1: "one"}, {"d": datetime.date(2026, 11, 27)}, {"c": Color.RED},
+                {"b": b"bytes"}, {}, {"a": "\x01"}):
+        assert _properties_json([*plain, odd]) is None, odd
+
+
 def test_varied_batch_names_the_message_whose_properties_are_too_large():
     msgs = [Message("topic-a", b"x", "t", f"k{i}", {"a": "b"}) for i in range(40)]
     msgs[37] = Message("topic-a", b"x", "t", "k", {"big": "v" * 100})

@@ -112,3 +112,107 @@ def test_send_async_resolves_each_message_with_its_own_offset_and_one_bad_messag
     offsets = [r.queue_offset for r in good]
     assert offsets == sorted(offsets) and len(set(offsets)) == 49
     assert len({r.msg_id for r in good}) == 49 and all(r.count == 1 for r in good)
+
+
+def _acc_answering(answers: list[int]):
+    """An Accumulator whose batches are answered at once with SendResults of consecutive
+    offsets (the broker's part: each batch's message count appended to ``answers``)."""
+    from tidemq.client.accumulator import Accumulator
+
+    async def send(topic, mq, msgs, timeout, prepared=None):
+        await asyncio.sleep(0.005)  # in flight for a while: callers may await, cancel...
+        off = 100 * len(answers)
+        answers.append(len(msgs))
+        return SendResult(SendStatus.SEND_OK, "X", topic, 0, off, len(msgs), "b", 0xAB, off)
+
+    return Accumulator(send, batch_max_messages=1000, batch_max_bytes=1 << 20,
+                       batch_max_delay=0.001, max_pending_messages=100_000)
+
+
+def test_a_batch_answered_as_a_whole_resolves_every_future_of_it_callbacks_and_awaits_too():
+    async def main():
+        from tidemq.client.message import Message
+
+        answers: list[int] = []
+        acc = _acc_answering(answers)
+        futs = [acc.add_async(Message("t", b"x%d" % i)) for i in range(40)]
+        seen: list[int] = []
+        futs[3].add_done_callback(lambda f: seen.append(f.result().queue_offset))
+        waiter = asyncio.ensure_future(_read(futs[5]))
+        futs[6].cancel()  # stops waiting; the message is still sent
+        while not all(f.done() for f in futs):
+            await asyncio.sleep(0.001)
+        assert answers == [40]
+        assert [f.result().queue_offset for i, f in enumerate(futs) if i != 6] == \
+            [i for i in range(40) if i != 6]
+        assert futs[6].cancelled() and not futs[6].cancel()
+        assert await waiter == 5
+        await asyncio.sleep(0)
+        assert seen == [3]
+        assert not futs[0].cancel()  # answered: cannot be cancelled
+        with pytest.raises(asyncio.InvalidStateError):
+            futs[0].set_exception(ValueError("late"))
+        assert acc.npending == 0
+
+    asyncio.run(main())
+
+
+async def _read(f: SendFuture) -> int:
+    return (await f).queue_offset
+
+
+def test_send_async_futures_sharing_a_batch_with_a_waiting_caller_each_get_their_own():
+    async def main():
+        from tidemq.client.message import Message
+
+        answers: list[int] = []
+        acc = _acc_answering(answers)
+        loop = asyncio.get_running_loop()
+        futs: list[object] = [acc.add_async(Message("t", b"a")) for _ in range(3)]
+        acc.npending += 1
+        futs.append(acc.add(Message("t", b"w"), deadline=loop.time() + 5))  # awaits send()
+        futs += [acc.add_async(Message("t", b"b")) for _ in range(3)]
+        await asyncio.wait_for(asyncio.gather(*futs), 5)
+        # one batch of all 7 (the waiting caller's bucket left at the end of the iteration)
+        assert answers == [7]
+        assert [f.result().queue_offset for f in futs] == list(range(7))
+        # the bucket's next batch: send_async alone again, offsets of the second answer
+        more = [acc.add_async(Message("t", b"c")) for _ in range(4)]
+        await asyncio.gather(*more)
+        assert answers == [7, 4]
+        assert [f.result().queue_offset for f in more] == [100, 101, 102, 103]
+        assert acc.npending == 0
+
+    asyncio.run(main())
+
+
+def test_send_async_batches_are_cut_at_the_byte_limit_and_each_message_gets_its_offset():
+    async def main():
+        from tidemq.client.accumulator import Accumulator
+        from tidemq.client.message import Message
+
+        sent: list[list[bytes]] = []
+
+        async def send(topic, mq, msgs, timeout, prepared=None):
+            off = 100 * len(sent)
+            sent.append([m.body for m in msgs])
+            return SendResult(SendStatus.SEND_OK, "X", topic, 0, off, len(msgs), "b", 1, off)
+
+        acc = Accumulator(send, batch_max_messages=1000, batch_max_bytes=1000,
+                          batch_max_delay=0.001, max_pending_messages=1000)
+        bodies = [bytes([i]) * (300 + 50 * (i % 3)) for i in range(10)]
+        futs = [acc.add_async(Message("t", b)) for b in bodies]
+        await asyncio.wait_for(asyncio.gather(*futs), 5)
+        # 300, 350, 400, 300, ...: the message that would take a batch past 1000 bytes
+        # starts the next one
+        assert [len(b) for b in sent] == [2, 2, 2, 2, 2]
+        assert [x for b in sent for x in b] == bodies
+        assert [f.result().queue_offset for f in futs] == [
+            100 * j + i for j in range(5) for i in range(2)]
+        bodies = [b"y" * 250 for _ in range(9)]  # exactly at the limit: leaves at once
+        futs = [acc.add_async(Message("t", b)) for b in bodies]
+        await asyncio.wait_for(asyncio.gather(*futs), 5)
+        assert [len(b) for b in sent[5:]] == [4, 4, 1]
+        assert acc.npending == 0
+
+    asyncio.run(main())

@@ -104,10 +104,66 @@ def test_push_consumer_of_standing_pulls_gets_every_message_in_time(dev) -> None
             t0 = time.monotonic()
             while len(got) < total and time.monotonic() - t0 < 6:
                 await asyncio.sleep(0.02)
-            assert c.stats()["multi_pull_requests"] > 0
+            stats = c.stats()
+            assert stats["multi_pull_requests"] > 0
+            # the queues stand on with their permits: not a pull per message (at least 32
+            # permits a pull, about 12 messages a queue here)
+            assert stats["pulls"] < total // 2, stats
+            # and the single-message pulls of one answer share a listener task
+            assert stats["consume_jobs"] < total // 4, stats
 
     asyncio.run(go())
     missing = sorted(set(range(total)) - got)
     assert not missing, f"{len(missing)} of {total} not received: {missing[:10]}"
     slow = sorted((round(v, 2), i) for i, v in late.items() if v > 2.0)
     assert not slow, f"{len(slow)} messages took over 2 s: {slow[-5:]}"
+
+
+def test_a_queue_with_permits_stands_on_after_its_answers_until_they_are_used(dev) -> None:
+    """``keep`` permits (docs/protocol.md 4.0, "kept standing"): a queue answered with
+    messages stands on at its next offset, without a re-pull, while permits are left; the
+    answer that uses the last one says it no longer stands, and later messages wait for a
+    pull that names the queue again."""
+    topic = "standing-keep"
+    with tidemq.Admin(dev.namesrv) as admin:
+        admin.create_topic(topic, 2)
+    with Wire(dev.broker) as w, Wire(dev.broker) as sender:
+        first = w.recv(_standing(w, [MultiQueuePull(topic, 1, 0, keep=4)]), timeout=10)
+        assert [r.code for r in first.header.results] == [NOT_FOUND]
+        got: list[tuple[int, bool]] = []  # (next offset, stands) of each woken answer
+        for bodies in ([b"a"], [b"b"], [b"c", b"d"]):
+            # a request that names no queue only carries the woken answers
+            waiting = _standing(w, [])
+            sender.send_messages(topic, bodies, queue_id=1)
+            r = w.recv(waiting, timeout=10)
+            assert r.code == ResponseCode.SUCCESS
+            assert [(wk.queue_id, wk.result.code) for wk in r.header.woken] == [
+                (1, int(ResponseCode.SUCCESS))]
+            res = r.header.woken[0].result
+            got.append((res.next_begin_offset, res.stands))
+        assert got == [(1, True), (2, True), (4, False)]  # 4 permits: a, b, c and d
+        waiting = _standing(w, [])
+        sender.send_messages(topic, [b"e"], queue_id=1)
+        r = w.recv(waiting, timeout=10)  # held until its timeout (3 s): nothing stands
+        assert r.code == ResponseCode.SUCCESS and not r.header.woken
+        # named again, the queue reads from where the client is
+        again = w.recv(_standing(w, [MultiQueuePull(topic, 1, 4, keep=4)]), timeout=10)
+        assert [(x.code, x.next_begin_offset, x.stands) for x in again.header.results] == [
+            (int(ResponseCode.SUCCESS), 5, True)]
+
+
+def test_a_queue_without_permits_is_answered_once(dev) -> None:
+    """Without ``keep`` (an older client), a woken queue stands no more after its answer."""
+    topic = "standing-nokeep"
+    with tidemq.Admin(dev.namesrv) as admin:
+        admin.create_topic(topic, 1)
+    with Wire(dev.broker) as w, Wire(dev.broker) as sender:
+        w.recv(_standing(w, [MultiQueuePull(topic, 0, 0)]), timeout=10)
+        waiting = _standing(w, [])
+        sender.send_messages(topic, [b"a"], queue_id=0)
+        r = w.recv(waiting, timeout=10)
+        assert [(wk.result.next_begin_offset, wk.result.stands) for wk in r.header.woken] == [
+            (1, False)]
+        waiting = _standing(w, [])
+        sender.send_messages(topic, [b"b"], queue_id=0)
+        assert not w.recv(waiting, timeout=10).header.woken

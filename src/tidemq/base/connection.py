@@ -277,12 +277,12 @@ class ServerConnection(asyncio.BufferedProtocol):
                         if done < len(frames):
                             later = frames[done:] + later if later else frames[done:]
                         break
+            after = self.server.after_read
+            if after is not None:
+                after()  # what it answers on this connection joins this read's write
         finally:
             self._out = None
             self._flush(out)
-        after = self.server.after_read
-        if after is not None:
-            after()
         if later and not self.closed:
             if self._paused:  # kept until the peer reads: as bytes, not Frame objects
                 self._backlog = _frames_bytes(later)

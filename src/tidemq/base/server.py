@@ -87,9 +87,10 @@ class FrameServer:
         self.partial_timeouts = 0
         self.overflow_closed = 0
         self._factory = connection_factory
-        #: Called after each read's requests are handled and their answers written; the
-        #: broker answers there the held pulls those requests woke (long_polling.py), so
-        #: the answers do not wait for the loop's next turns. None: nothing to do.
+        #: Called at the end of each read's handling, before its answers are written (what
+        #: it answers on that connection joins them, in one write); the broker answers there
+        #: the held pulls the read's sends woke (long_polling.py), so those answers do not
+        #: wait for the loop's next turns. None: nothing to do.
         self.after_read: Callable[[], None] | None = None
         self._server: asyncio.AbstractServer | None = None
         self._refused: set[ServerConnection] = set()

@@ -215,8 +215,8 @@ class Broker:
         )
         self.store.add_dispatch_listener(self.hold.on_message_arrival)
         self.non_persistent.on_arrival = self.hold.on_message_arrival
-        # the pulls a read's sends woke are answered as soon as that read's answers are out
-        self.frames.after_read = self.hold.run_woken
+        # the pulls a read's sends woke are answered with that read's answers (if few)
+        self.frames.after_read = self.hold.run_woken_in_read
         self.dedup.recover(self.store)
         # Delayed, timed and transactional messages (docs/delayed-and-transactional.md).
         self.schedule = ScheduleMessageService(

@@ -27,16 +27,22 @@ the 1 s check or their 1 s deadline.
 
 Threads: everything runs on the broker's event loop. The store calls the dispatch listener on
 the putting thread, inside its put lock; the broker puts on the loop thread, so the listener
-runs synchronously there, does only dictionary work and lists the woken pulls. They are run by
-:meth:`PullRequestHoldService.run_woken` -- outside the put lock, after the send's own
-response: at the end of the read that carried the send (``FrameServer.after_read``, right after
-that read's answers are written), else (a put that came from elsewhere) by a ``call_soon`` --
-and their answers are written at once, one write per connection. Answering them one loop turn
-later (a ``call_soon`` per pull, then another for the write) let the requests the loop read in
-between go first: 22 % of the woken pulls' answers waited behind a whole read (p50 65 µs,
-p99 0.24 ms more) in ``bench e2e`` at 10 k msgs/s (docs/benchmarks.md, "The e2e tail, third
-look"). If a put ever comes from another thread the listener hops to the loop with
-``call_soon_threadsafe``.
+runs synchronously there, does only dictionary work and lists the woken pulls. They are run
+outside the put lock, and their answers written at once (one write per connection):
+
+- at the end of the read that carried the send (``FrameServer.after_read`` ->
+  :meth:`PullRequestHoldService.run_woken_in_read`) when they are few (``IN_READ_MAX``): the
+  answers on the sender's own connection (a client instance's producer and consumer share it)
+  join the send's answer in the read's one write; the send's answer waits for at most that
+  many pulls;
+- else (more woken at once, or a put that came from elsewhere) by a ``call_soon`` of
+  :meth:`PullRequestHoldService.run_woken`: the sender's answer leaves first.
+
+Answering them one loop turn later (a ``call_soon`` per pull, then another for the write) let
+the requests the loop read in between go first: 22 % of the woken pulls' answers waited behind a
+whole read (p50 65 µs, p99 0.24 ms more) in ``bench e2e`` at 10 k msgs/s (docs/benchmarks.md,
+"The e2e tail, third look"). If a put ever comes from another thread the listener hops to the
+loop with ``call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -93,6 +99,8 @@ class HeldPull:
 
 #: keys of held pulls the periodic check looks at per tick at most
 CHECK_KEYS_PER_TICK = 4096
+#: woken pulls answered inside the read that woke them at most (more: after it, call_soon)
+IN_READ_MAX = 8
 
 
 class PullRequestHoldService:
@@ -231,13 +239,19 @@ class PullRequestHoldService:
             self.woken_by_arrival += len(wake)
         else:
             self.woken_by_check += len(wake)
-        # Deferred: we may be inside the store's put lock, and the sender's own response
-        # should leave first. The end of the current read runs them (FrameServer.after_read);
-        # the call_soon is for a put made anywhere else.
+        # Deferred: we may be inside the store's put lock. The end of the current read runs
+        # them if few (run_woken_in_read); the call_soon, if many or a put made elsewhere.
         self._woken += wake
         if not self._woken_scheduled:
             self._woken_scheduled = True
             self.loop.call_soon(self.run_woken)
+
+    def run_woken_in_read(self) -> None:
+        """The end of a read (``FrameServer.after_read``): :meth:`run_woken` if at most
+        ``IN_READ_MAX`` pulls wait, else leave them to its ``call_soon`` (after the read's
+        answers are written)."""
+        if self._woken and len(self._woken) <= IN_READ_MAX:
+            self.run_woken()
 
     def run_woken(self) -> None:
         """Answer the pulls woken since the last call, then write their answers at once (one

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from tidemq.broker.connection import decode_request
 from tidemq.broker.errors import RequestRejected
-from tidemq.broker.long_polling import HeldPull
+from tidemq.broker.long_polling import HeldPull, hold_key
 from tidemq.protocol.codes import ResponseCode
 from tidemq.protocol.headers import (
     MultiQueuePull,
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["MultiPullProcessor"]
 
 _NOT_FOUND = int(ResponseCode.PULL_NOT_FOUND)
+_SUCCESS = int(ResponseCode.SUCCESS)
 _FAR = 86_400.0  # held queues of a multi pull time out with the request, not one by one
 
 
@@ -134,12 +137,22 @@ def _result(code: int, header: Any, bodies: list[Any] | None) -> MultiQueuePullR
     return MultiQueuePullResult(code, message=getattr(header, "message", ""))
 
 
+#: what a queue standing with permits stands with: its pull (at the offset it waits for),
+#: its filter and the permits left (messages it may still be answered without a re-pull)
+_Kept = tuple[PullMessageRequestHeader, "frozenset[int] | None", int]
+
+
 class _Standing:
     """The standing pulls of one connection and group (``standing`` requests): the queues
     held after their request was answered, the answers of those woken since, and the
-    requests waiting to carry them."""
+    requests waiting to carry them.
 
-    __slots__ = ("proc", "conn", "held", "held_set", "ready", "waiting")
+    Queues pulled with ``keep`` permits (docs/protocol.md 4.0, "kept standing") stand on
+    after an answer with messages: at the answer's next offset, with the permits left
+    (``kept``), so their client does not pull them again per answer; out of permits, or
+    answered with an error, they are answered once as before."""
+
+    __slots__ = ("proc", "conn", "held", "held_set", "ready", "waiting", "kept")
 
     def __init__(self, proc: MultiPullProcessor, conn: BrokerConnection) -> None:
         self.proc = proc
@@ -148,6 +161,7 @@ class _Standing:
         self.held_set: set[Any] = set()  # what long polling files as this "connection's"
         self.ready: dict[tuple[str, int], tuple[MultiQueuePullResult, list[Any] | None]] = {}
         self.waiting: list[_MultiPull] = []
+        self.kept: dict[tuple[str, int], _Kept] = {}
 
     def drop(self, key: tuple[str, int]) -> None:
         """The client pulls ``key`` anew: its standing pull and unsent answer are void."""
@@ -155,24 +169,57 @@ class _Standing:
         if old is not None:
             self.proc.hold._finish(old)  # noqa: SLF001
         self.ready.pop(key, None)
+        self.kept.pop(key, None)
 
     def stand(self, key: tuple[str, int], one: PullMessageRequestHeader,
-              tags: frozenset[int] | None) -> None:
+              tags: frozenset[int] | None, permits: int = 0) -> None:
         self.drop(key)
         held = HeldPull(_StandSlot(self, key), 0, one, tags, _FAR, self.proc.loop.time())
         self.held[key] = held
+        if permits > 0:
+            self.kept[key] = (one, tags, permits)
         self.proc.hold.suspend(held, timed=False)
+
+    def stand_on(self, key: tuple[str, int], r: MultiQueuePullResult,
+                 kept: _Kept | None) -> bool:
+        """After its answer ``r`` leaves, ``key`` stands on at ``r``'s next offset if it has
+        ``kept`` permits left (True; ``r.stands`` says so to the client)."""
+        if kept is None:
+            return False
+        one, tags, permits = kept
+        left = permits - max(0, r.next_begin_offset - one.queue_offset)
+        if r.code != _SUCCESS or left <= 0:
+            return False
+        nxt = msgspec.structs.replace(
+            one, queue_offset=r.next_begin_offset, max_msg_nums=min(one.max_msg_nums, left),
+            sys_flag=one.sys_flag & ~PullSysFlag.COMMIT_OFFSET, commit_offset=0)
+        self.stand(key, nxt, tags, left)
+        r.stands = True
+        # messages that arrived since the read would otherwise wait for the next arrival
+        hold = self.proc.hold
+        top = hold.max_offset(key[0], key[1])
+        if top > nxt.queue_offset:
+            hold.notify_message_arriving(hold_key(key[0], key[1]), top, None)
+        return True
 
     def put(self, key: tuple[str, int], code: int, header: Any,
             bodies: list[Any] | None) -> None:
         if self.held.pop(key, None) is None:
             return  # superseded meanwhile
-        self.ready[key] = (_result(code, header, bodies), list(bodies) if bodies else None)
+        r = _result(code, header, bodies)
+        kept = self.kept.get(key)
+        if kept is not None and code == _NOT_FOUND and r.next_begin_offset == kept[0].queue_offset:
+            # woken by the periodic check with nothing new: nothing to answer, it stands on
+            # (a read that moved the offset, past filtered messages, is answered as before)
+            self.stand(key, *kept)
+            return
+        self.ready[key] = (r, list(bodies) if bodies else None)
         if self.waiting:
             self.waiting[0].wake()
 
     def take(self, budget: int) -> tuple[list[WokenPull], list[Any]]:
-        """Woken answers within ``budget`` body bytes (at least one), out of ``ready``."""
+        """Woken answers within ``budget`` body bytes (at least one), out of ``ready``; each
+        queue with permits left stands on (:meth:`stand_on`)."""
         woken: list[WokenPull] = []
         bodies: list[Any] = []
         for key in list(self.ready):
@@ -180,6 +227,7 @@ class _Standing:
             if woken and r.body_bytes > budget:
                 break
             del self.ready[key]
+            self.stand_on(key, r, self.kept.pop(key, None))
             woken.append(WokenPull(key[0], key[1], r))
             if bs:
                 bodies.extend(bs)
@@ -306,6 +354,12 @@ class MultiPullProcessor:
                 st.drop((p.topic, p.queue_id))
         admitted: list[tuple[int, PullMessageRequestHeader, frozenset[int] | None]] = []
         budget = self.broker.store.config.max_read_bytes
+        # the group's part of the door once for the request (each queue then answers it)
+        refused: RequestRejected | None = None
+        try:
+            self.pull.admit_group(h.consumer_group)
+        except RequestRejected as exc:
+            refused = exc
         for i, p in enumerate(h.pulls):
             if agg.nbytes >= budget:
                 # A response stays within one read's bytes (and the frame limit): the queues
@@ -328,7 +382,9 @@ class MultiPullProcessor:
             )
             slot = _PullSlot(agg, i)
             try:
-                tags = self.pull.admit(one, agg.conn)
+                if refused is not None:
+                    raise refused
+                tags = self.pull.admit_queue(one, agg.conn)
                 self.pull.process(slot, i, one, tags, allow_suspend=False)  # type: ignore[arg-type]
             except RequestRejected as exc:
                 agg.put(i, exc.response_code, _Msg(exc.message), None)
@@ -336,11 +392,16 @@ class MultiPullProcessor:
             admitted.append((i, one, tags))
         all_empty = all(r is not None and r.code == _NOT_FOUND for r in agg.results)
         if st is not None:
-            # the queues that found nothing stand (held past this answer); the request
-            # waits for a woken one unless it has answers already
+            # the queues that found nothing stand (held past this answer), and those with
+            # messages and ``keep`` permits stand on past theirs; the request waits for a
+            # woken one unless it has answers already
             for i, one, tags in admitted:
-                if agg.results[i].code == _NOT_FOUND:  # type: ignore[union-attr]
-                    st.stand((one.topic, one.queue_id), one, tags)
+                r = agg.results[i]
+                keep = h.pulls[i].keep
+                if r.code == _NOT_FOUND:  # type: ignore[union-attr]
+                    st.stand((one.topic, one.queue_id), one, tags, keep)
+                elif keep:
+                    st.stand_on((one.topic, one.queue_id), r, (one, tags, keep))  # type: ignore[arg-type]
             if not all_empty or st.ready:
                 agg.send()
                 return
@@ -387,3 +448,4 @@ class MultiPullProcessor:
                 self.hold._finish(held)  # noqa: SLF001
             st.held.clear()
             st.ready.clear()
+            st.kept.clear()

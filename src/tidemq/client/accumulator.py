@@ -43,7 +43,7 @@ from typing import Any
 from tidemq.client.errors import MessageRejectedError, ProducerQueueFullError, RequestTimeoutError
 from tidemq.client.message import Message, MessageQueue, SendResult
 from tidemq.client.retry_policy import CONTENT_CODES
-from tidemq.client.send_future import SendFuture
+from tidemq.client.send_future import BatchCell, SendFuture
 from tidemq.protocol.errors import BrokerError
 
 __all__ = ["Accumulator", "BatchSend", "split_result"]
@@ -68,7 +68,7 @@ PIPELINE_MIN = 256
 
 class _Bucket:
     __slots__ = ("key", "topic", "mq", "msgs", "futs", "deadlines", "size", "waiting",
-                 "inflight", "loop", "scheduled", "timer", "cool", "listed")
+                 "inflight", "loop", "scheduled", "timer", "cool", "listed", "cell")
 
     def __init__(self, key: Hashable, topic: str, mq: MessageQueue | None,
                  loop: asyncio.AbstractEventLoop) -> None:
@@ -88,6 +88,10 @@ class _Bucket:
         # again, so a send finding the bucket empty joins them instead of leaving alone.
         self.cool = False
         self.listed = False  # in the accumulator's list of lingering buckets
+        #: the BatchCell of the send_async futures added to ``futs`` (None: none yet); a
+        #: new one whenever ``futs`` is replaced (a cell's futures are exactly its list's
+        #: while ``cell.count == len(futs)``)
+        self.cell: BatchCell | None = None
 
 
 class _Lone:
@@ -289,20 +293,39 @@ class Accumulator:
             self._linger(b)
         return result
 
-    def add_async(self, msg: Message) -> SendFuture:
-        """:meth:`add` of a ``send_async`` message to its topic's bucket (no key, no deadline,
-        no sink), answered through a :class:`SendFuture` (resolved per batch, no asyncio
-        future nor SendResult per message unless asked for)."""
+    def add_async(self, msg: Message) -> SendFuture | None:
+        """A ``send_async`` message (no routing options) into its topic's bucket, counted in
+        ``npending``, answered through a :class:`SendFuture` (resolved per batch, no asyncio
+        future nor SendResult per message unless asked for) -- or None when it travels alone
+        (a delay, a delivery time, a body of ``batch_max_bytes`` or more). Raises
+        ProducerQueueFullError when ``max_pending_messages`` are unanswered. The hot path of
+        ``send_async``: every check and count of it in one call."""
+        n = len(msg.body)
+        if n >= self.batch_max_bytes or msg.delay_level or msg.deliver_at:
+            return None
+        if self.npending >= self.max_pending_messages:
+            self.check_room()  # raises
         b = self._buckets.get(msg.topic)
         if b is None:
             k = msg.topic
             b = self._buckets[k] = _Bucket(k, k, None, asyncio.get_running_loop())
-        fut = SendFuture(b.loop)
+        elif b.size + n > self.batch_max_bytes and b.msgs:
+            # What the bucket holds leaves now and this message starts the next batch: the
+            # batch _dispatch would cut at the limit, without its walk over the messages,
+            # and whole (its futures resolved through their cell).
+            self._dispatch(b)
+        self.npending += 1  # given back per batch
+        c = b.cell
+        if c is None:
+            c = b.cell = BatchCell()
+        i = c.count
+        c.count = i + 1
+        fut = SendFuture(b.loop, c, i)
         msgs = b.msgs
         msgs.append(msg)
         b.futs.append(fut)  # type: ignore[arg-type]
         b.deadlines.append(0.0)
-        size = b.size = b.size + len(msg.body)
+        size = b.size = b.size + n
         if len(msgs) >= self.batch_max_messages or size >= self.batch_max_bytes:
             self._dispatch(b)  # an unpinned bucket: never held back by a batch in flight
         elif not (b.listed and self._flush_scheduled):
@@ -335,6 +358,7 @@ class Accumulator:
             self._answered(len(b.msgs) - len(keep))
             b.msgs = [b.msgs[i] for i in keep]
             b.futs = [b.futs[i] for i in keep]
+            b.cell = None
             b.deadlines = [b.deadlines[i] for i in keep]
             b.size = sum(len(m.body) for m in b.msgs)
         waiting = [d for d in b.deadlines if d]
@@ -422,7 +446,7 @@ class Accumulator:
                     # new lists for what the batch took; the deadlines (all 0: send_async)
                     # are cleared in place: one list fewer per bucket and flush for the
                     # collector to track (at 100,000 queues, per message)
-                    b.msgs, b.futs, b.size = [], [], 0
+                    b.msgs, b.futs, b.size, b.cell = [], [], 0, None
                     b.deadlines.clear()
                 for batch in self.send_many(batches):
                     self.send_single(batch)
@@ -450,6 +474,10 @@ class Accumulator:
             b.timer.cancel()
             b.timer = None
         msgs, futs, deadlines = b.msgs, b.futs, b.deadlines
+        cell = b.cell
+        b.cell = None
+        if cell is not None and cell.count != len(futs):
+            cell = None  # not only send_async futures: each is resolved on its own
         most = min(limit, self.batch_max_messages) if limit else self.batch_max_messages
         if len(msgs) > most or b.size > self.batch_max_bytes:
             # A pinned bucket gathered past the limits while its batch was in flight: send
@@ -466,6 +494,7 @@ class Accumulator:
             if waiting:  # the rest's callers: not past their deadlines while they wait
                 b.timer = b.loop.call_at(min(waiting), self._expire, b)
             msgs, futs, deadlines = msgs[:k], futs[:k], deadlines[:k]
+            cell = None
         else:
             b.msgs, b.futs, b.deadlines, b.size, b.waiting = [], [], [], 0, False
         b.inflight += 1
@@ -489,7 +518,7 @@ class Accumulator:
                     lone.st = st
                     self.tasks.add(lone)
                     return
-        self.track(b.loop.create_task(self._send_batch(b, msgs, futs, deadlines)))
+        self.track(b.loop.create_task(self._send_batch(b, msgs, futs, deadlines, cell)))
 
     def _one_done(self, lone: _Lone, frame: Any, exc: BaseException | None) -> None:
         """The outcome of a started batch's request (on the loop, from the connection)."""
@@ -566,10 +595,10 @@ class Accumulator:
 
     # -- sending -----------------------------------------------------------------------------
     async def _send_batch(self, b: _Bucket, msgs: list[Message],
-                          futs: list[asyncio.Future[SendResult]], deadlines: list[float]
-                          ) -> None:
+                          futs: list[asyncio.Future[SendResult]], deadlines: list[float],
+                          cell: BatchCell | None = None) -> None:
         try:
-            await self._send_some(b, msgs, futs, deadlines)
+            await self._send_some(b, msgs, futs, deadlines, cell=cell)
         finally:
             self._after(b)
 
@@ -614,9 +643,12 @@ class Accumulator:
 
     async def _send_some(self, b: _Bucket, msgs: list[Message],
                          futs: list[asyncio.Future[SendResult]], deadlines: list[float],
-                         alone: bool = False) -> None:
+                         alone: bool = False, cell: BatchCell | None = None) -> None:
+        """Send one batch; on success each message gets its result (through ``cell``, when
+        the batch is exactly that cell's futures: one store for all of them)."""
         timeout: float | None = None
-        waited = [d for d in deadlines if d]
+        # (any() first: a send_async batch has no deadlines, and any() walks them in C)
+        waited = [d for d in deadlines if d] if any(deadlines) else None
         if waited:
             now = b.loop.time()
             first = min(waited)
@@ -628,6 +660,7 @@ class Accumulator:
                 self._answered(len(msgs) - len(keep))
                 msgs = [msgs[i] for i in keep]
                 futs = [futs[i] for i in keep]
+                cell = None
                 deadlines = [deadlines[i] for i in keep]
                 if not msgs:
                     return
@@ -640,7 +673,10 @@ class Accumulator:
             await self._failed(b, msgs, futs, deadlines, exc, may_isolate=not alone)
             return
         self._answered(len(msgs))
-        split_result(r, futs)
+        if cell is not None and len(futs) > 1:
+            cell.resolve(r, futs)  # type: ignore[arg-type]
+        else:
+            split_result(r, futs)
 
     async def _failed(self, b: _Bucket, msgs: list[Message], futs: list[Any],
                       deadlines: list[float], exc: BaseException, *, may_isolate: bool) -> None:

@@ -11,7 +11,10 @@ measured time per page (:data:`JOB_TARGET` of listener time per job, at least): 
 gets the whole pull in one job -- what makes a backlog of single-message batches, 32 messages
 per pull, affordable -- a slow one (or one not measured yet) up to JOBS_PER_PULL. Parallelism
 across jobs of *several* pulls is unchanged: the next pull goes out as soon as this one is
-handed over.
+handed over. For a fast listener the pulls handed over in one event-loop iteration also
+share jobs, up to JOB_TARGET of listener time each: a pull driver's answer carries the pulls of
+up to 1,000 queues, at 10,000 queues mostly one message each, and a job (or, for an
+``async def`` listener, a task) per pull cost more than the listener (issue 17).
 
 Finished jobs post their results to a queue that the event loop drains; one loop wake-up
 (``call_soon_threadsafe``) serves every job that finished before the loop got to it.
@@ -71,6 +74,7 @@ _EWMA = 1 / 16
 LOCAL_RETRY_DELAY = 5.0
 
 _Result = tuple[list[MessageExt], bool, int]  # page, success, ack index
+_Segment = tuple[list[list[MessageExt]], ProcessQueue, MessageQueue]  # a pull's pages
 _SUCCESS = ConsumeStatus.SUCCESS
 _RECONSUME_LATER = ConsumeStatus.RECONSUME_LATER
 
@@ -102,6 +106,7 @@ class ConsumeConcurrentlyService:
         self._tasks: set[asyncio.Task[None]] = set()
         self.consumed = 0
         self.failed = 0
+        self.jobs = 0  # pool jobs or tasks started
         #: Listener wall time per page, a running estimate written by the pool threads (a lost
         #: update between two of them only delays the estimate); starts "slow": pages are
         #: spread until the listener is measured fast.
@@ -111,6 +116,11 @@ class ConsumeConcurrentlyService:
         self._done: collections.deque[tuple[list[_Result], ProcessQueue, MessageQueue]] = (
             collections.deque())
         self._drain_scheduled = False
+        #: one-job pulls of this loop iteration, to share a job (a fast listener's), their
+        #: pages, and whether they are handed over at the end of the iteration
+        self._gather: list[_Segment] = []
+        self._gather_pages = 0
+        self._gather_scheduled = False
 
     def submit(self, msgs: list[MessageExt], pq: ProcessQueue, mq: MessageQueue,
                dispatch: bool) -> None:
@@ -121,40 +131,71 @@ class ConsumeConcurrentlyService:
             pages = [[m] for m in msgs]
         else:
             pages = [msgs[i : i + bs] for i in range(0, len(msgs), bs)]
-        if self.is_async:
-            self._spawn(self._run_async(pages, pq, mq))
-            return
         n = len(pages)
-        jobs = min(n, JOBS_PER_PULL, max(1, math.ceil(n * self.page_seconds / JOB_TARGET)))
-        if jobs == 1:
-            self.pool.submit(self._run_job, pages, pq, mq)
+        # an async listener runs the pages of a pull in order in one task
+        jobs = 1 if self.is_async else min(
+            n, JOBS_PER_PULL, max(1, math.ceil(n * self.page_seconds / JOB_TARGET)))
+        if jobs > 1:
+            step = -(-n // jobs)
+            for j in range(0, n, step):
+                self._start([(pages[j : j + step], pq, mq)])
             return
-        step = -(-n // jobs)
-        for j in range(0, n, step):
-            self.pool.submit(self._run_job, pages[j : j + step], pq, mq)
+        # one job's worth: it may share its job with the other pulls of this iteration
+        self._gather.append((pages, pq, mq))
+        self._gather_pages += n
+        if self._gather_pages * self.page_seconds >= JOB_TARGET:
+            self._hand_over()
+        elif not self._gather_scheduled:
+            self._gather_scheduled = True
+            self.loop.call_soon(self._hand_over_soon)
+
+    def _hand_over_soon(self) -> None:
+        self._gather_scheduled = False
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """The gathered pulls go as one job (or task)."""
+        segments, self._gather = self._gather, []
+        self._gather_pages = 0
+        if segments:
+            self._start(segments)
+
+    def _start(self, segments: list[_Segment]) -> None:
+        self.jobs += 1
+        if self.is_async:
+            self._spawn(self._run_async(segments))
+        else:
+            self.pool.submit(self._run_job, segments)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         t = self.loop.create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    def _run_job(self, pages: list[list[MessageExt]], pq: ProcessQueue,
-                 mq: MessageQueue) -> None:
-        """One pool job: the listener over ``pages``, results posted to the loop (pool thread)."""
-        t0 = time.perf_counter()
-        results: list[_Result] = []
-        try:
-            self._run_pages(pages, pq, mq, results)
-        except Exception:  # a hook failed: what did not complete is retried, not stranded
-            log.exception("consume job of group %s on %s failed", self.c.group, mq)
-            if not pq.dropped:
-                results += [(page, False, -1) for page in pages[len(results):]]
-        if results:
+    def _measured(self, t0: float, pages: int) -> None:
+        """A job ran ``pages`` pages since ``t0``: update the time-per-page estimate."""
+        if pages:
             # Clipped at JOB_TARGET: one job held up (say, waiting for the GIL) must not make
             # a fast listener look slow for long; anything that slow is spread anyway.
-            per_page = min((time.perf_counter() - t0) / len(results), JOB_TARGET)
+            per_page = min((time.perf_counter() - t0) / pages, JOB_TARGET)
             self.page_seconds += (per_page - self.page_seconds) * _EWMA
-        self._done.append((results, pq, mq))
+
+    def _run_job(self, segments: list[_Segment]) -> None:
+        """One pool job: the listener over the pages of ``segments`` (one or more pulls),
+        results posted to the loop (pool thread)."""
+        t0 = time.perf_counter()
+        ran = 0
+        for pages, pq, mq in segments:
+            results: list[_Result] = []
+            try:
+                self._run_pages(pages, pq, mq, results)
+            except Exception:  # a hook failed: what did not complete is retried, not stranded
+                log.exception("consume job of group %s on %s failed", self.c.group, mq)
+                if not pq.dropped:
+                    results += [(page, False, -1) for page in pages[len(results):]]
+            ran += len(results)
+            self._done.append((results, pq, mq))
+        self._measured(t0, ran)
         if not self._drain_scheduled:
             self._drain_scheduled = True
             try:
@@ -206,30 +247,36 @@ class ConsumeConcurrentlyService:
                     h.after(ctx)
             append((page, status is _SUCCESS or status == _SUCCESS, ctx.ack_index))
 
-    async def _run_async(self, pages: list[list[MessageExt]], pq: ProcessQueue,
-                         mq: MessageQueue) -> None:
+    async def _run_async(self, segments: list[_Segment]) -> None:
+        """The ``async def`` listener over the pages of ``segments``, one after the other
+        (the pulls of a fast listener share a task; see :meth:`submit`)."""
         c = self.c
-        out: list[_Result] = []
         async with self._sem:
-            for page in pages:
-                if pq.dropped:
-                    break
-                ctx = self._context(page, mq)
-                for h in c.hooks:
-                    h.before(ctx)
-                try:
-                    status = await c.listener(page, ctx)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    log.exception("listener of group %s failed on %d messages of %s; they "
-                                  "will be retried", c.group, len(page), mq)
-                    status = ConsumeStatus.RECONSUME_LATER
-                ctx.status = status
-                for h in c.hooks:
-                    h.after(ctx)
-                out.append((page, status == ConsumeStatus.SUCCESS, ctx.ack_index))
-        self.process_results(out, pq, mq)
+            t0 = time.perf_counter()
+            ran = 0
+            for pages, pq, mq in segments:
+                out: list[_Result] = []
+                for page in pages:
+                    if pq.dropped:
+                        break
+                    ctx = self._context(page, mq)
+                    for h in c.hooks:
+                        h.before(ctx)
+                    try:
+                        status = await c.listener(page, ctx)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception:
+                        log.exception("listener of group %s failed on %d messages of %s; "
+                                      "they will be retried", c.group, len(page), mq)
+                        status = ConsumeStatus.RECONSUME_LATER
+                    ctx.status = status
+                    for h in c.hooks:
+                        h.after(ctx)
+                    out.append((page, status == ConsumeStatus.SUCCESS, ctx.ack_index))
+                ran += len(out)
+                self.process_results(out, pq, mq)
+            self._measured(t0, ran)
 
     # -- results ---------------------------------------------------------------------------------
     def process_results(self, results: list[_Result], pq: ProcessQueue,

@@ -339,18 +339,15 @@ class Producer:
         At most ``max_pending_messages`` messages (100 000) may be unanswered; one more raises
         ProducerQueueFullError -- await earlier futures (or :meth:`flush`) first."""
         acc = self.accumulator
-        if acc.npending >= acc.max_pending_messages:
-            acc.check_room()  # raises
-        if (
-            callback is None and not options and type(msg) is Message and self.auto_batch
-            and len(msg.body) < acc.batch_max_bytes
-            and not msg.delay_level and not msg.deliver_at
-        ):
+        if callback is None and not options and type(msg) is Message and self.auto_batch:
             # The hot path, kept to the least work per message (close() waits for the batch's
             # task, not for each future): a SendFuture (client/send_future.py), resolved per
-            # batch, its SendResult built when read.
-            acc.npending += 1  # given back per batch
-            return acc.add_async(msg)  # type: ignore[return-value]
+            # batch, its SendResult built when read; None for a message that travels alone.
+            sf = acc.add_async(msg)
+            if sf is not None:
+                return sf  # type: ignore[return-value]
+        if acc.npending >= acc.max_pending_messages:
+            acc.check_room()  # raises
         fut: asyncio.Future[SendResult]
         if (
             self.auto_batch and not options and isinstance(msg, Message)

@@ -10,7 +10,10 @@ flight for every queue it pulls from that broker (docs/protocol.md 4.0, "standin
 - ``standing``: the queues the broker answered PULL_NOT_FOUND. They stay held there past the
   answer, and come back in ``woken`` of a later answer of this connection when messages
   arrive; while any stand, one request (empty if nothing is due) is kept in flight to carry
-  them.
+  them. A queue pulled with permits (``keep``: what the service's ``keep_permits`` grants;
+  docs/protocol.md 4.0, "kept standing") also stands on after an answer with messages while
+  permits are left (the result says ``stands``): it is not pulled again per answer, only
+  when the broker says it no longer stands.
 
 Each answer is handled here, synchronously, by the pull service's own result handling
 (``PullService.on_result``: ProcessQueue, consume service, offsets, OFFSET_ILLEGAL, refusals),
@@ -109,11 +112,14 @@ class PullDriver:
             return
         due, self.due = self.due, {}
         items: list[tuple[PullRequest, MultiQueuePull]] = []
+        keep = getattr(self.s, "keep_permits", None)  # both services grant (their rules)
         for key, req in due.items():
             if self.latest.get(key) is not req:
                 continue
             p = self.s.multi_pull_of(req)
             if p is not None:
+                if keep is not None:
+                    p.keep = keep(req)
                 items.append((req, p))
         if not items:
             if self.standing and self.in_flight == 0:
@@ -215,7 +221,7 @@ class PullDriver:
                 self.standing[key] = req  # held on the broker: answered when woken
                 req.pq.standing = True
                 continue
-            self._result(key, req, r, part)
+            self._result(key, req, r, part, stand and r.stands)
         for w in h.woken:
             n = w.result.body_bytes
             part = bytes(body[pos : pos + n]) if n <= _COPY_MAX else body[pos : pos + n]
@@ -224,16 +230,21 @@ class PullDriver:
             got = self.standing.pop(key, None)
             if got is not None:
                 got.pq.standing = False
-                self._result(key, got, w.result, part)
+                self._result(key, got, w.result, part, w.result.stands)
         if self.standing and self.in_flight == 0:
             self._schedule()  # keep a request in flight for the next woken queues
 
-    def _result(self, key: Key, req: PullRequest, r: MultiQueuePullResult, part: Any) -> None:
+    def _result(self, key: Key, req: PullRequest, r: MultiQueuePullResult, part: Any,
+                stands: bool = False) -> None:
         if req.pq.dropped:
             self.latest.pop(key, None)
             return
         if self.s.on_result(req, r, part, self.addr):
             if req.broker_id == MASTER_ID:
+                if stands:  # still held on the broker at its next offset: no re-pull
+                    self.standing[key] = req
+                    req.pq.standing = True
+                    return
                 self.due[key] = req
                 self._schedule()
                 return

@@ -90,6 +90,8 @@ FLOW_CONTROL_DELAY = 0.05
 PAUSED_DELAY = 1.0
 ERROR_DELAY = 3.0
 OFFSET_ILLEGAL_DELAY = 10.0
+#: A standing pull's permits cover at most this many pulls' worth of messages (keep_permits)
+KEEP_PULLS = 4
 
 
 class PullRequest:
@@ -131,6 +133,9 @@ class PullService:
         self._closed = False
         self.flow_controlled = 0
         self.pulls = 0
+        #: body bytes of a message pulled, smoothed over the consumer's pulls (keep_permits
+        #: sizes the permits of a queue that holds no message with it); 0: none pulled yet
+        self.msg_bytes = 0.0
         #: Requests waiting out PAUSED_DELAY, with their timers: resume() runs them at once.
         self._paused: dict[PullRequest, asyncio.TimerHandle] = {}
         #: Requests held back by flow control, by ProcessQueue, with their fallback timers:
@@ -316,6 +321,29 @@ class PullService:
                               commit, sub.expression if sub.filters else None,
                               sub.expression_type)
 
+    def keep_permits(self, req: PullRequest) -> int:
+        """Permits of ``req``'s standing pull (PullDriver; docs/protocol.md 4.0, "kept
+        standing"): how many messages the broker may deliver for the queue, answer after
+        answer, before it is pulled -- and so checked against the flow-control limits --
+        again. Within every limit of the queue (count, bytes at its average message size so
+        far, else of the consumer's pulls; one pull's worth while no message was pulled) and
+        at most ``KEEP_PULLS`` pulls' worth, so that a consumer paused meanwhile receives a bounded
+        amount more (as Pulsar's granted permits). 0 with ``pull_interval`` or orderly
+        consumption (each pull is its own decision there)."""
+        c = self.c
+        if c.pull_interval > 0 or c.orderly:
+            return 0
+        pq = req.pq
+        room = min(c.pull_threshold_for_queue - pq.msg_count,
+                   c.consume_concurrently_max_span - pq.max_span(),
+                   KEEP_PULLS * c.pull_batch_size)
+        per = pq.msg_size / pq.msg_count if pq.msg_count else self.msg_bytes
+        if per > 0:
+            room = min(room, int((c.pull_threshold_size_for_queue - pq.msg_size) / per))
+        else:
+            room = min(room, c.pull_batch_size)
+        return max(0, room)
+
     def on_standing(self, req: PullRequest, r: Any) -> bool:
         """``req``'s queue found nothing and stands on the broker (PullDriver): keep it
         standing (the lite consumer's service also takes a resolved start here)."""
@@ -421,6 +449,9 @@ class PullService:
                 msgs = pq.assemble(msgs, c.chunk_expire)  # chunks -> whole messages (PR5)
             req.next_offset = h.next_begin_offset
             if msgs:
+                per = len(body) / len(msgs)
+                self.msg_bytes = per if not self.msg_bytes else (
+                    self.msg_bytes + (per - self.msg_bytes) * 0.1)
                 if mq.topic.startswith(RETRY_PREFIX):
                     restore_retry_topic(msgs)
                 dispatch = pq.put_messages(msgs)

@@ -191,6 +191,8 @@ class PushConsumer:
             "queues": len(self.rebalance.table),
             "consumed": cs.consumed,
             "failed": getattr(cs, "failed", 0),
+            # listener jobs (pool jobs, or tasks of an async listener) started
+            "consume_jobs": getattr(cs, "jobs", 0),
             "pulls": self.pull_service.pulls,
             "multi_pull_requests": self.pull_service.multi_requests,
             "flow_controlled": self.pull_service.flow_controlled,

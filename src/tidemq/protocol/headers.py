@@ -283,6 +283,11 @@ class MultiQueuePull(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     #: first stored at or after ``timestamp`` (ms) -- saving the consumer a lookup per queue
     resolve: NonNeg = 0
     timestamp: NonNeg = 0
+    #: permits of a standing pull (docs/protocol.md 4.0, "kept standing"): the messages the
+    #: broker may deliver for this queue, this answer's included, before the client names it
+    #: again; while some are left a queue answered with messages stands on at its next offset
+    #: (no re-pull per answer). 0: answered once, as a broker without permits does.
+    keep: NonNeg = 0
 
 
 class PullMultiQueueRequestHeader(Header):
@@ -317,6 +322,9 @@ class MultiQueuePullResult(msgspec.Struct, array_like=True, omit_defaults=True, 
     #: the group's committed offset
     start_offset: int = -1
     start_committed: bool = False
+    #: with ``keep`` permits: the queue still stands past this answer (at
+    #: ``next_begin_offset``): its client does not pull it again
+    stands: bool = False
 
 
 class PullMultiQueueResponseHeader(Header):
