@@ -21,7 +21,10 @@ For each size N (queues; N / ``queues_per_topic`` topics of ``queues_per_topic``
    the body: ``push_e2e_p50_ms`` / ``push_e2e_p99_ms`` (the issue's target: p99 <= 5 ms with
    10,000 queues), ``push_e2e_received``; ``push_multi_queue_min`` (None: the push
    consumer's default, 256; 0: one pull per queue) sets the consumer's ``multi_queue_min``
-   (standing multi-queue pulls);
+   (standing multi-queue pulls). The producer runs in this process and on the consumer's
+   event loop (the figures kept since the first runs), or with ``push_producer_process`` in a
+   process of its own, as producers and consumers usually are: then the consumer's loop does
+   only the consumer's work (``push_e2e_producer``: "same" or "process");
 6. restart: a clean stop and start (``restart_clean_s``), then a kill -9 and start
    (``restart_kill9_s``): process start to "ready", Python start-up included.
 
@@ -35,6 +38,7 @@ Returns one dict per size, and ``ratio_to_first`` relative to the first (smalles
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import random
 import struct
 import tempfile
@@ -200,9 +204,52 @@ async def _consume(namesrv: str, topics: list[tuple[str, int]], count: int, idle
 _TS = struct.Struct("<q")  # send time (ns) at the start of each push e2e message
 
 
+async def _push_send(producer: Producer, names: list[str], size: int, rate: int,
+                     seconds: float, progress: Progress | None) -> tuple[int, int]:
+    """``rate`` msgs/s of ``size`` bytes to random topics of ``names`` for ``seconds``, each
+    stamped with its send time; (sent, failed) once every send is answered."""
+    rnd = random.Random(23)
+    pad = b"e" * max(0, size - _TS.size)
+    total = int(rate * seconds)
+    sent = errors = 0
+    pending: set[asyncio.Future[Any]] = set()
+    t0 = time.perf_counter()
+    while sent < total:
+        due = min(total, int((time.perf_counter() - t0) * rate) + 1)
+        while sent < due:
+            f = producer.send_async(Message(names[rnd.randrange(len(names))],
+                                            _TS.pack(time.time_ns()) + pad))
+            pending.add(f)
+            f.add_done_callback(pending.discard)
+            sent += 1
+        if progress is not None and sent % 1000 == 0:
+            progress("push e2e", sent, total)
+        await asyncio.sleep(0.001)
+    if pending:
+        res = await asyncio.gather(*pending, return_exceptions=True)
+        errors = sum(isinstance(r, BaseException) for r in res)
+    return sent, errors
+
+
+def _push_producer_main(namesrv: str, names: list[str], size: int, rate: int, seconds: float,
+                        conn: Any) -> None:
+    """The push phase's producer in a process of its own: fetches its routes, says "ready",
+    sends on "go" and answers (sent, failed)."""
+
+    async def go() -> tuple[int, int]:
+        async with Producer(namesrv) as producer:
+            await _gather_limited([producer.routes.get(t) for t in names], 64, lambda: None)
+            conn.send("ready")
+            await asyncio.to_thread(conn.recv)
+            return await _push_send(producer, names, size, rate, seconds, None)
+
+    conn.send(run_loop(go()))
+
+
 async def _push_e2e(namesrv: str, topics: list[tuple[str, int]], size: int, rate: int,
                     seconds: float, progress: Progress | None,
-                    multi_queue_min: int | None = None) -> dict[str, Any]:
+                    multi_queue_min: int | None = None,
+                    producer_process: bool = False) -> dict[str, Any]:
     names = [t for t, _ in topics]
     n_queues = sum(q for _, q in topics)
     lat: list[int] = []
@@ -219,48 +266,52 @@ async def _push_e2e(namesrv: str, topics: list[tuple[str, int]], size: int, rate
                                              if multi_queue_min is None else multi_queue_min))
     for t in names:
         consumer.subscribe(t)
-    rnd = random.Random(23)
-    pad = b"e" * max(0, size - _TS.size)
-    errors = 0
-    async with Producer(namesrv) as producer:
-        await _gather_limited([producer.routes.get(t) for t in names], 64, lambda: None)
+
+    async def started() -> None:
         await consumer.start()
-        try:
-            for _ in range(600):  # every queue assigned, then its start offset resolved
-                if len(consumer.assignment()) >= n_queues:
-                    break
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(2.0)
-            lat.clear()
-            total = int(rate * seconds)
-            sent = 0
-            pending: set[asyncio.Future[Any]] = set()
-            t0 = time.perf_counter()
-            while sent < total:
-                due = min(total, int((time.perf_counter() - t0) * rate) + 1)
-                while sent < due:
-                    f = producer.send_async(Message(names[rnd.randrange(len(names))],
-                                                    _TS.pack(time.time_ns()) + pad))
-                    pending.add(f)
-                    f.add_done_callback(pending.discard)
-                    sent += 1
-                if progress is not None and sent % 1000 == 0:
-                    progress("push e2e", sent, total)
-                await asyncio.sleep(0.001)
-            if pending:
-                res = await asyncio.gather(*pending, return_exceptions=True)
-                errors = sum(isinstance(r, BaseException) for r in res)
-            deadline = time.perf_counter() + 5
-            while len(lat) < sent - errors and time.perf_counter() < deadline:
-                await asyncio.sleep(0.01)
-        finally:
-            await consumer.close()
+        for _ in range(600):  # every queue assigned, then its start offset resolved
+            if len(consumer.assignment()) >= n_queues:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(2.0)
+        lat.clear()
+
+    try:
+        if producer_process:
+            ctx = multiprocessing.get_context("spawn")
+            here, there = ctx.Pipe()
+            child = ctx.Process(target=_push_producer_main, daemon=True,
+                                args=(namesrv, names, size, rate, seconds, there))
+            child.start()
+            try:
+                await started()
+                if await asyncio.to_thread(here.recv) != "ready":
+                    raise RuntimeError("the push phase's producer process did not start")
+                here.send("go")
+                sent, errors = await asyncio.to_thread(here.recv)
+            finally:
+                child.join(timeout=30)
+                if child.is_alive():
+                    child.kill()
+        else:
+            async with Producer(namesrv) as producer:
+                await _gather_limited([producer.routes.get(t) for t in names], 64,
+                                      lambda: None)
+                await started()
+                sent, errors = await _push_send(producer, names, size, rate, seconds,
+                                                progress)
+        deadline = time.perf_counter() + 5
+        while len(lat) < sent - errors and time.perf_counter() < deadline:
+            await asyncio.sleep(0.01)
+    finally:
+        await consumer.close()
     ms = sorted(v / 1e6 for v in lat)
 
     def pct(p: float) -> float:
         return round(ms[min(len(ms) - 1, int(p * len(ms)))], 3) if ms else -1.0
 
-    return {"push_e2e_rate": rate, "push_e2e_sent": sent, "push_e2e_received": len(ms),
+    return {"push_e2e_rate": rate, "push_e2e_producer": "process" if producer_process else "same",
+            "push_e2e_sent": sent, "push_e2e_received": len(ms),
             "push_e2e_send_errors": errors, "push_e2e_p50_ms": pct(0.50),
             "push_e2e_p99_ms": pct(0.99), "push_e2e_max_ms": pct(1.0)}
 
@@ -272,7 +323,8 @@ def _per_msg(cpu_seconds: float, n: int) -> float:
 def _one_size(n: int, *, per_topic: int, size: int, messages: int, window: int, restart: bool,
               data_dir: str | None, progress: Progress | None, push_max_queues: int = 10_000,
               push_rate: int = 10_000, push_seconds: float = 5.0,
-              push_multi_queue_min: int | None = None) -> dict[str, Any]:
+              push_multi_queue_min: int | None = None,
+              push_producer_process: bool = False) -> dict[str, Any]:
     topics = _topics(n, per_topic)
     mib = 1 << 20
     with tempfile.TemporaryDirectory(prefix="tidemq-bench-scale-", dir=data_dir) as d:
@@ -323,7 +375,7 @@ def _one_size(n: int, *, per_topic: int, size: int, messages: int, window: int, 
             if n <= push_max_queues and push_rate > 0:
                 out.update(run_loop(_push_e2e(dev.namesrv, topics, max(size, _TS.size),
                                               push_rate, push_seconds, progress,
-                                              push_multi_queue_min)))
+                                              push_multi_queue_min, push_producer_process)))
             if restart:
                 dev.stop()
                 clean = DevProcess(d).start()
@@ -351,6 +403,7 @@ def bench_scale(
     push_rate: int = 10_000,
     push_seconds: float = 5.0,
     push_multi_queue_min: int | None = None,
+    push_producer_process: bool = False,
 ) -> dict[str, Any]:
     rows = []
     for n in sizes:
@@ -358,7 +411,8 @@ def bench_scale(
                               window=window, restart=restart, data_dir=data_dir,
                               progress=progress, push_max_queues=push_max_queues,
                               push_rate=push_rate, push_seconds=push_seconds,
-                              push_multi_queue_min=push_multi_queue_min))
+                              push_multi_queue_min=push_multi_queue_min,
+                              push_producer_process=push_producer_process))
     base = rows[0] if rows else {}
     for r in rows:
         for k in ("produce_msgs_per_s", "consume_msgs_per_s"):

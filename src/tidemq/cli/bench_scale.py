@@ -61,12 +61,16 @@ class _Bars:
 @click.option("--push-multi-queue-min", type=int, default=None,
               help="The push consumer's multi_queue_min (standing multi-queue pulls from this "
                    "many queues on; 0: one pull per queue; default: the consumer's, 256).")
+@click.option("--push-producer-process/--push-producer-same", default=False, show_default=True,
+              help="Run the push phase's producer in a process of its own (else on the "
+                   "consumer's event loop, as the earlier figures).")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def bench_scale_cmd(sizes: str, max_queues: int | None, queues_per_topic: int, size: int,
                     messages: int, window: int, restart: bool, data_dir: str | None,
                     push_max_queues: int, push_rate: int, push_seconds: float,
-                    push_multi_queue_min: int | None, progress: bool, as_json: bool) -> None:
+                    push_multi_queue_min: int | None, push_producer_process: bool,
+                    progress: bool, as_json: bool) -> None:
     """Produce and consume msgs/s, broker RSS per idle queue and restart time (clean and after
     kill -9) of a fresh broker holding each number of queues; one producer sends single 1 KiB
     messages to random queues (send_async)."""
@@ -86,7 +90,8 @@ def bench_scale_cmd(sizes: str, max_queues: int | None, queues_per_topic: int, s
                              messages=messages, window=window, restart=restart,
                              data_dir=data_dir, progress=bars, push_max_queues=push_max_queues,
                              push_rate=push_rate, push_seconds=push_seconds,
-                             push_multi_queue_min=push_multi_queue_min)
+                             push_multi_queue_min=push_multi_queue_min,
+                             push_producer_process=push_producer_process)
     finally:
         if bars is not None:
             bars.close()

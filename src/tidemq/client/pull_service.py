@@ -133,6 +133,9 @@ class PullService:
         self._closed = False
         self.flow_controlled = 0
         self.pulls = 0
+        #: body bytes of a message pulled, smoothed over the consumer's pulls (keep_permits
+        #: sizes the permits of a queue that holds no message with it); 0: none pulled yet
+        self.msg_bytes = 0.0
         #: Requests waiting out PAUSED_DELAY, with their timers: resume() runs them at once.
         self._paused: dict[PullRequest, asyncio.TimerHandle] = {}
         #: Requests held back by flow control, by ProcessQueue, with their fallback timers:
@@ -323,8 +326,8 @@ class PullService:
         standing"): how many messages the broker may deliver for the queue, answer after
         answer, before it is pulled -- and so checked against the flow-control limits --
         again. Within every limit of the queue (count, bytes at its average message size so
-        far, span; one pull's worth while that size is unknown) and at most
-        ``KEEP_PULLS`` pulls' worth, so that a consumer paused meanwhile receives a bounded
+        far, else of the consumer's pulls; one pull's worth while no message was pulled) and
+        at most ``KEEP_PULLS`` pulls' worth, so that a consumer paused meanwhile receives a bounded
         amount more (as Pulsar's granted permits). 0 with ``pull_interval`` or orderly
         consumption (each pull is its own decision there)."""
         c = self.c
@@ -334,10 +337,10 @@ class PullService:
         room = min(c.pull_threshold_for_queue - pq.msg_count,
                    c.consume_concurrently_max_span - pq.max_span(),
                    KEEP_PULLS * c.pull_batch_size)
-        if pq.msg_count and pq.msg_size:
-            room = min(room, (c.pull_threshold_size_for_queue - pq.msg_size)
-                       * pq.msg_count // pq.msg_size)
-        elif not pq.msg_count:
+        per = pq.msg_size / pq.msg_count if pq.msg_count else self.msg_bytes
+        if per > 0:
+            room = min(room, int((c.pull_threshold_size_for_queue - pq.msg_size) / per))
+        else:
             room = min(room, c.pull_batch_size)
         return max(0, room)
 
@@ -446,6 +449,9 @@ class PullService:
                 msgs = pq.assemble(msgs, c.chunk_expire)  # chunks -> whole messages (PR5)
             req.next_offset = h.next_begin_offset
             if msgs:
+                per = len(body) / len(msgs)
+                self.msg_bytes = per if not self.msg_bytes else (
+                    self.msg_bytes + (per - self.msg_bytes) * 0.1)
                 if mq.topic.startswith(RETRY_PREFIX):
                     restore_retry_topic(msgs)
                 dispatch = pq.put_messages(msgs)
