@@ -329,3 +329,13 @@ def test_sixteen_threads_travel_as_one_batch_not_two_groups(dev):
             if best >= 11:
                 break
     assert best >= 11, f"at best {best:.1f} messages per batch from 16 threads"
+
+
+def test_a_wait_with_no_time_left_times_out_instead_of_sleeping_for_ever():
+    """A zero SO_RCVTIMEO means "no timeout" to the kernel: a waiter given no time at all must
+    still give up (here at once), not sleep until some ring that never comes."""
+    w = blocking._Waiter()
+    t0 = time.monotonic()
+    with pytest.raises(tidemq.RequestTimeoutError):
+        w.wait(0.0)
+    assert time.monotonic() - t0 < 2.0
