@@ -424,20 +424,20 @@ class SendProcessor:
                 tl = plain[i]
                 tb = mv[start + STORE_HEADER_SIZE : start + STORE_HEADER_SIZE + tl].tobytes()
                 topic = names.get(tb)
-                if topic is None:
+                known = topic is not None
+                if not known:
                     try:
                         topic = tb.decode()
                     except UnicodeDecodeError:
                         topic = None  # the per-batch door words it
-                    else:
-                        if len(names) < _PLAIN_MAX:
-                            names[tb] = topic
                 if topic is not None and not self.non_persistent.owns(topic):
                     try:
                         self._admit_queue(conn, group, topic, qids[i], size)
                     except RequestRejected as exc:
                         agg.put(i, MultiQueueSendResult(exc.response_code, message=exc.message))
                         continue
+                    if not known and len(names) < _PLAIN_MAX:
+                        names[tb] = topic  # only names the door let in: bounded by the topics
                     if run:
                         self._put_run(agg, run)
                         run = []
