@@ -143,3 +143,31 @@ def test_non_persistent_topics_through_the_drivers_lose_nothing(dev):
         assert sorted(got) == sorted(bodies)
 
     asyncio.run(run())
+
+
+def test_queues_stand_on_with_permits_and_are_pulled_once(dev) -> None:
+    """With permits (LitePulls.keep_permits) a queue answered with messages stands on at its
+    next offset: draining a backlog names each queue once, and a later message arrives
+    without any queue being pulled again (before: every queue a second time, to stand)."""
+
+    async def run() -> None:
+        topics = await _topics(dev.namesrv, "kp", 4, 8)  # 32 queues
+        bodies = await _spread(dev.namesrv, topics, 8, 200, "k")  # ~6 a queue, < batch size
+        c = PullConsumer(dev.namesrv, "g-kp", consume_from="first", auto_commit=False,
+                         multi_queue_min=16, suspend_timeout=2.0, pull_batch_size=32)
+        for t in topics:
+            c.subscribe(t)
+        got: list[bytes] = []
+        async with c:
+            await _poll_until(c, len(bodies), got)
+            await asyncio.sleep(0.3)
+            assert c._lite.pulls == 32
+            assert all(q.standing for q in c._queues.values())
+            async with Producer(dev.namesrv) as p:
+                await p.send(Message(topics[2], b"late"), queue_id=3)
+            late = await c.poll(timeout=5)
+            assert [m.body for m in late] == [b"late"]
+            assert c._lite.pulls == 32  # woken through its standing pull, not pulled again
+        assert sorted(got) == sorted(bodies)
+
+    asyncio.run(run())

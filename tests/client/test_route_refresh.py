@@ -64,3 +64,22 @@ def test_a_client_of_an_older_name_server_refreshes_everything(dev):
             assert sorted(await routes.changed_topics()) == sorted(TOPICS[:5])
 
     asyncio.run(main())
+
+
+def test_a_consumer_starts_with_one_route_fetch_per_topic(dev):
+    """The first heartbeat fetches every subscribed topic's route; the first rebalance, right
+    after it, uses them rather than fetching each again (issue 17: 12,500 topics)."""
+
+    async def main() -> None:
+        topics = [f"rs-{i}" for i in range(12)]
+        async with aio.Admin(dev.namesrv) as admin:
+            for t in topics:
+                await admin.create_topic(t, 2)
+        c = aio.PullConsumer(dev.namesrv, "g-route-start", consume_from="first")
+        for t in topics:
+            c.subscribe(t)
+        async with c:
+            assert len(c.assignment()) == 2 * len(topics)
+            assert c.routes.fetches == len(topics)
+
+    asyncio.run(main())

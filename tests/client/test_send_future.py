@@ -184,3 +184,35 @@ def test_send_async_futures_sharing_a_batch_with_a_waiting_caller_each_get_their
         assert acc.npending == 0
 
     asyncio.run(main())
+
+
+def test_send_async_batches_are_cut_at_the_byte_limit_and_each_message_gets_its_offset():
+    async def main():
+        from tidemq.client.accumulator import Accumulator
+        from tidemq.client.message import Message
+
+        sent: list[list[bytes]] = []
+
+        async def send(topic, mq, msgs, timeout, prepared=None):
+            off = 100 * len(sent)
+            sent.append([m.body for m in msgs])
+            return SendResult(SendStatus.SEND_OK, "X", topic, 0, off, len(msgs), "b", 1, off)
+
+        acc = Accumulator(send, batch_max_messages=1000, batch_max_bytes=1000,
+                          batch_max_delay=0.001, max_pending_messages=1000)
+        bodies = [bytes([i]) * (300 + 50 * (i % 3)) for i in range(10)]
+        futs = [acc.add_async(Message("t", b)) for b in bodies]
+        await asyncio.wait_for(asyncio.gather(*futs), 5)
+        # 300, 350, 400, 300, ...: the message that would take a batch past 1000 bytes
+        # starts the next one
+        assert [len(b) for b in sent] == [2, 2, 2, 2, 2]
+        assert [x for b in sent for x in b] == bodies
+        assert [f.result().queue_offset for f in futs] == [
+            100 * j + i for j in range(5) for i in range(2)]
+        bodies = [b"y" * 250 for _ in range(9)]  # exactly at the limit: leaves at once
+        futs = [acc.add_async(Message("t", b)) for b in bodies]
+        await asyncio.wait_for(asyncio.gather(*futs), 5)
+        assert [len(b) for b in sent[5:]] == [4, 4, 1]
+        assert acc.npending == 0
+
+    asyncio.run(main())

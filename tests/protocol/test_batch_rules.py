@@ -290,7 +290,7 @@ def test_utf8_of_texts_of_any_length(length):
     assert door(forge("t", rs), limits) is None  # non-ASCII, valid
 
 
-# -- a whole SEND_MULTI_QUEUE frame at once (plain_singles) -------------------------------------
+# -- a whole SEND_MULTI_QUEUE frame at once (plain_batches) -------------------------------------
 
 def _frame_columns(bs: list[bytes]):
     from tidemq.protocol.batch.columns import read_columns
@@ -318,42 +318,57 @@ def frame_batches(draw):
     return out
 
 
+def _plain_model(b: bytes) -> bool:
+    """The door passes the batch, and it is plain: no keys, attributes 0, no delivery time,
+    every tag and properties section ASCII."""
+    if door(b) is not None:
+        return False
+    v = BatchView(b)
+    if v.keys_size or v.attributes or v.deliver_at:
+        return False
+    raw = b[len(b) - v.records_size :]
+    pos = 0
+    while pos < len(raw):
+        h = RECORD_HEADER.unpack_from(raw, pos)  # record_size, ..., tags_len 3, props_len 5
+        if not raw[pos + 28 : pos + 28 + h[3] + h[5]].isascii():
+            return False
+        pos += h[0] + 4
+    return True
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(bs=frame_batches())
-def test_a_frames_plain_singles_are_exactly_what_the_door_passes_one_by_one(bs):
-    """plain_singles answers "certainly valid, one plain message" for whole columns; every
-    batch it passes must pass the per-batch door (validate_batch stays the rule's owner),
-    and every plain one-message batch with ASCII text that the door passes must be passed
-    (else the frame's fast path would never be taken)."""
-    from tidemq.protocol.batch_rules import plain_singles
+def test_a_frames_plain_batches_are_exactly_what_the_door_passes_one_by_one(bs):
+    """plain_batches answers "certainly valid, and plain" for whole columns: every batch it
+    passes must pass the per-batch door (validate_batch stays the rule's owner), and every
+    plain batch the door passes must be passed (else the frame's fast path would not be
+    taken)."""
+    from tidemq.protocol.batch_rules import plain_batches
 
     body, cols = _frame_columns(bs)
-    got = plain_singles(body, cols, LIMITS).tolist()
+    got = plain_batches(body, cols, LIMITS).tolist()
     for b, ok in zip(bs, got, strict=True):
         try:
-            v = BatchView(b)
+            BatchView(b)
         except CorruptBatchError:
             assert not ok
             continue
-        passes = door(b) is None
-        plain = passes and v.count == 1 and not v.keys_size and not v.attributes
-        if plain:
-            h = RECORD_HEADER.unpack_from(b, len(b) - v.records_size)  # tags_len 3, props 5
-            text = b[len(b) - v.records_size + 28 :][: h[3] + h[5]]
-            plain = not v.deliver_at and text.isascii()
-        if ok:
-            assert passes and v.count == 1 and not v.keys_size and not v.attributes, door(b)
-        event(f"plain {ok}, door passes {passes}")
-        assert ok == plain, (door(b), v.count, v.keys_size, v.attributes)
+        want = _plain_model(b)
+        event(f"plain {ok}")
+        assert ok == want, (door(b), BatchView(b).count)
 
 
-def test_plain_singles_with_non_ascii_or_long_text_leave_them_to_the_door():
-    from tidemq.protocol.batch_rules import plain_singles
+def test_plain_batches_leave_non_ascii_text_keys_and_lies_to_the_door():
+    from tidemq.protocol.batch_rules import plain_batches
 
     bs = [forge("t", [Rec(body=b"a", tag="é".encode())]),       # valid UTF-8, not ASCII
           forge("t", [Rec(body=b"b", props=b"k\x01" + b"v" * 290 + b"\x02")]),  # long
           forge("t", [Rec(body=b"c", tag=b"\xc3(")]),            # not UTF-8
           forge("t", [Rec(body=b"d", tag=b"ok", props=b"a\x01b\x02")]),
-          forge("t", [Rec(body=b"e"), Rec(body=b"f")])]           # two messages
+          forge("t", [Rec(body=b"e"), Rec(body=b"f", tag=b"g")]),  # two messages
+          forge("t", [Rec(body=b"e"), Rec(body=b"f", tag="é".encode())]),
+          forge("t", [Rec(body=b"h", keys=b"k1")]),                 # keys
+          forge("t", [Rec(body=b"e"), Rec(body=b"f")], rels=[0, 0])]  # records overlap
     body, cols = _frame_columns(bs)
-    assert plain_singles(body, cols, LIMITS).tolist() == [False, True, False, True, False]
+    assert plain_batches(body, cols, LIMITS).tolist() == [
+        False, True, False, True, True, False, False, False]

@@ -343,7 +343,8 @@ def test_put_frame_stores_a_frame_as_put_many_would_in_one_write(data_dir, tmp_p
     damaged one is refused alone, the id index finds each message, and a reopen (the
     checkpoint + CommitLog re-dispatch) reads the same."""
     items = [batch("a", [b"a1"], base_seq=1), batch("b", [b"b0"], queue_id=3, base_seq=2),
-             batch("a", [b"a2"], base_seq=3), batch("c", [b"c0"], queue_id=1, base_seq=4)]
+             batch("a", [b"a2", b"a3"], tags=["x", "y"], base_seq=1023),  # two id blocks
+             batch("c", [b"c0"], queue_id=1, base_seq=4)]
     damaged = batch("b", [b"bx"], queue_id=3, base_seq=9)
     damaged[-1] ^= 0xFF
     frame = items[:2] + [damaged] + items[2:]
@@ -359,17 +360,63 @@ def test_put_frame_stores_a_frame_as_put_many_would_in_one_write(data_dir, tmp_p
         s.commitlog.advance = lambda n: (writes.append(n), real_advance(n))[1]
         qoffs, errors = s.put_frame(body, cols, [0, 1, 2, 3, 4], ["a", "b", "b", "a", "c"])
         assert list(errors) == [2] and isinstance(errors[2], CorruptBatchError)
-        assert qoffs == [1, 0, -1, 2, 0]
+        assert qoffs == [1, 0, -1, 2, 0]  # "a" 2 holds two messages: 2 and 3
         assert writes == [sum(len(b) for b in items)]  # one CommitLog write for the frame
-        assert [a[:3] for a in arrived] == [("a", 0, 2), ("b", 3, 1), ("a", 0, 3), ("c", 1, 1)]
-        assert [a[3] for a in arrived] == [[0]] * 4  # no tags: the tag hashes, all 0
+        assert [a[:3] for a in arrived] == [("a", 0, 2), ("b", 3, 1), ("a", 0, 4), ("c", 1, 1)]
+        assert [a[3] for a in arrived] == [[0], [0], [tag_hash("x"), tag_hash("y")], [0]]
         want = ref.put_many([(b, BatchView(b)) for b in items])
         assert [r.queue_offset for r in want] == [1, 0, 2, 0]
         assert _stored(s) == _stored(ref)
+        for st in (s, ref):  # each message by its id, in either id block
+            for want_m in read_all(st, "a")[0][2:]:  # seq 1023 and 1024
+                m = st.get_by_id(want_m.msg_id)
+                assert m is not None and m.body == want_m.body, (st is ref, want_m.msg_id)
         m = s.get_by_id(read_all(s, "c", 1)[0][0].msg_id)
         assert m is not None and m.body == b"c0"
     with open_store(data_dir) as s:
-        assert [m.body for m in read_all(s, "a")[0]] == [b"a0", b"a1", b"a2"]
+        assert [m.body for m in read_all(s, "a")[0]] == [b"a0", b"a1", b"a2", b"a3"]
         assert [m.queue_offset for m in read_all(s, "b", 3)[0]] == [0]
         s.put(batch("b", [b"b1"], queue_id=3))
         assert [m.queue_offset for m in read_all(s, "b", 3)[0]] == [0, 1]
+
+
+def test_messages_past_a_producers_first_id_block_are_found_by_id(data_dir):
+    """The id index holds each batch under the block(s) of its sequence ids: messages with
+    sequence 1,024 and up (a producer's second block onwards), and a batch spanning two
+    blocks, are found by their ids -- before, every batch was indexed under block 0 (the block
+    number was shifted twice) and get_by_id found nothing past the first 1,024 messages."""
+    with open_store(data_dir) as s:
+        s.put(batch("a", [b"x"], base_seq=5000))
+        s.put(batch("a", [b"y", b"z"], base_seq=2047))
+        s.put(batch("a", [b"w"], base_seq=3))
+        msgs = read_all(s, "a")[0]
+        assert len(msgs) == 4
+        for m in msgs:
+            got = s.get_by_id(m.msg_id)
+            assert got is not None and got.body == m.body, m.msg_id
+
+
+def test_put_frame_rolls_segments_and_falls_back_for_frames_near_a_segments_size(data_dir):
+    """Frames that do not fit the active segment roll it (a filler closes the old one) and
+    frames over half a segment are stored batch by batch: every message reads back in order,
+    also after a reopen (the CommitLog scan passes the fillers)."""
+    seg = 64 * 1024
+    sent: list[bytes] = []
+    with open_store(data_dir, segment_size=seg) as s:
+        seq = 0
+        for round_ in range(12):
+            n = 20 if round_ % 4 else 90  # ~22 KB frames, and ~99 KB: past half a segment
+            items = []
+            for _ in range(n):
+                body = f"m{seq}".encode() + b"x" * 1000
+                items.append(batch("a", [body], queue_id=seq % 3, base_seq=seq))
+                sent.append(body)
+                seq += 1
+            frame, cols = _frame(items)
+            qoffs, errors = s.put_frame(frame, cols, list(range(n)), ["a"] * n)
+            assert not errors and min(qoffs) >= 0
+        assert len(s.commitlog.segments) > 3
+    with open_store(data_dir, segment_size=seg) as s:
+        got = sorted((m.body for q in range(3) for m in read_all(s, "a", q)[0]),
+                     key=lambda b: int(b[1 : b.index(b"x")]))
+        assert got == sent

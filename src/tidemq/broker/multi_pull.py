@@ -354,6 +354,12 @@ class MultiPullProcessor:
                 st.drop((p.topic, p.queue_id))
         admitted: list[tuple[int, PullMessageRequestHeader, frozenset[int] | None]] = []
         budget = self.broker.store.config.max_read_bytes
+        # the group's part of the door once for the request (each queue then answers it)
+        refused: RequestRejected | None = None
+        try:
+            self.pull.admit_group(h.consumer_group)
+        except RequestRejected as exc:
+            refused = exc
         for i, p in enumerate(h.pulls):
             if agg.nbytes >= budget:
                 # A response stays within one read's bytes (and the frame limit): the queues
@@ -376,7 +382,9 @@ class MultiPullProcessor:
             )
             slot = _PullSlot(agg, i)
             try:
-                tags = self.pull.admit(one, agg.conn)
+                if refused is not None:
+                    raise refused
+                tags = self.pull.admit_queue(one, agg.conn)
                 self.pull.process(slot, i, one, tags, allow_suspend=False)  # type: ignore[arg-type]
             except RequestRejected as exc:
                 agg.put(i, exc.response_code, _Msg(exc.message), None)

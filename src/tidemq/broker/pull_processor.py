@@ -165,13 +165,24 @@ class PullProcessor:
 
     def admit(self, h: PullMessageRequestHeader, conn: BrokerConnection
               ) -> frozenset[int] | None:
-        """The door of one pull (also each queue of a PULL_MULTI_QUEUE) that came on ``conn``:
-        RequestRejected, or its tag filter -- after storing a piggy-backed commit offset."""
-        group = h.consumer_group
+        """The door of one pull that came on ``conn``: RequestRejected, or its tag filter --
+        after storing a piggy-backed commit offset."""
+        self.admit_group(h.consumer_group)
+        return self.admit_queue(h, conn)
+
+    def admit_group(self, group: str) -> None:
+        """The part of the door that depends on the group only (a PULL_MULTI_QUEUE checks it
+        once for all its queues): RequestRejected."""
         check_group(group)
         check_consume_allowed(self.broker, group)
         if self.broker.pop is not None:
             self.broker.pop.check_mode(group, PULL)
+
+    def admit_queue(self, h: PullMessageRequestHeader, conn: BrokerConnection
+                    ) -> frozenset[int] | None:
+        """The rest of the door, per queue, once ``admit_group`` passed: RequestRejected, or
+        the tag filter -- after storing a piggy-backed commit offset."""
+        group = h.consumer_group
         tc = self.topics.get(h.topic)
         broker_name = self.config.broker_name
         if tc is None:

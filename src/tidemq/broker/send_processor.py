@@ -55,7 +55,7 @@ from tidemq.broker.connection import decode_request
 from tidemq.broker.dedup import DupStatus, MessageDeduplication
 from tidemq.broker.errors import RequestRejected, rejection_for_store_error
 from tidemq.protocol.batch.columns import BatchColumns, read_columns
-from tidemq.protocol.batch_rules import BatchLimits, plain_singles, validate_batch
+from tidemq.protocol.batch_rules import BatchLimits, plain_batches, validate_batch
 from tidemq.protocol.codes import ResponseCode
 from tidemq.protocol.errors import CorruptBatchError, MessageTooLargeError, TidemqError
 from tidemq.protocol.frame import FLAG_ONEWAY
@@ -392,9 +392,10 @@ class SendProcessor:
         durable / replicated).
 
         The frame is one unit where it can be (issue 17): the header columns of all its
-        batches are read at once (``protocol.batch.columns``), ``batch_rules.plain_singles``
-        passes the plain one-message batches in one vectorised step, and those are stored by
-        one ``MessageStore.put_frame``. Every other batch (several messages, keys, held,
+        batches are read at once (``protocol.batch.columns``), ``batch_rules.plain_batches``
+        passes the plain batches (spread traffic's: a few messages, no keys) in one vectorised
+        step, and those are stored by one ``MessageStore.put_frame``. Every other batch (keys,
+        compressed, held,
         deduplicated, anything the vectorised step does not pass) takes the per-batch door,
         which words any refusal; a refusal answers only that batch's slot."""
         h: SendMultiQueueRequestHeader = decode_request(frame, SendMultiQueueRequestHeader)
@@ -411,7 +412,7 @@ class SendProcessor:
         flags = frame.flags
         group = h.producer_group
         cols, plain, qids = self._plain_rows(mv, starts, sizes)
-        # Stored in body order, in runs: ``fast`` (plain singles, one put_frame), ``run``
+        # Stored in body order, in runs: ``fast`` (plain batches, one put_frame), ``run``
         # (other batches stored at once, one put_many); any other batch goes alone through
         # _accept, after the runs before it.
         fast: list[int] = []
@@ -423,20 +424,20 @@ class SendProcessor:
                 tl = plain[i]
                 tb = mv[start + STORE_HEADER_SIZE : start + STORE_HEADER_SIZE + tl].tobytes()
                 topic = names.get(tb)
-                if topic is None:
+                known = topic is not None
+                if not known:
                     try:
                         topic = tb.decode()
                     except UnicodeDecodeError:
                         topic = None  # the per-batch door words it
-                    else:
-                        if len(names) < _PLAIN_MAX:
-                            names[tb] = topic
                 if topic is not None and not self.non_persistent.owns(topic):
                     try:
                         self._admit_queue(conn, group, topic, qids[i], size)
                     except RequestRejected as exc:
                         agg.put(i, MultiQueueSendResult(exc.response_code, message=exc.message))
                         continue
+                    if not known and len(names) < _PLAIN_MAX:
+                        names[tb] = topic  # only names the door let in: bounded by the topics
                     if run:
                         self._put_run(agg, run)
                         run = []
@@ -483,12 +484,12 @@ class SendProcessor:
     def _plain_rows(self, mv: memoryview, starts: list[int], sizes: list[int]
                     ) -> tuple[BatchColumns | None, list[int] | None, list[int]]:
         """The frame's columns; per batch, its topic length when it may take the frame path
-        (a plain single that ``_stored_at_once`` would store at once), else 0; per batch its
+        (a plain batch that ``_stored_at_once`` would store at once), else 0; per batch its
         queue id. (None, None, []) when no batch can (SYNC_FLUSH, SYNC_MASTER)."""
         if self.sync_flush or self.sync_master:
             return None, None, []
         cols = read_columns(mv, starts, sizes)
-        ok = plain_singles(mv, cols, self.limits)
+        ok = plain_batches(mv, cols, self.limits)
         if self.dedup.enabled:
             ok &= cols.producer["producer_id"] < DEDUP_PRODUCER_BIT
         return (cols, np.where(ok, cols.store["topic_len"], 0).tolist(),
@@ -496,19 +497,20 @@ class SendProcessor:
 
     def _put_fast(self, agg: _MultiResponse, mv: memoryview, cols: BatchColumns,
                   rows: list[int], topics: list[str]) -> None:
-        """Store plain singles of a SEND_MULTI_QUEUE with one put_frame; each answered into
+        """Store plain batches of a SEND_MULTI_QUEUE with one put_frame; each answered into
         its slot (a batch the store refuses as a SEND_BATCH of it would be)."""
         t0 = time.perf_counter()
         qoffs, errors = self.store.put_frame(mv, cols, rows, topics)
         each = (time.perf_counter() - t0) / len(rows)
         sizes = cols.sizes[rows].tolist()
+        counts = cols.producer["count"][rows].tolist()
         stored: list[tuple[str, int, int]] = []
         ok = ResponseCode.SUCCESS
         put = agg.put
         for j, (i, q) in enumerate(zip(rows, qoffs, strict=True)):
             if q >= 0:
-                stored.append((topics[j], 1, sizes[j]))
-                put(i, MultiQueueSendResult(ok, q, 1))
+                stored.append((topics[j], counts[j], sizes[j]))
+                put(i, MultiQueueSendResult(ok, q, counts[j]))
             else:
                 exc = rejection_for_store_error(errors[j])
                 put(i, MultiQueueSendResult(exc.response_code, message=exc.message))

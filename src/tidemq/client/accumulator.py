@@ -309,6 +309,11 @@ class Accumulator:
         if b is None:
             k = msg.topic
             b = self._buckets[k] = _Bucket(k, k, None, asyncio.get_running_loop())
+        elif b.size + n > self.batch_max_bytes and b.msgs:
+            # What the bucket holds leaves now and this message starts the next batch: the
+            # batch _dispatch would cut at the limit, without its walk over the messages,
+            # and whole (its futures resolved through their cell).
+            self._dispatch(b)
         self.npending += 1  # given back per batch
         c = b.cell
         if c is None:
@@ -642,7 +647,8 @@ class Accumulator:
         """Send one batch; on success each message gets its result (through ``cell``, when
         the batch is exactly that cell's futures: one store for all of them)."""
         timeout: float | None = None
-        waited = [d for d in deadlines if d]
+        # (any() first: a send_async batch has no deadlines, and any() walks them in C)
+        waited = [d for d in deadlines if d] if any(deadlines) else None
         if waited:
             now = b.loop.time()
             first = min(waited)

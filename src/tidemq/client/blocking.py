@@ -384,9 +384,10 @@ class _Bell:
     def sleep(self, timeout: float) -> bool:
         """Until rung (True; possibly by a stale ring: check the waiter) or ``timeout``."""
         if timeout != self._timeout:
-            sec = int(timeout)
+            t = max(timeout, 0.001)  # a zero SO_RCVTIMEO would mean: no timeout at all
+            sec = int(t)
             self._r.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                               _TIMEVAL.pack(sec, int((timeout - sec) * 1e6)))
+                               _TIMEVAL.pack(sec, int((t - sec) * 1e6)))
             self._timeout = timeout
         try:
             self._r.recv(64)  # every pending ring at once

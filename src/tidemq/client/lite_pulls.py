@@ -110,6 +110,21 @@ class LitePulls:
             sel.expression if sel.filters else None, sel.expression_type, resolve,
             c.consume_timestamp)
 
+    def keep_permits(self, q: _Queue) -> int:
+        """Permits of ``q``'s standing pull (PullDriver; docs/protocol.md 4.0, "kept
+        standing"): one pull's worth (``pull_batch_size``) when the queue and the consumer
+        have room for that much more, else none. With permits left a queue answered with
+        messages stands on at its next offset instead of being pulled again: draining a
+        backlog of 10,000 queues then costs one pull per queue, not two (the second only to
+        stand). It holds at most what a standing pull would deliver, checked against
+        ``pull_threshold_per_queue`` and ``pull_threshold_for_all`` when granted (as a pull
+        is checked when sent); a queue paused meanwhile receives at most that much more."""
+        c = self.c
+        n = c.pull_batch_size
+        if q.paused or q.buffered + n > c.pull_threshold or c._buffered + n > c.pull_threshold_all:
+            return 0
+        return n
+
     def _started(self, q: _Queue, r: Any) -> bool:
         """Take a resolved start offset from ``r``; False if the queue has none (yet)."""
         if q.pull_offset is not None:

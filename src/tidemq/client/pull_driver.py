@@ -112,7 +112,7 @@ class PullDriver:
             return
         due, self.due = self.due, {}
         items: list[tuple[PullRequest, MultiQueuePull]] = []
-        keep = getattr(self.s, "keep_permits", None)  # the lite consumer grants none
+        keep = getattr(self.s, "keep_permits", None)  # both services grant (their rules)
         for key, req in due.items():
             if self.latest.get(key) is not req:
                 continue

@@ -41,7 +41,7 @@ is (a per-message Python loop of decodes cost ~0.5 ms per 1,000 messages, ten ti
 Batches without tags or properties skip the UTF-8 step, and ASCII needs no decode at all.
 
 Many batches at once (a SEND_MULTI_QUEUE frame of one-message batches, issue 17):
-:func:`plain_singles` applies the same rules to the header columns of a whole frame
+:func:`plain_batches` applies the same rules to the header columns of a whole frame
 (``batch/columns.py``) with a few numpy operations, and answers only "certainly passes": a batch
 it does not pass (several messages, compressed, keys, non-ASCII text, or anything wrong) goes
 through :func:`validate_batch`, which stays the one place a refusal is worded.
@@ -76,7 +76,7 @@ __all__ = [
     "DEFAULT_MAX_PROPERTIES_SIZE",
     "BatchLimits",
     "validate_batch",
-    "plain_singles",
+    "plain_batches",
     "properties_over_limit",
     "delay_level_for",
 ]
@@ -143,49 +143,92 @@ def validate_batch(v: BatchView, limits: BatchLimits) -> None:
         v.keys()
 
 
-def plain_singles(body: bytes | bytearray | memoryview, cols: BatchColumns,
+def plain_batches(body: bytes | bytearray | memoryview, cols: BatchColumns,
                   limits: BatchLimits) -> np.ndarray:
     """Which batches of a multi-queue body certainly pass :func:`validate_batch` (and
-    ``BatchView``'s framing) *and* are plain single messages: one message, no keys, attributes
-    0 (uncompressed, no transaction type, no delay level), no delivery time. A bool per batch;
-    False says nothing about validity (call :func:`validate_batch` on that batch's view).
+    ``BatchView``'s framing) *and* are plain: no keys, attributes 0 (uncompressed, no
+    transaction type, no delay level), no delivery time, ASCII tags and properties. A bool per
+    batch; False says nothing about validity (call :func:`validate_batch` on that batch's view).
 
-    The rules, as columns: magic, version and reserved byte; the sections add up to the batch's
-    size; ``raw_size == records_size``; the one record starts at 0, its sizes add up and it
-    fills the records section exactly; its properties within ``max_properties_size``; its tag
-    and properties ASCII (valid UTF-8 with no decode; other text takes the per-batch path)."""
-    s, p, f = cols.store, cols.producer, cols.first
+    The rules, as columns over every batch and then over every message of the frame: magic,
+    version and reserved byte; the sections add up to the batch's size; ``raw_size ==
+    records_size``; record 0 starts at 0 and each next one right after the one before, each
+    one's sizes add up, the last one ends at the section's end; properties within
+    ``max_properties_size``; tags and properties ASCII (valid UTF-8 with no decode; other text
+    takes the per-batch path)."""
+    s, p = cols.store, cols.producer
     p_start = STORE_HEADER_SIZE + s["topic_len"].astype(np.int64)
-    rec_size = f["record_size"].astype(np.int64)
+    count = p["count"].astype(np.int64)
     records = p["records_size"].astype(np.int64)
-    tl = f["tags_len"].astype(np.int64)
-    pl = f["props_len"].astype(np.int64)
+    rec_start = p_start + PRODUCER_HEADER_SIZE + INDEX_ENTRY_SIZE * count
     ok: np.ndarray = (
         cols.in_bounds
         & (s["magic"] == BATCH_MAGIC) & (s["version"] == FORMAT_VERSION) & (s["reserved"] == 0)
         & (s["total"] == cols.sizes)
-        & (p["count"] == 1) & (p["keys_size"] == 0) & (p["attributes"] == 0)
+        & (count >= 1) & (p["keys_size"] == 0) & (p["attributes"] == 0)
         & (p["deliver_at"] == 0)
-        & (p_start + PRODUCER_HEADER_SIZE + INDEX_ENTRY_SIZE + records == cols.sizes)
+        & (rec_start + records == cols.sizes)
         & (p["raw_size"] == records)
-        & (f["rel"] == 0)
-        & (rec_size + 4 == records)
-        & (rec_size + 4 == RECORD_HEADER_SIZE + tl + pl + f["body_len"].astype(np.int64))
-        & (pl <= limits.max_properties_size)
+        & (records >= RECORD_HEADER_SIZE * count)
     )
+    k = np.flatnonzero(ok)
+    if not len(k):
+        return ok
+    # Every message of the candidate batches: its index entry, then its record header.
+    c = count[k]
+    first = np.cumsum(c) - c  # each batch's first message among all of them
+    m = int(c.sum())
+    of = np.repeat(np.arange(len(k)), c)
+    i_in = np.arange(m, dtype=np.int64) - first[of]
+    arr = np.frombuffer(body, dtype=np.uint8)
+    base = cols.starts[k]
+    idx = _gather_items(arr, (base + p_start[k] + PRODUCER_HEADER_SIZE)[of]
+                        + INDEX_ENTRY_SIZE * i_in, IDX_DTYPE)
+    rel = idx["rel"].astype(np.int64)
+    size_of = records[k][of]
+    inside = rel + RECORD_HEADER_SIZE <= size_of
+    rec_at = (base + rec_start[k])[of] + np.where(inside, rel, 0)
+    hdr = _gather_items(arr, rec_at, _REC_DTYPE)
+    rs = hdr["size"].astype(np.int64)
+    tl = hdr["tags_len"].astype(np.int64)
+    pl = hdr["props_len"].astype(np.int64)
+    ends = rel + rs + 4
+    expect = np.empty(m, dtype=np.int64)
+    expect[1:] = ends[:-1]
+    expect[first] = 0
+    good = (inside & (rel == expect)
+            & (rs + 4 == RECORD_HEADER_SIZE + tl + pl + hdr["body_len"].astype(np.int64))
+            & (pl <= limits.max_properties_size))
+    last = first + c - 1
+    batch_ok = np.logical_and.reduceat(good, first) & (ends[last] == records[k])
     text = tl + pl
-    has_text = ok & (text > 0)
+    has_text = good & (text > 0)
     if has_text.any():
-        k = np.flatnonzero(has_text)
-        arr = np.frombuffer(body, dtype=np.uint8)
-        starts = (cols.starts[k] + p_start[k] + PRODUCER_HEADER_SIZE + INDEX_ENTRY_SIZE
-                  + RECORD_HEADER_SIZE)
-        lens = text[k]
+        t = np.flatnonzero(has_text)
+        starts = rec_at[t] + RECORD_HEADER_SIZE
+        lens = text[t]
         if not _ascii(arr, starts, lens):  # some are not: find which, one by one
-            for j, at, n in zip(k.tolist(), starts.tolist(), lens.tolist(), strict=True):
-                if max(memoryview(body)[at : at + n]) >= 0x80:
-                    ok[j] = False
+            mv = memoryview(body).cast("B")
+            for j, at, n in zip(t.tolist(), starts.tolist(), lens.tolist(), strict=True):
+                if not mv[at : at + n].tobytes().isascii():
+                    batch_ok[of[j]] = False
+    ok[k] = batch_ok
     return ok
+
+
+_REC_DTYPE = np.dtype([
+    ("size", "<u4"), ("born_ts", "<i8"), ("flag", "<u4"), ("tags_len", "<u2"),
+    ("reserved", "<u2"), ("props_len", "<u4"), ("body_len", "<u4"),
+])
+assert _REC_DTYPE.itemsize == RECORD_HEADER_SIZE
+
+
+def _gather_items(arr: np.ndarray, at: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``dtype`` items read at byte positions ``at`` of ``arr`` (each within it)."""
+    w = dtype.itemsize
+    every = np.ndarray((len(arr) - w + 1,), dtype=f"V{w}", buffer=arr, strides=(1,))
+    out: np.ndarray = every[at].view(dtype)
+    return out
 
 
 def _check_records_small(v: BatchView, raw: memoryview, max_props: int) -> None:

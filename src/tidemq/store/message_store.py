@@ -60,7 +60,9 @@ from tidemq.protocol.record import (
     CRC_FIELD,
     FILLER_MAGIC,
     FILLER_MIN,
+    INDEX_ENTRY,
     INDEX_ENTRY_SIZE,
+    PRODUCER_HEADER_SIZE,
     STORE_CRC_FROM,
     STORE_CRC_OFFSET,
     STORE_FIELDS,
@@ -585,14 +587,14 @@ class MessageStore:
         self, body: bytes | bytearray | memoryview, cols: BatchColumns, rows: list[int],
         topics: list[str],
     ) -> tuple[list[int], dict[int, StoreError | CorruptBatchError]]:
-        """``put_many`` of the plain one-message batches of a SEND_MULTI_QUEUE body as one unit
-        (issue 17): ``rows`` of ``cols`` (``protocol.batch.columns``; batches that
-        ``batch_rules.plain_singles`` passed), in order, ``topics`` their topics. Each batch is
+        """``put_many`` of the plain batches of a SEND_MULTI_QUEUE body as one unit (issue
+        17): ``rows`` of ``cols`` (``protocol.batch.columns``; batches without keys that
+        ``batch_rules.plain_batches`` passed), in order, ``topics`` their topics. Each batch is
         stored exactly as ``put`` would store it, with its own queue offset and store header;
         what is per frame instead of per batch: one CommitLog write for all of them (the
         batches copied into one buffer, their store fields stamped with numpy, one store CRC
         call each), one reservation, the index room checked once. Per batch remain the batch
-        CRC check, the queue offset, one consume-queue unit, one id-index entry and the
+        CRC check, the queue offsets, the consume-queue units, the id-index entries and the
         dispatch listeners (called with the batch's tag hashes, a ``list[int]``, instead of its
         view). Returns each row's queue offset (in ``rows`` order; -1 for a refused one) and
         the refusals by position in ``rows``. ASYNC_FLUSH only, as ``put_many``."""
@@ -647,6 +649,7 @@ class MessageStore:
         tags = cols.first["tag_hash"][sel].tolist()
         pids = cols.producer["producer_id"][sel].tolist()
         seqs = cols.producer["base_seq"][sel].tolist()
+        counts = cols.producer["count"][sel].tolist()
         cl = self.commitlog
         if total + FILLER_MIN > cl.segment_size // 2:
             # a frame near a segment's size (tiny test segments): batch by batch instead
@@ -656,7 +659,7 @@ class MessageStore:
             seg, rel = cl.reserve(total)
             now = time.time_ns() // 1_000_000
             if index:
-                self.index.make_room(now, len(good))
+                self.index.make_room(now, 2 * len(good))  # at most two id blocks a batch
             phys0 = seg.start + rel
             # Queue offsets, assigned in order (a queue may have several batches here);
             # committed to _queue_offsets only once the write succeeded.
@@ -669,7 +672,7 @@ class MessageStore:
                 q = nxt.get(key)
                 if q is None:
                     q = known.get(key, 0)
-                nxt[key] = q + 1
+                nxt[key] = q + counts[j]
                 keys.append(key)
                 g_qoffs.append(q)
             arr = np.frombuffer(out, dtype=np.uint8)
@@ -699,22 +702,34 @@ class MessageStore:
             put_hash = self.index.put_hash
             id_hashes = self._id_hashes
             listeners = self._listeners
+            n_msgs = 0
             for o, j, key, q in zip(at_l, good, keys, g_qoffs, strict=True):
                 phys = phys0 + o
-                tag = tags[j]
-                get_cq(*key).append_one(q, phys, sizes[j], tag)
-                known[key] = q + 1
+                c = counts[j]
+                n_msgs += c
+                if c == 1:
+                    tag_list = [tags[j]]
+                    get_cq(*key).append_one(q, phys, sizes[j], tag_list[0])
+                else:
+                    ix = o + p_starts[j] + PRODUCER_HEADER_SIZE
+                    index_view = om[ix : ix + c * INDEX_ENTRY_SIZE]
+                    get_cq(*key).append_batch(q, phys, sizes[j], index_view)
+                    tag_list = [h for h, _rel in INDEX_ENTRY.iter_unpack(index_view)]
+                known[key] = q + c
                 qoffs[j] = q
                 pid = pids[j]
                 if index and pid:
-                    block = (pid, seqs[j] >> ID_BLOCK_BITS)
+                    seq = seqs[j]
+                    block = (pid, seq >> ID_BLOCK_BITS)
                     h = id_hashes.get(block)
                     put_hash(h if h is not None else self._id_block_hash(*block), phys, now)
+                    for b in range(block[1] + 1, ((seq + c - 1) >> ID_BLOCK_BITS) + 1):
+                        put_hash(self._id_block_hash(pid, b), phys, now)
                 if listeners:
                     for cb in listeners:
-                        cb(key[0], key[1], q + 1, [tag])
+                        cb(key[0], key[1], q + c, tag_list)
         self._put_batches += len(good)
-        self._put_messages += len(good)
+        self._put_messages += n_msgs
         self._put_bytes += total
         return qoffs, errors
 
@@ -990,7 +1005,7 @@ class MessageStore:
                 h = self._id_hashes.get((pid, first))
                 out.append(h if h is not None else self._id_block_hash(pid, first))
             else:
-                out += [key_hash(id_block_key(pid, b)) for b in range(first, last + 1)]
+                out += [self._id_block_hash(pid, b) for b in range(first, last + 1)]
         return out
 
     def _decodable_key_hashes(self, v: BatchView, topic: str) -> list[int]:
@@ -1022,7 +1037,9 @@ class MessageStore:
         cache = self._id_hashes
         if len(cache) >= 4096:
             cache.clear()
-        h = cache[(producer_id, block)] = key_hash(id_block_key(producer_id, block))
+        # id_block_key takes a sequence id (it shifts it to its block itself)
+        h = cache[(producer_id, block)] = key_hash(
+            id_block_key(producer_id, block << ID_BLOCK_BITS))
         return h
 
     @property

@@ -11,7 +11,7 @@ stamping can work on whole columns.
 Nothing here decides what is valid: a column read from where a batch's own sizes say a section
 is, clipped to the body when those sizes are nonsense (``in_bounds`` is False for such a
 batch). ``protocol/batch_rules.py`` owns the rules (:func:`~tidemq.protocol.batch_rules.
-plain_singles`); the layout's offsets are ``layout.py``'s.
+plain_batches`); the layout's offsets are ``layout.py``'s.
 
 Sans-IO: bytes in, arrays out; any thread.
 """
