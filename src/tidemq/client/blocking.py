@@ -407,18 +407,13 @@ def _bell() -> _Bell:
     return b
 
 
-class _Waiter:
-    """Where one blocking ``send`` waits: the calling thread's :class:`_Bell`, rung by the
-    loop thread when the answer is in (one wake-up of one thread, no Condition, no Future).
-    (Waking the callers of one answered batch in turn instead -- each woken caller waking the
-    next -- saved context switches, 2.9 against 3.9 per message with 16 threads, but the
-    callers then came back spread out and the batches shrank, 5.9 against 7.4 messages: it
-    lost 4 of 4 alternated runs, the per-request cost outweighing the switches.)"""
+class _Answer:
+    """What one blocking ``send`` gets back, set by the loop thread, which then wakes the
+    caller (``_wake``: a :class:`_Bell` or a lock, below)."""
 
-    __slots__ = ("_bell", "_done", "result", "error")
+    __slots__ = ("_done", "result", "error")
 
     def __init__(self) -> None:
-        self._bell = _bell()
         self._done = False
         self.result: SendResult | None = None
         self.error: BaseException | None = None
@@ -429,11 +424,38 @@ class _Waiter:
     def set_result(self, result: SendResult) -> None:
         self.result = result
         self._done = True
-        self._bell.ring()
+        self._wake()
 
     def set_exception(self, exc: BaseException) -> None:
         self.error = exc
         self._done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        raise NotImplementedError
+
+    def _outcome(self) -> SendResult:
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+class _Waiter(_Answer):
+    """Where one blocking ``send`` waits: the calling thread's :class:`_Bell`, rung by the
+    loop thread when the answer is in (one wake-up of one thread, no Condition, no Future).
+    (Waking the callers of one answered batch in turn instead -- each woken caller waking the
+    next -- saved context switches, 2.9 against 3.9 per message with 16 threads, but the
+    callers then came back spread out and the batches shrank, 5.9 against 7.4 messages: it
+    lost 4 of 4 alternated runs, the per-request cost outweighing the switches.)"""
+
+    __slots__ = ("_bell",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._bell = _bell()
+
+    def _wake(self) -> None:
         self._bell.ring()
 
     def wait(self, timeout: float) -> SendResult:
@@ -442,45 +464,27 @@ class _Waiter:
             if not bell.sleep(timeout) and not self._done:
                 raise RequestTimeoutError(
                     f"no answer from the tidemq-io thread in {timeout:g} s")
-        if self.error is not None:
-            raise self.error
-        assert self.result is not None
-        return self.result
+        return self._outcome()
 
 
-class _LockWaiter:
+class _LockWaiter(_Answer):
     """:class:`_Waiter` where there is no :class:`_Bell` (not Linux): a lock taken at birth,
     released by the loop thread when the answer is in."""
 
-    __slots__ = ("_lock", "_done", "result", "error")
+    __slots__ = ("_lock",)
 
     def __init__(self) -> None:
+        super().__init__()
         self._lock = threading.Lock()
         self._lock.acquire()
-        self._done = False
-        self.result: SendResult | None = None
-        self.error: BaseException | None = None
 
-    def done(self) -> bool:
-        return self._done
-
-    def set_result(self, result: SendResult) -> None:
-        self.result = result
-        self._done = True
-        self._lock.release()
-
-    def set_exception(self, exc: BaseException) -> None:
-        self.error = exc
-        self._done = True
+    def _wake(self) -> None:
         self._lock.release()
 
     def wait(self, timeout: float) -> SendResult:
         if not self._lock.acquire(timeout=timeout):
             raise RequestTimeoutError(f"no answer from the tidemq-io thread in {timeout:g} s")
-        if self.error is not None:
-            raise self.error
-        assert self.result is not None
-        return self.result
+        return self._outcome()
 
 
 #: callers sleep on a _Bell (Linux); else on a lock (_LockWaiter), and the answered callers

@@ -235,47 +235,31 @@ def decode_pull_body(
                                       _BatchMeta(btopic, broker_name, h, buf, a, buf, rec), 0))
                 pos += total
                 continue
-        elif (members is None and count <= _SMALL and not h[H_KEYS_SIZE]
-              and not h[H_ATTRIBUTES] & ATTR_COMPRESSION_MASK):
-            # A few messages without keys, uncompressed (a backlog spread over many queues):
-            # decoded here in one loop; anything that does not add up goes the general way
-            # below, which words it.
-            got = _decode_plain(buf, a, h, rec, count, start, btopic, broker_name, tags)
-            if got is not None:
-                out.extend(got)
-                pos += total
-                continue
+        else:
+            if (members is None and count <= _SMALL and not h[H_KEYS_SIZE]
+                    and not h[H_ATTRIBUTES] & ATTR_COMPRESSION_MASK):
+                # A few messages without keys, uncompressed (a backlog spread over many
+                # queues): decoded here in one loop; anything that does not add up goes the
+                # general way below, which words it.
+                got = _decode_plain(buf, a, h, rec, count, start, btopic, broker_name, tags)
+                if got is not None:
+                    out.extend(got)
+                    pos += total
+                    continue
             if on_corrupt is None:
                 out.extend(_decode_general(mv, buf, a, pos, h, rec, start, btopic, broker_name,
                                            tags, max_uncompressed, None, members))
-                pos += total
-                continue
-            try:
-                out.extend(_decode_general(mv, buf, a, pos, h, rec, start, btopic,
-                                           broker_name, tags, max_uncompressed, bad, members))
-            except CorruptBatchError as exc:
-                on_corrupt(qo + start, count - start, exc.message)
-            if bad:
-                for i, why in bad:
-                    on_corrupt(qo + i, 1, why)
-                bad.clear()
-            pos += total
-            continue
-        elif on_corrupt is None:
-            out.extend(_decode_general(mv, buf, a, pos, h, rec, start, btopic, broker_name,
-                                       tags, max_uncompressed, None, members))
-            pos += total
-            continue
-        else:
-            try:
-                out.extend(_decode_general(mv, buf, a, pos, h, rec, start, btopic,
-                                           broker_name, tags, max_uncompressed, bad, members))
-            except CorruptBatchError as exc:
-                on_corrupt(qo + start, count - start, exc.message)
-            if bad:
-                for i, why in bad:
-                    on_corrupt(qo + i, 1, why)
-                bad.clear()
+            else:
+                try:
+                    out.extend(_decode_general(mv, buf, a, pos, h, rec, start, btopic,
+                                               broker_name, tags, max_uncompressed, bad,
+                                               members))
+                except CorruptBatchError as exc:
+                    on_corrupt(qo + start, count - start, exc.message)
+                if bad:
+                    for i, why in bad:
+                        on_corrupt(qo + i, 1, why)
+                    bad.clear()
             pos += total
             continue
         # A single-message batch whose record sizes disagree: let the checked path word it.
