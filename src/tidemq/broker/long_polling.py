@@ -268,8 +268,13 @@ class PullRequestHoldService:
             conns[held.conn] = None
         for conn in conns:
             flush = getattr(conn, "flush_writes", None)  # a multi pull's slot answers its own way
-            if flush is not None:
+            if flush is None:
+                continue
+            try:  # inside another connection's read: a failure here must not end that one
                 flush()
+            except Exception:
+                log.exception("writing woken pulls' answers to %s failed",
+                              getattr(conn, "peer", "?"))
 
     # -- way out 2: the periodic check ---------------------------------------------------------
     def _check_key(self, key: str) -> None:
