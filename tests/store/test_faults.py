@@ -25,6 +25,33 @@ def crash_image(store, dest: Path) -> Path:
     return dest
 
 
+def test_kill_between_a_puts_copy_and_its_stamp_keeps_the_queue(tmp_path):
+    """A put copies the producer's batch into the mapping, then stamps its store fields. The
+    producer's batch passes both CRCs with phys and queue offset 0; a kill -9 between copy
+    and stamp left exactly that at the tail, and recovery re-dispatched it at queue offset 0:
+    the queue was cut back to one batch and new puts re-used acknowledged offsets (a rare
+    failure of the kill -9 test below). The unstamped batch is a torn tail, never data."""
+    with open_store(tmp_path / "live", segment_size=16384) as s:
+        acked = [s.put(batch("t", [f"m{i}-{j}".encode() for j in range(2)])) for i in range(5)]
+        s.flush()
+        end = s.commitlog.write_pos
+        d = crash_image(s, tmp_path / "crash")
+    unstamped = batch("t", [b"never acknowledged"])  # as the producer encoded it
+    assert BatchView(unstamped).queue_offset == 0
+    with open(d / "commitlog" / f"{0:020d}", "r+b") as f:
+        f.seek(end)
+        f.write(unstamped)
+    with open_store(d, segment_size=16384) as s:
+        rep = s.recovery_report
+        assert s.cqs.find("t", 0).max_offset == 10  # was 1: cut back by the unstamped batch
+        assert rep.truncated and rep.truncated[0][1] == end, rep.summary()
+        msgs, _ = read_all(s, "t")
+        assert [m.queue_offset for m in msgs] == list(range(10))
+        assert [m.body for m in msgs] == [f"m{i}-{j}".encode() for i in range(5) for j in range(2)]
+        assert [r.queue_offset for r in acked] == [0, 2, 4, 6, 8]
+        assert s.put(batch("t", [b"next"])).queue_offset == 10
+
+
 def test_truncate_at_every_byte_of_the_last_batch(tmp_path):
     src = tmp_path / "live"
     s = open_store(src, segment_size=16384)

@@ -76,13 +76,22 @@ class RecoveryReport:
 Dispatch = Callable[[BatchView, int], None]
 
 
-def _valid_at(mv: memoryview, rel: int) -> BatchView | None:
+def _valid_at(mv: memoryview, rel: int, phys: int) -> BatchView | None:
+    """The batch at ``rel`` if both CRCs check and the store stamped it at ``phys``.
+
+    Why the stamp: ``put`` copies the producer's batch into the mapping, then stamps its store
+    fields (phys and queue offset, timestamp) and reseals the header CRC. The producer's
+    batch is itself CRC-valid (store fields zero, header sealed by the encoder), so a kill -9
+    between the copy and the stamp left a batch that passed both CRCs with queue offset 0;
+    recovery then re-dispatched it at offset 0, cutting its queue back to nothing, and new puts
+    re-used acknowledged offsets. A batch whose stored phys offset is not where it lies was
+    never stamped (or is not where the store wrote it): never valid data."""
     try:
         v = BatchView(mv, rel)
         v.verify()
-        return v
     except CorruptBatchError:
         return None
+    return v if v.phys_offset == phys else None
 
 
 def _resync(seg: Segment, mv: memoryview, rel: int) -> int | None:
@@ -94,7 +103,7 @@ def _resync(seg: Segment, mv: memoryview, rel: int) -> int | None:
         if hit < 0:
             return None
         cand = hit - 4
-        if _valid_at(mv, cand) is not None:
+        if _valid_at(mv, cand, seg.start + cand) is not None:
             return cand
         at = cand + 1
 
@@ -120,7 +129,7 @@ def scan(
             continue
         if total == 0 and magic == 0 and (pos >= durable_end or not _nonzero(seg, rel)):
             break  # the end of written data
-        v = _valid_at(mv, rel) if magic == BATCH_MAGIC else None
+        v = _valid_at(mv, rel, pos) if magic == BATCH_MAGIC else None
         if v is not None:
             try:
                 dispatch(v, pos)
@@ -138,13 +147,14 @@ def scan(
             report.batches_dispatched += 1
             pos += v.total_size
             continue
-        reason = _describe(mv, rel)
+        reason = _describe(mv, rel, pos)
         # Is valid data further on? Then this is damage in the middle of the log, not a torn
         # tail: quarantine it and keep everything after it.
         nxt = None
         if magic == BATCH_MAGIC and 0 < total <= seg.size - rel:
             after = rel + total
-            if after == seg.size or _valid_at(mv, after) is not None or _is_filler(seg, after):
+            if (after == seg.size or _valid_at(mv, after, seg.start + after) is not None
+                    or _is_filler(seg, after)):
                 nxt = after
         if nxt is None:
             nxt = _resync(seg, mv, rel)
@@ -169,7 +179,7 @@ def _has_data(cl: CommitLog, pos: int) -> bool:
         seg = cl.segment_for(pos)
     except Exception:
         return False
-    return _valid_at(memoryview(seg.mm), pos - seg.start) is not None
+    return _valid_at(memoryview(seg.mm), pos - seg.start, pos) is not None
 
 
 def _is_filler(seg: Segment, rel: int) -> bool:
@@ -185,7 +195,7 @@ def _nonzero(seg: Segment, rel: int) -> bool:
     return bool(np.frombuffer(seg.mm, dtype=np.uint8, offset=rel).any())
 
 
-def _describe(mv: memoryview, rel: int) -> str:
+def _describe(mv: memoryview, rel: int, phys: int) -> str:
     try:
         v = BatchView(mv, rel)
     except CorruptBatchError as exc:
@@ -194,4 +204,7 @@ def _describe(mv: memoryview, rel: int) -> str:
         return "batch CRC32C mismatch"
     if not v.store_crc_ok():
         return "store header CRC32C mismatch"
+    if v.phys_offset != phys:
+        return (f"batch not stamped by the store (its header says phys offset {v.phys_offset}, "
+                "a write cut short between copy and stamp)")
     return "unknown damage"
