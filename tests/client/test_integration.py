@@ -315,33 +315,3 @@ def test_concurrent_single_sends_report_exact_results(dev, admin):
     assert {(m.queue_id, m.queue_offset): m.msg_id for m in got} == by_place
     assert all(m.tags == "T" for m in got)
 
-
-def test_pulled_messages_are_ready_for_poll_within_the_read_that_brings_them(dev, admin):
-    """A held pull's answer is handled while its connection decodes it: when the read that
-    brought it returns, poll has the messages without waiting a loop turn for the queue's
-    pull task (the e2e tail, docs/benchmarks.md)."""
-    make_topic(admin, "it-inread", 1)
-
-    async def main() -> list[int]:
-        async with aio.Producer(dev.namesrv) as p, aio.PullConsumer(
-            dev.namesrv, "g-inread", consume_from="last", auto_commit=False
-        ) as c:
-            c.subscribe("it-inread")
-            await c.poll(timeout=0.5)  # started; its pull is held on the broker
-            conn = c.pool.get_nowait(dev.broker)
-            assert conn is not None
-            buffered_after_read: list[int] = []
-            read = conn.data_received
-
-            def spy(data):  # the transport's call, then what poll could return at once
-                read(data)
-                buffered_after_read.append(c.stats()["buffered"])
-
-            conn.data_received = spy
-            await p.send(aio.Message("it-inread", b"one"))
-            got = await c.poll(timeout=5)
-            assert [m.body for m in got] == [b"one"]
-            return buffered_after_read
-
-    after = asyncio.run(main())
-    assert max(after) == 1, f"messages buffered at the end of each read: {after}"

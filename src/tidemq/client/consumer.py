@@ -133,51 +133,6 @@ class _Queue:
         return self
 
 
-class _PullAnswer:
-    """The answer of one queue's PULL_MESSAGE, handled as soon as the connection decodes it
-    (``Connection.start_request``'s ``sink``): its messages are ready for ``poll`` within the
-    read that brought them. Handled by the pull loop's task instead, they waited a loop turn
-    for it -- behind whatever else that turn ran first (``bench e2e`` at 10 k msgs/s: p50 ~40
-    µs from the read's end to the task; docs/benchmarks.md, "The e2e tail, third look").
-    ``fut`` resolves (or fails with the pull's error) once it is handled; a pull loop that was
-    cancelled meanwhile (its queue dropped) has cancelled it, and the answer is void."""
-
-    __slots__ = ("c", "q", "offset", "fut")
-
-    def __init__(self, c: PullConsumer, q: _Queue, offset: int) -> None:
-        self.c = c
-        self.q = q
-        self.offset = offset
-        self.fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def done(self) -> bool:
-        return self.fut.done()
-
-    def set_result(self, frame: Frame) -> None:
-        fut = self.fut
-        if fut.done():
-            return
-        if self.q.dropped:  # seeked or unassigned meanwhile: its answer is void
-            fut.set_result(None)
-            return
-        try:
-            status = pull_status(frame.code)
-            if status is None:
-                raise_for_error(frame)
-                raise BrokerError(f"pull refused ({frame.code})", response_code=frame.code)
-            h = frame.header
-            assert isinstance(h, PullMessageResponseHeader)
-            self.c._handle(self.q, self.offset, status, h, frame.body)
-        except Exception as exc:  # noqa: BLE001 - the pull loop's task handles it, as before
-            fut.set_exception(exc)
-            return
-        fut.set_result(None)
-
-    def set_exception(self, exc: BaseException) -> None:
-        if not self.fut.done():
-            self.fut.set_exception(exc)
-
-
 class PullConsumer:
     """Lite pull consumer: subscribe or assign, then poll. An async context manager.
 
@@ -776,13 +731,14 @@ class PullConsumer:
                     suspend_timeout_millis=suspend_ms, subscription=subscription,
                     expression_type=sel.expression_type,
                 )
-                if not conn.writable:
-                    await conn.drain()
-                # answered inside the read that brings the answer (_PullAnswer), not a loop
-                # turn later when this task runs again
-                answer = _PullAnswer(self, q, offset)
-                conn.start_request(RequestCode.PULL_MESSAGE, header, b"", timeout, answer)
-                await answer.fut
+                frame = await conn.request(RequestCode.PULL_MESSAGE, header, timeout=timeout)
+                status = pull_status(frame.code)
+                if status is None:
+                    raise_for_error(frame)
+                    raise BrokerError(f"pull refused ({frame.code})", response_code=frame.code)
+                h = frame.header
+                assert isinstance(h, PullMessageResponseHeader)
+                self._handle(q, offset, status, h, frame.body)
             except asyncio.CancelledError:
                 raise
             except TidemqError as exc:
