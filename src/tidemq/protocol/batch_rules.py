@@ -55,8 +55,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tidemq.protocol.batch.columns import BatchColumns
-from tidemq.protocol.batch.layout import BATCH_MAGIC, FORMAT_VERSION, IDX_DTYPE
+from tidemq.protocol.batch.columns import BatchColumns, gather
+from tidemq.protocol.batch.layout import BATCH_MAGIC, FORMAT_VERSION, IDX_DTYPE, REC_DTYPE
 from tidemq.protocol.errors import CorruptBatchError, MessageTooLargeError
 from tidemq.protocol.record import (
     DEFAULT_MAX_PROPERTIES_SIZE,
@@ -182,22 +182,22 @@ def plain_batches(body: bytes | bytearray | memoryview, cols: BatchColumns,
     i_in = np.arange(m, dtype=np.int64) - first[of]
     arr = np.frombuffer(body, dtype=np.uint8)
     base = cols.starts[k]
-    idx = _gather_items(arr, (base + p_start[k] + PRODUCER_HEADER_SIZE)[of]
+    idx = gather(arr, (base + p_start[k] + PRODUCER_HEADER_SIZE)[of]
                         + INDEX_ENTRY_SIZE * i_in, IDX_DTYPE)
     rel = idx["rel"].astype(np.int64)
     size_of = records[k][of]
     inside = rel + RECORD_HEADER_SIZE <= size_of
     rec_at = (base + rec_start[k])[of] + np.where(inside, rel, 0)
-    hdr = _gather_items(arr, rec_at, _REC_DTYPE)
+    hdr = gather(arr, rec_at, REC_DTYPE)
     rs = hdr["size"].astype(np.int64)
-    tl = hdr["tags_len"].astype(np.int64)
-    pl = hdr["props_len"].astype(np.int64)
+    tl = hdr["tl"].astype(np.int64)
+    pl = hdr["pl"].astype(np.int64)
     ends = rel + rs + 4
     expect = np.empty(m, dtype=np.int64)
     expect[1:] = ends[:-1]
     expect[first] = 0
     good = (inside & (rel == expect)
-            & (rs + 4 == RECORD_HEADER_SIZE + tl + pl + hdr["body_len"].astype(np.int64))
+            & (rs + 4 == RECORD_HEADER_SIZE + tl + pl + hdr["bl"].astype(np.int64))
             & (pl <= limits.max_properties_size))
     last = first + c - 1
     batch_ok = np.logical_and.reduceat(good, first) & (ends[last] == records[k])
@@ -214,21 +214,6 @@ def plain_batches(body: bytes | bytearray | memoryview, cols: BatchColumns,
                     batch_ok[of[j]] = False
     ok[k] = batch_ok
     return ok
-
-
-_REC_DTYPE = np.dtype([
-    ("size", "<u4"), ("born_ts", "<i8"), ("flag", "<u4"), ("tags_len", "<u2"),
-    ("reserved", "<u2"), ("props_len", "<u4"), ("body_len", "<u4"),
-])
-assert _REC_DTYPE.itemsize == RECORD_HEADER_SIZE
-
-
-def _gather_items(arr: np.ndarray, at: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """``dtype`` items read at byte positions ``at`` of ``arr`` (each within it)."""
-    w = dtype.itemsize
-    every = np.ndarray((len(arr) - w + 1,), dtype=f"V{w}", buffer=arr, strides=(1,))
-    out: np.ndarray = every[at].view(dtype)
-    return out
 
 
 def _check_records_small(v: BatchView, raw: memoryview, max_props: int) -> None:

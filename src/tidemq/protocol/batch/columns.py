@@ -23,38 +23,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from tidemq.protocol.batch.layout import (
+    FIRST_DTYPE,
     INDEX_ENTRY_SIZE,
+    PRODUCER_DTYPE,
     PRODUCER_HEADER_SIZE,
     RECORD_HEADER_SIZE,
+    STORE_DTYPE,
     STORE_HEADER_SIZE,
 )
 
-__all__ = ["BatchColumns", "read_columns", "STORE_DTYPE", "PRODUCER_DTYPE", "RECORD_DTYPE"]
-
-#: STORE_HEADER (layout.py) as a numpy record, field for field
-STORE_DTYPE = np.dtype([
-    ("total", "<u4"), ("magic", "<u2"), ("version", "u1"), ("reserved", "u1"),
-    ("store_crc", "<u4"), ("phys", "<u8"), ("qoff", "<u8"), ("store_ts", "<i8"),
-    ("prepared", "<i8"), ("queue_id", "<u4"), ("reconsume", "<u4"), ("topic_len", "<u2"),
-    ("store_port", "<u2"), ("store_host", "V16"),
-])
-#: PRODUCER_HEADER (layout.py) as a numpy record
-PRODUCER_DTYPE = np.dtype([
-    ("batch_crc", "<u4"), ("attributes", "<u2"), ("born_port", "<u2"), ("count", "<u4"),
-    ("keys_size", "<u4"), ("records_size", "<u4"), ("raw_size", "<u4"),
-    ("producer_id", "<u8"), ("base_seq", "<u8"), ("deliver_at", "<i8"), ("born_host", "V16"),
-])
-#: INDEX_ENTRY then RECORD_HEADER (layout.py): what a one-message batch holds after its
-#: producer header when it has no keys
-RECORD_DTYPE = np.dtype([
-    ("tag_hash", "<u8"), ("rel", "<u4"),
-    ("record_size", "<u4"), ("born_ts", "<i8"), ("flag", "<u4"), ("tags_len", "<u2"),
-    ("rec_reserved", "<u2"), ("props_len", "<u4"), ("body_len", "<u4"),
-])
-assert STORE_DTYPE.itemsize == STORE_HEADER_SIZE
-assert PRODUCER_DTYPE.itemsize == PRODUCER_HEADER_SIZE
-assert RECORD_DTYPE.itemsize == INDEX_ENTRY_SIZE + RECORD_HEADER_SIZE
-
+__all__ = ["BatchColumns", "read_columns", "gather"]
 
 @dataclass(slots=True)
 class BatchColumns:
@@ -64,9 +42,9 @@ class BatchColumns:
 
     starts: np.ndarray  # int64: where each batch begins in the body
     sizes: np.ndarray  # int64: each batch's length (its total_size, checked by the framing)
-    store: np.ndarray  # STORE_DTYPE
-    producer: np.ndarray  # PRODUCER_DTYPE
-    first: np.ndarray  # RECORD_DTYPE
+    store: np.ndarray  # layout.STORE_DTYPE
+    producer: np.ndarray  # layout.PRODUCER_DTYPE
+    first: np.ndarray  # layout.FIRST_DTYPE
     #: False where a batch is too short for its headers, its topic and a first message: its
     #: ``producer`` and ``first`` rows were read from elsewhere and mean nothing
     in_bounds: np.ndarray
@@ -75,8 +53,9 @@ class BatchColumns:
 _MIN_SINGLE = STORE_HEADER_SIZE + PRODUCER_HEADER_SIZE + INDEX_ENTRY_SIZE + RECORD_HEADER_SIZE
 
 
-def _gather(arr: np.ndarray, at: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """``dtype`` items read at byte positions ``at`` of ``arr`` (each within it)."""
+def gather(arr: np.ndarray, at: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``dtype`` items read at byte positions ``at`` of ``arr`` (each within it): one fancy
+    index over an overlapping view with an item starting at every byte."""
     w = dtype.itemsize
     every = np.ndarray((len(arr) - w + 1,), dtype=f"V{w}", buffer=arr, strides=(1,))
     out: np.ndarray = every[at].view(dtype)
@@ -96,10 +75,10 @@ def read_columns(body: bytes | bytearray | memoryview, starts: list[int],
     # place inside the body) and marked out of bounds.
     big = sz >= _MIN_SINGLE
     at = np.where(big, st, 0)
-    store = _gather(arr, at, STORE_DTYPE)
+    store = gather(arr, at, STORE_DTYPE)
     p = STORE_HEADER_SIZE + store["topic_len"].astype(np.int64)
     ok = big & (p + (PRODUCER_HEADER_SIZE + INDEX_ENTRY_SIZE + RECORD_HEADER_SIZE) <= sz)
     at_p = np.where(ok, st + p, 0)
-    producer = _gather(arr, at_p, PRODUCER_DTYPE)
-    first = _gather(arr, at_p + PRODUCER_HEADER_SIZE, RECORD_DTYPE)
+    producer = gather(arr, at_p, PRODUCER_DTYPE)
+    first = gather(arr, at_p + PRODUCER_HEADER_SIZE, FIRST_DTYPE)
     return BatchColumns(st, sz, store, producer, first, ok)

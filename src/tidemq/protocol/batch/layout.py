@@ -243,6 +243,30 @@ assert REC_DTYPE.itemsize == RECORD_HEADER_SIZE
 IDX_DTYPE = np.dtype([("hash", "<u8"), ("rel", "<u4")])
 assert IDX_DTYPE.itemsize == INDEX_ENTRY_SIZE
 ARANGE_REC = np.arange(RECORD_HEADER_SIZE, dtype=np.int64)
+#: STORE_HEADER as a numpy record, field for field (the columns of many batches at once:
+#: protocol/batch/columns.py, the store's stamping of a multi-queue frame)
+STORE_DTYPE = np.dtype([
+    ("total", "<u4"), ("magic", "<u2"), ("version", "u1"), ("reserved", "u1"),
+    ("store_crc", "<u4"), ("phys", "<u8"), ("qoff", "<u8"), ("store_ts", "<i8"),
+    ("prepared", "<i8"), ("queue_id", "<u4"), ("reconsume", "<u4"), ("topic_len", "<u2"),
+    ("store_port", "<u2"), ("store_host", "V16"),
+])
+assert STORE_DTYPE.itemsize == STORE_HEADER_SIZE
+#: PRODUCER_HEADER as a numpy record
+PRODUCER_DTYPE = np.dtype([
+    ("batch_crc", "<u4"), ("attributes", "<u2"), ("born_port", "<u2"), ("count", "<u4"),
+    ("keys_size", "<u4"), ("records_size", "<u4"), ("raw_size", "<u4"),
+    ("producer_id", "<u8"), ("base_seq", "<u8"), ("deliver_at", "<i8"), ("born_host", "V16"),
+])
+assert PRODUCER_DTYPE.itemsize == PRODUCER_HEADER_SIZE
+#: INDEX_ENTRY then RECORD_HEADER: what a one-message batch holds after its producer header
+#: when it has no keys
+FIRST_DTYPE = np.dtype([
+    ("tag_hash", "<u8"), ("rel", "<u4"),
+    ("record_size", "<u4"), ("born_ts", "<i8"), ("flag", "<u4"), ("tags_len", "<u2"),
+    ("rec_reserved", "<u2"), ("props_len", "<u4"), ("body_len", "<u4"),
+])
+assert FIRST_DTYPE.itemsize == INDEX_ENTRY_SIZE + RECORD_HEADER_SIZE
 
 
 def index_hashes(index: bytes | bytearray | memoryview) -> np.ndarray:
