@@ -16,7 +16,7 @@ from tidemq.broker.broker import Broker
 from tidemq.broker.config import BrokerConfig
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.frame import Frame, encode_frame
-from tidemq.protocol.headers import SendMessageRequestHeader
+from tidemq.protocol.headers import SendMessageRequestHeader, SendMultiQueueRequestHeader
 
 from .wire import Wire, batch, decode_pull, error_message
 
@@ -79,6 +79,17 @@ def test_a_put_from_another_thread_wakes_a_held_pull(inproc):
         assert [m.body for m in decode_pull(p, 0)] == [b"from-a-thread"]
 
 
+def _hold_a_pull(broker: Broker, w: Wire, topic: str) -> int:
+    """Create ``topic`` and leave a pull of its queue 0 held on ``broker``; its opaque."""
+    assert w.create_topic(topic, 1).code == ResponseCode.SUCCESS
+    opaque = w.send(RequestCode.PULL_MESSAGE, w.pull_header(topic, 0, suspend_ms=5000))
+    deadline = time.monotonic() + 5
+    while broker.hold.held_count() != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert broker.hold.held_count() == 1
+    return opaque
+
+
 def test_a_woken_pull_is_answered_within_the_read_that_woke_it(inproc):
     """The pull a send wakes is answered (written to its connection) before the broker's loop
     takes another turn: answered a turn later, the requests read in between went first (the
@@ -87,12 +98,7 @@ def test_a_woken_pull_is_answered_within_the_read_that_woke_it(inproc):
     before that callback returns."""
     broker, loop = inproc
     with Wire(f"127.0.0.1:{broker.port}") as puller, Wire(f"127.0.0.1:{broker.port}") as sender:
-        assert puller.create_topic("wk", 1).code == ResponseCode.SUCCESS
-        opaque = puller.send(RequestCode.PULL_MESSAGE, puller.pull_header("wk", 0, suspend_ms=5000))
-        deadline = time.monotonic() + 5
-        while broker.hold.held_count() != 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert broker.hold.held_count() == 1
+        opaque = _hold_a_pull(broker, puller, "wk")
         port = sender.sock.getsockname()[1]
         frame = encode_frame(Frame.request(
             RequestCode.SEND_MESSAGE, 99,
@@ -122,12 +128,7 @@ def test_a_pull_woken_on_the_senders_connection_shares_the_sends_write(inproc):
     right after the read -- as the woken pull's answer used to follow a loop turn later."""
     broker, loop = inproc
     with Wire(f"127.0.0.1:{broker.port}") as w:
-        assert w.create_topic("wk1", 1).code == ResponseCode.SUCCESS
-        pull = w.send(RequestCode.PULL_MESSAGE, w.pull_header("wk1", 0, suspend_ms=5000))
-        deadline = time.monotonic() + 5
-        while broker.hold.held_count() != 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert broker.hold.held_count() == 1
+        pull = _hold_a_pull(broker, w, "wk1")
         port = w.sock.getsockname()[1]
         send = 1000
         w._pending[send] = RequestCode.SEND_MESSAGE  # the Wire decodes its answer's header
@@ -167,3 +168,25 @@ def test_a_pull_woken_on_the_senders_connection_shares_the_sends_write(inproc):
         p = w.recv(pull, timeout=5)
         assert p.code == ResponseCode.SUCCESS
         assert [m.body for m in decode_pull(p, 0)] == [b"same-conn"]
+
+
+def test_a_frame_of_spread_single_messages_is_stored_in_one_write(inproc):
+    """SEND_MULTI_QUEUE of plain one-message batches for many queues (spread traffic) takes
+    the frame path: one put_frame (one CommitLog write) for all of them, each batch its own
+    result and queue offset; a batch with keys in the middle goes through the per-batch door
+    and splits the frame in two runs (issue 17)."""
+    broker, _loop = inproc
+    with Wire(f"127.0.0.1:{broker.port}") as w:
+        assert w.create_topic("fp", 8).code == ResponseCode.SUCCESS
+        plain = [bytes(batch("fp", [b"m%d" % q], queue_id=q)) for q in range(8)]
+        keyed = bytes(batch("fp", [b"k"], keys="a-key", queue_id=0))
+        before = broker.store.stats["put_frames"]
+        h = SendMultiQueueRequestHeader(producer_group="pg", batches=9)
+        r = w.request(RequestCode.SEND_MULTI_QUEUE, h, b"".join(plain[:4] + [keyed] + plain[4:]))
+        assert r.code == ResponseCode.SUCCESS, error_message(r)
+        assert [x.code for x in r.header.results] == [ResponseCode.SUCCESS] * 9
+        assert [x.queue_offset for x in r.header.results] == [0, 0, 0, 0, 1, 0, 0, 0, 0]
+        assert broker.store.stats["put_frames"] - before == 2  # the runs before and after
+        for q in range(8):
+            got = decode_pull(w.pull("fp", 0, queue_id=q), 0)
+            assert [m.body for m in got] == ([b"m0", b"k"] if q == 0 else [b"m%d" % q])

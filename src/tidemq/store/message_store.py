@@ -109,6 +109,8 @@ ID_BLOCK_BITS = 10
 
 
 _ZERO_CHUNK = bytes(1 << 20)
+#: the refusal of a batch whose batch CRC does not match (put, put_many, put_frame)
+_DAMAGED = "batch CRC32C mismatch: the batch was damaged on its way"
 
 # put_frame's stamps: the store fields set at append time (STORE_FIELDS at
 # STORE_FIELDS_OFFSET) and the broker's port and host (STORE_HEADER's last two fields)
@@ -210,6 +212,7 @@ class MessageStore:
         #: (phys, size) of the last replicated batch that failed its checks (a slave's copy)
         self._copied_bad: tuple[int, int] | None = None
         self._put_batches = self._put_messages = self._put_bytes = self._get_messages = 0
+        self._put_frames = 0  # put_frame calls that stored batches (one CommitLog write each)
         try:
             self.recovery_report = self._open()
         except BaseException:
@@ -435,10 +438,7 @@ class MessageStore:
             raise StoreClosedError("the store is closed")
         size = len(data)
         if size > self._max_batch_bytes:
-            raise MessageTooLargeError(
-                f"batch of {size} bytes exceeds max_batch_bytes={self.config.max_batch_bytes}; "
-                "send fewer or smaller messages per batch"
-            )
+            raise self._too_large(size)
         if self.disk_full:
             blocked = self.retention.blocked
             raise DiskFullError(
@@ -474,7 +474,13 @@ class MessageStore:
         if v.total_size != size:
             raise CorruptBatchError(f"batch says {v.total_size} bytes but {size} were given")
         if not v.batch_crc_ok():
-            raise CorruptBatchError("batch CRC32C mismatch: the batch was damaged on its way")
+            raise CorruptBatchError(_DAMAGED)
+
+    def _too_large(self, size: int) -> MessageTooLargeError:
+        """The refusal of a batch over ``max_batch_bytes`` (put, put_many, put_frame)."""
+        return MessageTooLargeError(
+            f"batch of {size} bytes exceeds max_batch_bytes={self.config.max_batch_bytes}; "
+            "send fewer or smaller messages per batch")
 
     def _append_locked(
         self, data: bytes | bytearray | memoryview, v: BatchView, size: int, topic: str,
@@ -555,10 +561,7 @@ class MessageStore:
             out.append(None)  # type: ignore[arg-type]  # filled below
             try:
                 if size > max_bytes:
-                    raise MessageTooLargeError(
-                        f"batch of {size} bytes exceeds max_batch_bytes="
-                        f"{self.config.max_batch_bytes}; send fewer or smaller messages per "
-                        "batch")
+                    raise self._too_large(size)
                 self._check_batch(v, size)
                 topic = v.topic if topics is None else topics[i]
                 todo.append((i, data, v, size, topic,
@@ -623,12 +626,9 @@ class MessageStore:
         for j in range(k):
             st, z, ps = starts[j], sizes[j], p_starts[j]
             if z > max_bytes:
-                errors[j] = MessageTooLargeError(
-                    f"batch of {z} bytes exceeds max_batch_bytes={self.config.max_batch_bytes}; "
-                    "send fewer or smaller messages per batch")
+                errors[j] = self._too_large(z)
             elif crc32c(mv[st + ps + 4 : st + z]) != crcs[j]:
-                errors[j] = CorruptBatchError(
-                    "batch CRC32C mismatch: the batch was damaged on its way")
+                errors[j] = CorruptBatchError(_DAMAGED)
             else:
                 good.append(j)
         qoffs = [-1] * k
@@ -728,6 +728,7 @@ class MessageStore:
                 if listeners:
                     for cb in listeners:
                         cb(key[0], key[1], q + c, tag_list)
+        self._put_frames += 1
         self._put_batches += len(good)
         self._put_messages += n_msgs
         self._put_bytes += total
@@ -1044,9 +1045,11 @@ class MessageStore:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counters since open: batches, messages and bytes put; messages read."""
+        """Counters since open: batches, messages and bytes put; frames stored whole
+        (``put_frame``); messages read."""
         return {
             "put_batches": self._put_batches,
+            "put_frames": self._put_frames,
             "put_messages": self._put_messages,
             "put_bytes": self._put_bytes,
             "get_messages": self._get_messages,
