@@ -198,3 +198,17 @@ def test_the_first_requests_are_sized_so_no_queue_comes_back_not_read(dev) -> No
         assert got == [body] * 300
 
     asyncio.run(run())
+
+
+def test_queues_by_topic_walk_in_sorted_order() -> None:
+    """PullConsumer._apply orders its queues with _by_topic (faster than sorting 100,000
+    MessageQueue structs): the same order as sorted()."""
+    from tidemq.client.consumer import _by_topic
+    from tidemq.client.message import MessageQueue
+
+    rnd = random.Random(3)
+    mqs = {MessageQueue(f"t{rnd.randrange(50)}", rnd.choice("ab"), rnd.randrange(20))
+           for _ in range(600)}
+    by = _by_topic(mqs)
+    assert [mq for t in sorted(by) for mq in by[t]] == sorted(mqs)
+    assert {t: len(v) for t, v in by.items()} == Counter(mq.topic for mq in mqs)
