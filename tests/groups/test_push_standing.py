@@ -194,3 +194,43 @@ def test_a_message_stored_while_its_queue_is_being_answered_is_not_left_behind(d
                 waiting = _standing(w, []) if got < sent else None
             # both within the request timeout (3 s), not after the periodic check
             assert time.monotonic() - t0 < 2.0, sent
+
+
+def test_the_next_standing_request_is_on_the_broker_while_an_answer_is_handled(dev) -> None:
+    """The push consumer's carrier of standing queues is written when an answer arrives,
+    before that answer's queues are handled (decoded, handed to the listener): messages stored
+    meanwhile are answered in it then, not after a round trip that starts when the handling
+    ends (the wait of the slow messages at 10,000 queues)."""
+    topic = "standing-carrier"
+    with tidemq.Admin(dev.namesrv) as admin:
+        admin.create_topic(topic, 8)
+    got: list[bytes] = []
+    in_flight: list[int] = []
+
+    async def handle(msgs, ctx):
+        got.extend(m.body for m in msgs)
+        return tq.ConsumeStatus.SUCCESS
+
+    async def go() -> None:
+        async with tq.Producer(dev.namesrv) as p, tq.PushConsumer(
+                dev.namesrv, "standing-carrier", handle, consume_from="last",
+                heartbeat_interval=1.0, rebalance_interval=1.0, multi_queue_min=1) as c:
+            c.subscribe(topic)
+            await asyncio.to_thread(wait_until, lambda: len(c.assignment()) >= 8, 20)
+            await asyncio.sleep(0.5)  # every queue standing
+            svc = c.pull_service
+            orig = svc.on_result
+
+            def on_result(req, r, body, addr):
+                in_flight.append(sum(d.in_flight for d in svc._drivers.values()))
+                return orig(req, r, body, addr)
+
+            svc.on_result = on_result
+            for i in range(20):
+                await p.send(tq.Message(topic, b"c%d" % i))
+                await asyncio.sleep(0.02)
+            await asyncio.to_thread(wait_until, lambda: len(got) >= 20, 10)
+
+    asyncio.run(go())
+    assert len(got) == 20
+    assert in_flight and min(in_flight) >= 1, in_flight
