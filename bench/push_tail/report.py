@@ -58,6 +58,21 @@ def summary(out: dict[str, Any]) -> str:
                      f"handling ms p50 {_pct(work, .5):.2f} p90 {_pct(work, .9):.2f} max "
                      f"{max(work):.2f}, total {sum(work):.0f}; from one's end to the next p50 "
                      f"{_pct(gaps, .5):.2f} p90 {_pct(gaps, .9):.2f}")
+    st = out.get("stacks") or {}
+    if st:
+        tot_s = sum(st.values())
+        lines.append(f"consumer loop late >3 ms: {tot_s} samples (1 ms); top stacks:")
+        for k, v in sorted(st.items(), key=lambda kv: -kv[1])[:12]:
+            lines.append(f"  {v:5d} {k[:300]}")
+    lg = out.get("long") or []
+    if lg:
+        by: dict[str, list[float]] = {}
+        for _t, c, _w, n in lg:
+            by.setdefault(n, []).append(c)
+        lines.append(f"consumer callbacks over 2 ms CPU: {len(lg)}, by callback (n, max ms, "
+                     "total ms):")
+        for n, v in sorted(by.items(), key=lambda kv: -sum(kv[1]))[:10]:
+            lines.append(f"  {len(v):4d} {max(v):7.1f} {sum(v):8.1f} {n[:120]}")
     # when were the >5 ms messages sent (100 ms bins)
     bins: dict[int, int] = {}
     for r in over:

@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from typing import Any
@@ -66,6 +67,35 @@ def _patch() -> None:
     gc.callbacks.append(cb)
 
 
+LONG: list[tuple[int, float, float, str]] = []  # (ns, cpu ms, wall ms, callback): over 2 ms CPU
+
+
+def _census() -> None:
+    """On asyncio's own loop (PUSHTAIL_CENSUS=1): every callback that ran over 2 ms of the
+    thread's CPU, named (what holds the consumer's loop in one stretch)."""
+    import asyncio.events as ev  # noqa: PLC0415
+
+    orig = ev.Handle._run
+
+    def _run(self: Any) -> Any:
+        t = time.perf_counter()
+        c = time.thread_time()
+        try:
+            return orig(self)
+        finally:
+            dc = time.thread_time() - c
+            if dc > 0.002:
+                cb = self._callback
+                name = getattr(cb, "__qualname__", None) or repr(cb)
+                try:
+                    name = "task:" + cb.__self__.get_coro().__qualname__
+                except Exception:  # noqa: BLE001, S110 - not a task's step
+                    pass
+                LONG.append((time.time_ns(), dc * 1e3, (time.perf_counter() - t) * 1e3, name))
+
+    ev.Handle._run = _run  # type: ignore[method-assign]
+
+
 def _patch_submit(consumer: PushConsumer) -> None:
     svc = consumer.consume_service
     orig = svc.submit
@@ -79,16 +109,39 @@ def _patch_submit(consumer: PushConsumer) -> None:
     svc.submit = submit  # type: ignore[method-assign]
 
 
+LAST = [0.0]  # perf_counter of the ticker's last turn
+STACKS: dict[str, int] = {}  # the loop thread's stack (innermost frames) while it is late
+
+
+def _watch(stop: threading.Event, ident: int) -> None:
+    """Every ms: while the loop's ticker is over 3 ms late, count the loop thread's stack."""
+    while not stop.is_set():
+        time.sleep(0.001)
+        if LAST[0] and time.perf_counter() - LAST[0] > 0.003:
+            f = sys._current_frames().get(ident)
+            parts = []
+            while f is not None and len(parts) < 7:
+                parts.append(f"{os.path.basename(f.f_code.co_filename)}:{f.f_code.co_name}")
+                f = f.f_back
+            k = " < ".join(parts)
+            STACKS[k] = STACKS.get(k, 0) + 1
+
+
 async def _ticker(stop: asyncio.Event) -> None:
     last = time.perf_counter()
     lastc = time.thread_time()
+    wstop = threading.Event()
+    threading.Thread(target=_watch, args=(wstop, threading.get_ident()), daemon=True).start()
     while not stop.is_set():
+        LAST[0] = last
         await asyncio.sleep(0.001)
         now = time.perf_counter()
         nowc = time.thread_time()
         if now - last > 0.002:
             STALLS.append((time.time_ns(), (now - last) * 1e3, (nowc - lastc) * 1e3))
         last, lastc = now, nowc
+    wstop.set()
+    LAST[0] = 0.0
 
 
 async def push_phase(namesrv: str, topics: list[tuple[str, int]], rate: int,
@@ -158,7 +211,7 @@ async def push_phase(namesrv: str, topics: list[tuple[str, int]], rate: int,
             child.kill()
         await consumer.close()
     return {"sent": sent, "errors": errors, "t_go": t_go, "rec": rec, "answers": ANSWERS,
-            "stalls": STALLS, "gcs": GCS, "stats": stats}
+            "stalls": STALLS, "gcs": GCS, "stacks": STACKS, "long": LONG, "stats": stats}
 
 
 def main() -> None:
@@ -178,7 +231,11 @@ def main() -> None:
             run_loop(sb._touch(dev.namesrv, topics, 1024, None))
             time.sleep(3.0)
             c0 = (dev.cpu_seconds(), time.process_time())
-            out = run_loop(push_phase(dev.namesrv, topics, a.rate, a.seconds))
+            if os.environ.get("PUSHTAIL_CENSUS"):
+                _census()
+                out = asyncio.run(push_phase(dev.namesrv, topics, a.rate, a.seconds))
+            else:
+                out = run_loop(push_phase(dev.namesrv, topics, a.rate, a.seconds))
             c1 = (dev.cpu_seconds(), time.process_time())
             out["cpu"] = {"broker": c1[0] - c0[0], "consumer": c1[1] - c0[1]}
         finally:
