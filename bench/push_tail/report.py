@@ -48,8 +48,9 @@ def summary(out: dict[str, Any]) -> str:
     lines.append(f"consumer loop stalls >2ms: {len(stalls)}, total {sum(s[1] for s in stalls):.0f} "
                  f"ms wall, {sum(s[2] for s in stalls):.0f} ms cpu; biggest (ms after go, wall, cpu): "
                  + ", ".join(f"({(e - out['t_go']) / 1e6:.0f}, {w:.1f}, {c:.1f})" for e, w, c in big))
-    lines.append(f"gcs: {len(gcs)}; gen2 {sum(1 for g in gcs if g[1] == 2)}; "
-                 f"longest {max((g[2] for g in gcs), default=0):.1f} ms")
+    lines.append(f"gcs: {len(gcs)} (gen, wall ms, cpu ms): "
+                 + ", ".join(f"({g[1]}, {g[2]:.1f}, {g[3]:.1f})" if len(g) > 3
+                             else f"({g[1]}, {g[2]:.1f})" for g in gcs[:12]))
     ans = out["answers"]
     if ans:
         gaps = [(b[0] - a[2]) / 1e6 for a, b in zip(ans, ans[1:])]

@@ -42,7 +42,7 @@ from tidemq.client.push_consumer import PushConsumer
 RX: dict[int, int] = {}  # id(message) -> ns the answer carrying it was handed over
 ANSWERS: list[tuple[int, ...]] = []  # (ns handled, queues in it, ns done, queues asked)
 STALLS: list[tuple[int, float, float]] = []  # (ns at end, wall ms, thread cpu ms)
-GCS: list[tuple[int, int, float]] = []  # (ns start, generation, ms)
+GCS: list[tuple[int, int, float, float, int]] = []  # (ns start, generation, ms, cpu ms, collected)
 
 
 def _patch() -> None:
@@ -55,14 +55,16 @@ def _patch() -> None:
 
     pull_driver.PullDriver._answered = answered  # type: ignore[method-assign]
 
-    t0 = [0, 0.0]
+    t0 = [0, 0.0, 0.0]
 
     def cb(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             t0[0] = time.time_ns()
             t0[1] = time.perf_counter()
+            t0[2] = time.thread_time()
         else:
-            GCS.append((t0[0], info["generation"], (time.perf_counter() - t0[1]) * 1e3))
+            GCS.append((t0[0], info["generation"], (time.perf_counter() - t0[1]) * 1e3,
+                        (time.thread_time() - t0[2]) * 1e3, info["collected"]))
 
     gc.callbacks.append(cb)
 
