@@ -10,6 +10,7 @@ the periodic check (5 s per 4,096 held queues) -- the late deliveries seen at 10
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import struct
 import time
@@ -299,5 +300,5 @@ def test_periodic_passes_over_every_queue_give_the_loop_back(dev, monkeypatch) -
     for what, at in seen.items():
         at = at[-24:] if what == "persist" else at[-12:]  # the second pass
         assert len(at) >= 12, (what, at)
-        held = sum(1 for a, b in zip(at, at[1:]) if a == b)  # steps with no loop turn between
+        held = sum(1 for a, b in itertools.pairwise(at) if a == b)  # no loop turn between
         assert held <= 1, (what, at)
