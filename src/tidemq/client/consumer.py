@@ -250,6 +250,7 @@ class PullConsumer:
         #: queues waiting for the consumer to buffer less, first held first
         self._held: collections.OrderedDict[_Queue, None] = collections.OrderedDict()
         self._wake_soon = False  # a _wake_held is scheduled (loop_wake_held)
+        self._woken = 0  # queues _wake_held woke in this loop iteration
         self._no_resolve = False  # start offsets are looked up queue by queue
         #: start-offset lookups in flight at most (a consumer of 100,000 queues would
         #: otherwise ask for all of them at once and time out)
@@ -446,7 +447,7 @@ class PullConsumer:
         under it takes: all of them, or -- once the pull drivers know how many messages a
         pull brings (LitePulls.per_pull) -- about as many as fill the room, oldest first
         (the others would only be held back again when their pull is built)."""
-        room = self.pull_threshold_all - self._buffered - self._lite.expect
+        room: float = self.pull_threshold_all - self._buffered - self._lite.expect
         if room <= 0:
             return
         per = self._lite.per_pull
@@ -456,8 +457,23 @@ class PullConsumer:
             for q in held:
                 self._wake(q)
             return
-        for _ in range(min(len(held), int(room / per) + 1)):
+        # the queues woken earlier in this loop iteration have not built their pulls yet
+        # (PullDriver._flush runs next): their share of the room is taken already
+        room -= self._woken * per
+        n = min(len(held), int(room / per) + 1) if room > 0 else 0
+        if not n:
+            return
+        first = not self._woken
+        self._woken += n
+        for _ in range(n):
             self._wake(held.popitem(last=False)[0])
+        if first:  # after the flush the wakes scheduled
+            asyncio.get_running_loop().call_soon(self._woken_built)
+
+    def _woken_built(self) -> None:
+        """After the drivers' flush of this loop iteration: woken queues hold their share of
+        the room as pulls in flight (LitePulls.expect), or were held back again."""
+        self._woken = 0
 
     # -- flow control --------------------------------------------------------------------------
     def _held_back(self, q: _Queue) -> bool:
