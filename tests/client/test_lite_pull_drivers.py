@@ -213,31 +213,3 @@ def test_the_first_requests_are_sized_so_no_queue_comes_back_not_read(dev) -> No
 
     asyncio.run(run())
 
-
-def test_pulls_in_flight_count_against_the_consumer_wide_cap(dev) -> None:
-    """200 queues of 10 messages, pull_threshold_for_all 800: once an answer has said how
-    many messages a pull brings, the pulls sent are counted at that against the cap with the
-    buffered ones (LitePulls.expect), so the first wave does not ask for the whole backlog
-    (before: all 200 queues at once, 2,000 buffered); every message still arrives once."""
-
-    async def run() -> None:
-        topics = await _topics(dev.namesrv, "fl", 25, 8)  # 200 queues
-        bodies = [b"f-%d" % i for i in range(2000)]
-        async with Producer(dev.namesrv, auto_batch=False) as p:
-            await asyncio.gather(*(p.send_batch([Message(topics[i // 80], b)],
-                                                queue_id=(i // 10) % 8)
-                                   for i, b in enumerate(bodies)))
-        c = PullConsumer(dev.namesrv, "g-fl", consume_from="first", auto_commit=False,
-                         multi_queue_min=16, suspend_timeout=2.0, pull_batch_size=32,
-                         max_poll_records=100, pull_threshold_for_all=800)
-        for t in topics:
-            c.subscribe(t)
-        got: list[bytes] = []
-        async with c:
-            await asyncio.sleep(1.0)  # every pull the consumer sent has its answer by now
-            assert c._buffered <= 800 + 10 * 10
-            await _poll_until(c, 2000, got)
-            assert c._lite.expect >= 0
-        assert sorted(got) == sorted(bodies)
-
-    asyncio.run(run())
