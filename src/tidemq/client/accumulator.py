@@ -185,6 +185,9 @@ class Accumulator:
         #: wake the blocking facade's callers of an answered batch before on_answered sends
         #: what gathered (set by the facade when its wake-up hands over the GIL; _one_done)
         self.wake_first = False
+        #: how many callers the last batch answered with ``wake_first`` woke (the blocking
+        #: facade's inbox waits briefly for their next messages before it drains)
+        self.woken = 0
         #: writes the frames queued so far now (the connection pool's flush_now, wired by the
         #: producer): a batch that leaves at the end of a loop iteration is written in it
         self.flush_now: Callable[[], None] | None = None
@@ -558,6 +561,7 @@ class Accumulator:
         # fight this thread for the GIL while it encodes and writes. They send their next
         # messages through the inbox, never in this loop iteration: no cool-down.
         if self.wake_first:
+            self.woken = len(futs)
             try:
                 _wake(r, futs)
             finally:
