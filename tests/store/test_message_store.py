@@ -380,39 +380,6 @@ def test_put_frame_stores_a_frame_as_put_many_would_in_one_write(data_dir, tmp_p
         assert [m.queue_offset for m in read_all(s, "b", 3)[0]] == [0, 1]
 
 
-def test_put_frame_of_large_batches_writes_views_of_the_body_with_the_same_bytes(
-        data_dir, tmp_path):
-    """Large batches (10,000 queues' ~10 KiB ones) are written as their stamped store headers
-    between views of the request's body, not copied whole: more write vectors than one
-    pwritev takes (600 batches, two vectors each), a damaged batch refused alone; every
-    byte stored equals what put_many stores, and a reopen reads the same."""
-    places = [("a", 0), ("b", 3), ("c", 1)]
-    items = [batch(places[i % 3][0], [bytes([65 + i % 26]) * 4500, b"m%d" % i],
-                   queue_id=places[i % 3][1], base_seq=2 * i) for i in range(600)]
-    damaged = batch("b", [b"z" * 5000], queue_id=3, base_seq=99_999)
-    damaged[-1] ^= 0xFF
-    frame = items[:300] + [damaged] + items[300:]
-    body, cols = _frame(frame)
-    topics = [places[i % 3][0] for i in range(300)] + ["b"] + [
-        places[i % 3][0] for i in range(300, 600)]
-    seg = 8 << 20  # the frame (2.8 MB) within half a segment: stored as one unit
-    with open_store(data_dir, segment_size=seg) as s, \
-            open_store(tmp_path / "ref", segment_size=seg) as ref:
-        writes = []
-        real_advance = s.commitlog.advance
-        s.commitlog.advance = lambda n: (writes.append(n), real_advance(n))[1]
-        qoffs, errors = s.put_frame(body, cols, list(range(601)), topics)
-        assert list(errors) == [300] and isinstance(errors[300], CorruptBatchError)
-        assert writes == [sum(len(b) for b in items)]
-        want = ref.put_many([(b, BatchView(b)) for b in items])
-        assert qoffs[:300] + qoffs[301:] == [r.queue_offset for r in want]
-        assert _stored(s) == _stored(ref)
-        stored = _stored(s)
-    with open_store(data_dir, segment_size=seg) as s:
-        assert _stored(s) == stored
-        assert len(stored) == 1200  # two messages a batch
-
-
 def test_messages_past_a_producers_first_id_block_are_found_by_id(data_dir):
     """The id index holds each batch under the block(s) of its sequence ids: messages with
     sequence 1,024 and up (a producer's second block onwards), and a batch spanning two

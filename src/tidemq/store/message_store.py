@@ -100,7 +100,6 @@ from tidemq.store.pull_outcome import (
 from tidemq.store.pull_outcome import GetStatus as GetStatus
 from tidemq.store.recovery import RecoveryReport, scan
 from tidemq.store.retention import RetentionService
-from tidemq.store.segment import Segment
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +120,6 @@ _STAMP_VOID = np.dtype(f"V{_STAMP_DTYPE.itemsize}")
 _HOST_DTYPE = np.dtype([("port", "<u2"), ("host", "V16")])
 _HOST_VOID = np.dtype(f"V{_HOST_DTYPE.itemsize}")
 _HOST_OFFSET = STORE_HEADER_SIZE - _HOST_DTYPE.itemsize
-#: put_frame writes a frame's batches as views of the request's body, only their stamped store
-#: headers copied, from this mean batch size on (below it, copying all of the frame is
-#: cheaper than two write vectors per batch)
-_SPLIT_MIN_BATCH = 4096
-#: write vectors per pwritev (Linux's IOV_MAX)
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 def _garbage_end(fd: int, rel: int, size: int) -> int:
@@ -641,28 +634,17 @@ class MessageStore:
         qoffs = [-1] * k
         if not good:
             return qoffs, errors
+        # One buffer of every good batch, back to back as they will lie in the CommitLog
+        first, last = good[0], good[-1]
+        total = sum(sizes[j] for j in good) if errors else 0
+        if not errors or starts[last] + sizes[last] - starts[first] == total:
+            out = bytearray(mv[starts[first] : starts[last] + sizes[last]])
+        else:
+            out = bytearray(b"".join([mv[starts[j] : starts[j] + sizes[j]] for j in good]))
+        total = len(out)
         g = np.asarray(good, dtype=np.int64)
         g_sizes = cols.sizes[sel[g]]
-        at = np.cumsum(g_sizes) - g_sizes  # each good batch's position in the CommitLog write
-        total = int(at[-1] + g_sizes[-1])
-        split = total >= self._pwrite_min and total >= _SPLIT_MIN_BATCH * len(good)
-        if split:
-            # Large batches (10,000 queues: ~10 KiB each): only their store headers and topics
-            # are copied, stamped there and written between views of the rest of the body (a
-            # copy of the whole frame, ~3.5 MB, was a tenth of the broker's produce time).
-            g_heads = np.asarray([p_starts[j] for j in good], dtype=np.int64)
-            h_at = np.cumsum(g_heads) - g_heads
-            out = bytearray(b"".join([mv[starts[j] : starts[j] + p_starts[j]] for j in good]))
-            stamp_at = h_at
-        else:
-            # One buffer of every good batch, back to back as they will lie in the CommitLog
-            first, last = good[0], good[-1]
-            if not errors or starts[last] + sizes[last] - starts[first] == total:
-                out = bytearray(mv[starts[first] : starts[last] + sizes[last]])
-            else:
-                out = bytearray(b"".join([mv[starts[j] : starts[j] + sizes[j]] for j in good]))
-            stamp_at = at
-        n_out = len(out)
+        at = np.cumsum(g_sizes) - g_sizes  # each good batch's position in ``out``
         qids = cols.store["queue_id"][sel].tolist()
         tags = cols.first["tag_hash"][sel].tolist()
         pids = cols.producer["producer_id"][sel].tolist()
@@ -698,32 +680,24 @@ class MessageStore:
             fields["phys"] = at + phys0
             fields["qoff"] = g_qoffs
             fields["ts"] = now
-            np.ndarray((n_out - _STAMP_DTYPE.itemsize + 1,), dtype=_STAMP_VOID, buffer=arr,
-                       strides=(1,))[stamp_at + STORE_FIELDS_OFFSET] = fields.view(_STAMP_VOID)
+            np.ndarray((total - _STAMP_DTYPE.itemsize + 1,), dtype=_STAMP_VOID, buffer=arr,
+                       strides=(1,))[at + STORE_FIELDS_OFFSET] = fields.view(_STAMP_VOID)
             host = np.empty(1, _HOST_DTYPE)
             host["port"] = self._store_port
             host["host"] = np.void(self._store_host)
-            np.ndarray((n_out - _HOST_DTYPE.itemsize + 1,), dtype=_HOST_VOID, buffer=arr,
-                       strides=(1,))[stamp_at + _HOST_OFFSET] = host.view(_HOST_VOID)[0]
+            np.ndarray((total - _HOST_DTYPE.itemsize + 1,), dtype=_HOST_VOID, buffer=arr,
+                       strides=(1,))[at + _HOST_OFFSET] = host.view(_HOST_VOID)[0]
             om = memoryview(out)
-            s_l = stamp_at.tolist()
+            at_l = at.tolist()
             seal = [crc32c(om[o + STORE_CRC_FROM : o + p_starts[j]])
-                    for o, j in zip(s_l, good, strict=True)]
-            np.ndarray((n_out - 3,), dtype="<u4", buffer=arr, strides=(1,))[
-                stamp_at + STORE_CRC_OFFSET] = seal
-            if split:
-                parts: list[memoryview] = []
-                for o, j in zip(s_l, good, strict=True):
-                    st, ps = starts[j], p_starts[j]
-                    parts.append(om[o : o + ps])
-                    parts.append(mv[st + ps : st + sizes[j]])
-                self._pwrite_parts(seg, rel, parts)
-            elif total < self._pwrite_min:
+                    for o, j in zip(at_l, good, strict=True)]
+            np.ndarray((total - 3,), dtype="<u4", buffer=arr, strides=(1,))[
+                at + STORE_CRC_OFFSET] = seal
+            if total < self._pwrite_min:
                 seg.mm[rel : rel + total] = out
             else:
                 cl.pwrite(seg, rel, (out,), total)
             cl.advance(total)
-            at_l = at.tolist()
             get_cq = self.cqs.get_or_create
             put_hash = self.index.put_hash
             id_hashes = self._id_hashes
@@ -737,9 +711,8 @@ class MessageStore:
                     tag_list = [tags[j]]
                     get_cq(*key).append_one(q, phys, sizes[j], tag_list[0])
                 else:
-                    # the index entries: not stamped, so read from the body as received
-                    ix = starts[j] + p_starts[j] + PRODUCER_HEADER_SIZE
-                    index_view = mv[ix : ix + c * INDEX_ENTRY_SIZE]
+                    ix = o + p_starts[j] + PRODUCER_HEADER_SIZE
+                    index_view = om[ix : ix + c * INDEX_ENTRY_SIZE]
                     get_cq(*key).append_batch(q, phys, sizes[j], index_view)
                     tag_list = [h for h, _rel in INDEX_ENTRY.iter_unpack(index_view)]
                 known[key] = q + c
@@ -760,15 +733,6 @@ class MessageStore:
         self._put_messages += n_msgs
         self._put_bytes += total
         return qoffs, errors
-
-    def _pwrite_parts(self, seg: Segment, rel: int, parts: list[memoryview]) -> None:
-        """``CommitLog.pwrite`` of many parts: one pwritev per IOV_MAX of them."""
-        cl = self.commitlog
-        for k in range(0, len(parts), _IOV_MAX):
-            chunk = parts[k : k + _IOV_MAX]
-            n = sum(len(p) for p in chunk)
-            cl.pwrite(seg, rel, tuple(chunk), n)
-            rel += n
 
     def _put_frame_by_batch(
         self, mv: memoryview, good: list[int], starts: list[int], sizes: list[int],
