@@ -50,6 +50,7 @@ Threading: one event loop. Use ``tidemq.PullConsumer`` from threads.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -120,7 +121,7 @@ class _Queue:
     __slots__ = (
         "mq", "pull_offset", "consume_offset", "committed", "chunks", "buffered", "task",
         "paused", "space", "ready", "assembler", "broker_id", "failed", "in_ready",
-        "standing", "dropped", "parked",
+        "standing", "dropped", "parked", "expect",
     )
 
     def __init__(self, mq: MessageQueue) -> None:
@@ -144,6 +145,7 @@ class _Queue:
         self.standing = False  # held on the broker by a pull driver's standing pull
         self.dropped = False  # no longer this consumer's (unassigned, or seeked: replaced)
         self.parked = False  # a pull driver's queue held back by flow control
+        self.expect = 0  # messages its multi-queue pull in flight is expected to bring
 
     @property
     def pq(self) -> _Queue:
@@ -245,7 +247,9 @@ class PullConsumer:
         #: the pull drivers of the brokers when pulling many queues (client/lite_pulls.py)
         self._lite = LitePulls(self)
         self._buffered = 0  # unpolled messages of every queue
-        self._held: set[_Queue] = set()  # queues waiting for the consumer to buffer less
+        #: queues waiting for the consumer to buffer less, first held first
+        self._held: collections.OrderedDict[_Queue, None] = collections.OrderedDict()
+        self._wake_soon = False  # a _wake_held is scheduled (loop_wake_held)
         self._no_resolve = False  # start offsets are looked up queue by queue
         #: start-offset lookups in flight at most (a consumer of 100,000 queues would
         #: otherwise ask for all of them at once and time out)
@@ -421,11 +425,39 @@ class PullConsumer:
             if q.buffered < self.pull_threshold:
                 self._wake(q)
         self._buffered -= len(out)
-        if self._held and self._buffered < self.pull_threshold_all:
-            held, self._held = self._held, set()
+        if self._held:
+            self._wake_held()
+        return out
+
+    def loop_wake_held(self) -> None:
+        """:meth:`_wake_held` at the next event-loop iteration (once however often asked):
+        after the answers being handled now are buffered."""
+        if not self._wake_soon:
+            self._wake_soon = True
+            asyncio.get_running_loop().call_soon(self._wake_held_soon)
+
+    def _wake_held_soon(self) -> None:
+        self._wake_soon = False
+        if self._held and not self._closed:
+            self._wake_held()
+
+    def _wake_held(self) -> None:
+        """Wake the queues held back by ``pull_threshold_for_all`` that the room now left
+        under it takes: all of them, or -- once the pull drivers know how many messages a
+        pull brings (LitePulls.per_pull) -- about as many as fill the room, oldest first
+        (the others would only be held back again when their pull is built)."""
+        room = self.pull_threshold_all - self._buffered - self._lite.expect
+        if room <= 0:
+            return
+        per = self._lite.per_pull
+        held = self._held
+        if per <= 0:
+            self._held = collections.OrderedDict()
             for q in held:
                 self._wake(q)
-        return out
+            return
+        for _ in range(min(len(held), int(room / per) + 1)):
+            self._wake(held.popitem(last=False)[0])
 
     # -- flow control --------------------------------------------------------------------------
     def _held_back(self, q: _Queue) -> bool:
@@ -433,8 +465,8 @@ class PullConsumer:
         consumer at ``pull_threshold_for_all`` (then woken when poll frees room)."""
         if q.paused or q.buffered >= self.pull_threshold:
             return True
-        if self._buffered >= self.pull_threshold_all:
-            self._held.add(q)
+        if self._buffered + self._lite.expect >= self.pull_threshold_all:
+            self._held[q] = None
             return True
         return False
 
@@ -452,7 +484,8 @@ class PullConsumer:
         if q.task is not None:
             q.task.cancel()
         self._buffered -= q.buffered
-        self._held.discard(q)
+        self._held.pop(q, None)
+        self._lite.release(q)
 
     # -- positions -----------------------------------------------------------------------------
     def _state(self, mq: MessageQueue) -> _Queue:
