@@ -464,12 +464,20 @@ class _Waiter(_Answer):
 
     def wait(self, timeout: float) -> SendResult:
         bell = self._bell
-        while not self._done:
-            if not bell.sleep(timeout) and not self._done:
-                self._gone = True
-                if not self._done:  # (else answered meanwhile: it still wakes the next)
-                    raise RequestTimeoutError(
-                        f"no answer from the tidemq-io thread in {timeout:g} s")
+        try:
+            while not self._done:
+                if not bell.sleep(timeout) and not self._done:
+                    self._gone = True
+                    if not self._done:  # (else answered meanwhile: it wakes the next)
+                        raise RequestTimeoutError(
+                            f"no answer from the tidemq-io thread in {timeout:g} s")
+        except BaseException:  # a timeout, or KeyboardInterrupt in the sleep
+            # Gone: the loop wakes the caller after this one if it resolves this one later;
+            # if it did already, this one wakes it now (either way, never nobody).
+            self._gone = True
+            if self._done and self._next is not None:
+                self._next._bell.ring()
+            raise
         nxt = self._next
         if nxt is not None:
             nxt._bell.ring()
