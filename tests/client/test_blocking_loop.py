@@ -426,3 +426,66 @@ def test_callers_that_do_not_come_back_in_time_cost_one_wait_then_none(dev, monk
         assert inbox._impatient == blocking.GATHER_PAUSE - 1
         p._host.loop.call_soon_threadsafe(inbox._drain)
         assert sink.result(10).topic == "bl-gather"
+
+
+def _batch_result(n: int) -> tidemq.SendResult:
+    from tidemq.client.message import SendStatus
+
+    return tidemq.SendResult(SendStatus.SEND_OK, "", "bl-turn", 3, 100, n, "b", 7, 40)
+
+
+def test_the_callers_of_a_batch_are_woken_in_turn_each_with_its_own_result():
+    """The loop rings only the first caller of an answered batch (blocking._wake_in_turn);
+    each caller, woken, rings the next: every one of them returns, with its own offset and
+    sequence."""
+    n = 4
+    got: dict[int, tidemq.SendResult] = {}
+    made: list[blocking._Waiter | None] = [None] * n
+    ready = threading.Barrier(n + 1)
+
+    def caller(i: int) -> None:
+        w = made[i] = blocking._Waiter()  # the thread's own doorbell
+        ready.wait()
+        got[i] = w.wait(5.0)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    ready.wait()
+    t0 = time.monotonic()
+    blocking._wake_in_turn(_batch_result(n), made)
+    for th in threads:
+        th.join(5.0)
+    assert time.monotonic() - t0 < 3.0
+    assert [got[i].queue_offset for i in range(n)] == [100, 101, 102, 103]
+    assert [got[i].base_seq for i in range(n)] == [40, 41, 42, 43]
+
+
+def test_a_caller_that_gave_up_does_not_stop_the_callers_after_it():
+    """A caller that timed out before its batch was answered will not wake the next one: the
+    loop does it for it, and the callers after it still return at once."""
+    made: list[blocking._Waiter | None] = [None] * 3
+    got: dict[int, object] = {}
+    ready = threading.Barrier(4)
+
+    def caller(i: int, timeout: float) -> None:
+        w = made[i] = blocking._Waiter()
+        ready.wait()
+        try:
+            got[i] = w.wait(timeout)
+        except tidemq.RequestTimeoutError as exc:
+            got[i] = exc
+
+    threads = [threading.Thread(target=caller, args=(i, 0.05 if i == 1 else 5.0))
+               for i in range(3)]
+    for th in threads:
+        th.start()
+    ready.wait()
+    threads[1].join(5.0)
+    assert isinstance(got[1], tidemq.RequestTimeoutError)
+    t0 = time.monotonic()
+    blocking._wake_in_turn(_batch_result(3), made)
+    threads[0].join(5.0)
+    threads[2].join(5.0)
+    assert time.monotonic() - t0 < 3.0, "the caller after the one that gave up was not woken"
+    assert got[0].queue_offset == 100 and got[2].queue_offset == 102  # type: ignore[union-attr]
