@@ -459,3 +459,25 @@ def test_a_frame_of_single_messages_is_one_unit_and_a_bad_batch_refuses_only_its
         (b"a0", 0), (b"a1", 1), (b"a2", 2), (b"a3", 3), (b"a4", 4)]
     assert msgs[0].tags == "t1" and msgs[3].tags == "é" and msgs[4].properties == {"k": "v"}
     assert [m.body for m in decode_pull(wire.pull(b, 0, queue_id=2), 0)] == [b"b0", b"b1"]
+
+
+def test_a_topic_changed_between_frames_is_checked_again_on_the_frame_path(wire, topic):
+    """The frame path remembers a plain topic's door (its config and stats counter, one
+    lookup per batch): a change of the topic between two frames (fewer write queues, then
+    read-only) applies to the very next frame, and every stored batch is counted in the
+    topic's stats."""
+    assert wire.create_topic(topic, 4).code == R.SUCCESS
+    one = [forge(topic, [Rec(body=b"m")], queue_id=q) for q in (1, 3)]
+    assert [x.code for x in _multi(wire, one).header.results] == [R.SUCCESS, R.SUCCESS]
+    assert wire.create_topic(topic, 2).code == R.SUCCESS  # queue 3 no longer exists
+    res = _multi(wire, one).header.results
+    assert [x.code for x in res] == [R.SUCCESS, R.INVALID_ARGUMENT]
+    assert "out of range" in res[1].message
+    assert wire.create_topic(topic, 2, perm=4).code == R.SUCCESS  # read-only
+    res = _multi(wire, one[:1]).header.results
+    assert [x.code for x in res] == [R.NO_PERMISSION]
+    assert wire.create_topic(topic, 2).code == R.SUCCESS
+    assert [x.code for x in _multi(wire, one[:1]).header.results] == [R.SUCCESS]
+    r = wire.request(RequestCode.GET_TOPIC_STATS, {"topic": topic})
+    assert r.header.put_msgs == 4
+    assert [m.body for m in decode_pull(wire.pull(topic, 0, queue_id=1), 0)] == [b"m"] * 3

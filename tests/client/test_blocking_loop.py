@@ -5,6 +5,7 @@ waits on a loop nobody runs."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 
@@ -356,3 +357,135 @@ def test_a_wait_with_no_time_left_times_out_instead_of_sleeping_for_ever():
     with pytest.raises(tidemq.RequestTimeoutError):
         w.wait(0.0)
     assert time.monotonic() - t0 < 2.0
+
+
+def _held_inbox(p, monkeypatch):
+    """The producer's inbox as while a batch of its topic is in flight: a put wakes nobody,
+    and what is put stays in the inbox until the answer's drain (here: the test's)."""
+    inbox = p._inbox
+    monkeypatch.setattr(inbox, "_answer_pending", lambda topic: True)
+    return inbox
+
+
+def test_the_loop_waits_for_the_callers_an_answer_woke_before_their_batch_leaves(
+        dev, monkeypatch):
+    """An answer woke 3 callers and only one has put its next message when the loop gets to
+    the drain: the loop waits (blocking._Inbox._gather) until the third is in -- rung by it,
+    not by the timeout -- and the three leave as one batch (before, the drain took the one
+    message and the stragglers went in a second, smaller batch)."""
+    monkeypatch.setattr(blocking, "GATHER_WAIT", 5.0)
+    with tidemq.Producer(dev.namesrv) as p:
+        p.send(tidemq.Message("bl-gather", b"warm"))
+        inbox = _held_inbox(p, monkeypatch)
+        sinks = [concurrent.futures.Future() for _ in range(3)]
+        inbox.put(tidemq.Message("bl-gather", b"0"), {}, sinks[0], True)
+        took: list[float] = []
+
+        def the_loop() -> None:
+            t0 = time.monotonic()
+            inbox._gather(3)
+            took.append(time.monotonic() - t0)
+
+        th = threading.Thread(target=the_loop)
+        th.start()
+        time.sleep(0.2)
+        assert th.is_alive(), "the drain did not wait for the callers still on their way"
+        inbox.put(tidemq.Message("bl-gather", b"1"), {}, sinks[1], True)
+        time.sleep(0.1)
+        assert th.is_alive()
+        inbox.put(tidemq.Message("bl-gather", b"2"), {}, sinks[2], True)
+        th.join(3.0)
+        assert not th.is_alive() and took[0] < 3.0, "the last caller did not ring the loop"
+        assert inbox._impatient == 0
+        monkeypatch.setattr(blocking, "GATHER_WAIT", 0.05)  # (their answer wakes nobody)
+        acc = p._aio.accumulator
+        b0 = acc.batches
+        p._host.loop.call_soon_threadsafe(inbox._drain)
+        results = [s.result(10) for s in sinks]
+        assert acc.batches - b0 == 1
+        assert [r.queue_offset - results[0].queue_offset for r in results] == [0, 1, 2]
+
+
+def test_callers_that_do_not_come_back_in_time_cost_one_wait_then_none(dev, monkeypatch):
+    """The wait is bounded (GATHER_WAIT), and when the woken callers did not all come back
+    (they do other work between sends) the next GATHER_PAUSE answered batches leave without
+    waiting at all."""
+    monkeypatch.setattr(blocking, "GATHER_WAIT", 0.05)
+    with tidemq.Producer(dev.namesrv) as p:
+        p.send(tidemq.Message("bl-gather", b"warm"))
+        inbox = _held_inbox(p, monkeypatch)
+        sink: concurrent.futures.Future = concurrent.futures.Future()
+        inbox.put(tidemq.Message("bl-gather", b"0"), {}, sink, True)
+        t0 = time.monotonic()
+        inbox._gather(3)
+        assert time.monotonic() - t0 >= 0.04
+        assert inbox._impatient == blocking.GATHER_PAUSE
+        t0 = time.monotonic()
+        inbox._gather(3)
+        assert time.monotonic() - t0 < 0.03
+        assert inbox._impatient == blocking.GATHER_PAUSE - 1
+        p._host.loop.call_soon_threadsafe(inbox._drain)
+        assert sink.result(10).topic == "bl-gather"
+
+
+def _batch_result(n: int) -> tidemq.SendResult:
+    from tidemq.client.message import SendStatus
+
+    return tidemq.SendResult(SendStatus.SEND_OK, "", "bl-turn", 3, 100, n, "b", 7, 40)
+
+
+def test_the_callers_of_a_batch_are_woken_in_turn_each_with_its_own_result():
+    """The loop rings only the first caller of an answered batch (blocking._wake_in_turn);
+    each caller, woken, rings the next: every one of them returns, with its own offset and
+    sequence."""
+    n = 4
+    got: dict[int, tidemq.SendResult] = {}
+    made: list[blocking._Waiter | None] = [None] * n
+    ready = threading.Barrier(n + 1)
+
+    def caller(i: int) -> None:
+        w = made[i] = blocking._Waiter()  # the thread's own doorbell
+        ready.wait()
+        got[i] = w.wait(5.0)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    ready.wait()
+    t0 = time.monotonic()
+    blocking._wake_in_turn(_batch_result(n), made)
+    for th in threads:
+        th.join(5.0)
+    assert time.monotonic() - t0 < 3.0
+    assert [got[i].queue_offset for i in range(n)] == [100, 101, 102, 103]
+    assert [got[i].base_seq for i in range(n)] == [40, 41, 42, 43]
+
+
+def test_a_caller_that_gave_up_does_not_stop_the_callers_after_it():
+    """A caller that timed out before its batch was answered will not wake the next one: the
+    loop does it for it, and the callers after it still return at once."""
+    made: list[blocking._Waiter | None] = [None] * 3
+    got: dict[int, object] = {}
+    ready = threading.Barrier(4)
+
+    def caller(i: int, timeout: float) -> None:
+        w = made[i] = blocking._Waiter()
+        ready.wait()
+        try:
+            got[i] = w.wait(timeout)
+        except tidemq.RequestTimeoutError as exc:
+            got[i] = exc
+
+    threads = [threading.Thread(target=caller, args=(i, 0.05 if i == 1 else 5.0))
+               for i in range(3)]
+    for th in threads:
+        th.start()
+    ready.wait()
+    threads[1].join(5.0)
+    assert isinstance(got[1], tidemq.RequestTimeoutError)
+    t0 = time.monotonic()
+    blocking._wake_in_turn(_batch_result(3), made)
+    threads[0].join(5.0)
+    threads[2].join(5.0)
+    assert time.monotonic() - t0 < 3.0, "the caller after the one that gave up was not woken"
+    assert got[0].queue_offset == 100 and got[2].queue_offset == 102  # type: ignore[union-attr]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -484,3 +485,62 @@ def test_varied_batch_names_the_message_whose_properties_are_too_large():
     with pytest.raises(ValueError, match="37"):
         encode_messages("topic-a", msgs, queue_id=0, producer_id=1, base_seq=0, born_ts=1,
                         max_properties_size=64)
+
+
+# Keys the ASCII way (varied._keys_section builds them as one str) next to ones that are not;
+# bodies past 64 KiB (offsets and lengths above 16 bits) and any born_ts (the record header's
+# born_ts is two u32 words): what the word-wise record headers and index must get right
+ASCII = st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=127,
+                                       blacklist_characters="\x01\x02 "), min_size=1, max_size=8)
+VARIED_ASCII = st.builds(
+    lambda body, tags, keys, props: Message("topic-a", body, tags, keys, props),
+    st.binary(max_size=40) | st.sampled_from([b"b" * 70_000, b"", b"\x00" * 65_536]),
+    st.none() | st.sampled_from(["", "a", "TagB", "é"]) | ASCII,
+    st.none() | st.sampled_from(["", "k" * 200, "\x7f" * 300]) | ASCII
+    | st.lists(ASCII, min_size=1, max_size=2),
+    st.none() | st.dictionaries(ASCII, ASCII, max_size=2),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(VARIED_ASCII, min_size=33, max_size=70), st.integers(-2**63, 2**63 - 1),
+       st.none() | st.integers(0, 69))
+def test_varied_batch_with_ascii_keys_big_bodies_and_any_born_ts_matches_reference(
+        msgs, born_ts, odd):
+    if odd is not None and odd < len(msgs):  # one message whose key is not ASCII
+        msgs[odd] = Message("topic-a", b"x", "t", "ké€", None)
+    data = [MessageData(m.body, m.tags, m.keys_string, m.properties, 0, born_ts) for m in msgs]
+    want = encode_batch("topic-a", data, queue_id=3, producer_id=99, base_seq=7,
+                        born_host="10.0.0.7", born_port=4321)
+    got = encode_messages("topic-a", msgs, queue_id=3, producer_id=99, base_seq=7,
+                          born_ts=born_ts, born_host=pack_host("10.0.0.7"), born_port=4321)
+    assert got == want
+
+
+class _Reordered(msgspec.Struct):
+    """A Struct with the Message's fields in another order: read by name, not by position."""
+
+    keys: str | list[str] | None
+    body: bytes
+    properties: dict[str, str] | None
+    tags: str | None
+    topic: str = "topic-a"
+    delay_level: int = 0
+    deliver_at: int = 0
+
+    @property
+    def keys_string(self) -> str | None:
+        return " ".join(self.keys) if isinstance(self.keys, list) else self.keys or None
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(VARIED_ASCII, min_size=33, max_size=50), st.data())
+def test_varied_batch_of_other_message_types_matches_reference(msgs, data):
+    want = reference(msgs, queue_id=3, producer_id=99, base_seq=7)
+    # all of another Struct type, or Messages mixed with it
+    mixed = [_Reordered(m.keys, m.body, m.properties, m.tags)
+             if data.draw(st.booleans()) else m for m in msgs]
+    for batch in (mixed, [_Reordered(m.keys, m.body, m.properties, m.tags) for m in msgs]):
+        got = encode_messages("topic-a", batch, queue_id=3, producer_id=99, base_seq=7,
+                              born_ts=1234, born_host=pack_host("10.0.0.7"), born_port=4321)
+        assert got == want

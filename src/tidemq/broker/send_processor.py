@@ -67,6 +67,7 @@ from tidemq.protocol.headers import (
     SendMessageResponseHeader,
     SendMultiQueueRequestHeader,
     SendMultiQueueResponseHeader,
+    TopicConfig,
 )
 from tidemq.protocol.multi_queue import split_offsets
 from tidemq.protocol.names import (
@@ -96,9 +97,27 @@ _perf_counter = time.perf_counter
 _SUCCESS = ResponseCode.SUCCESS
 _FLUSH_TIMEOUT = ResponseCode.FLUSH_DISK_TIMEOUT
 _PUT_OK = PutStatus.PUT_OK
+_WRITE = int(Perm.WRITE)
 #: topics remembered as plain (no reserved-name checks) at most: every existing topic in
 #: practice (100,000 queues are 12,500 topics of 8), bounded all the same
 _PLAIN_MAX = 1 << 20
+
+
+class _TopicDoor:
+    """What the door and the stats need of one plain, persistent topic for a SEND_MULTI_QUEUE
+    frame's plain batch, reached with one lookup by the topic's bytes (issue 17: at 100,000
+    queues every batch is of another of 12,500 topics, and the decoded name, the plain-topic
+    set, the topic table and the stats counter were four lookups, each a few cache misses).
+    Valid while the topic table's ``changes`` is ``changes`` (any create, update or delete
+    sends the next batch of every topic through the full door again, which renews it)."""
+
+    __slots__ = ("topic", "tc", "changes", "stat")
+
+    def __init__(self, topic: str, tc: TopicConfig, changes: int, stat: list[int]) -> None:
+        self.topic = topic
+        self.tc = tc
+        self.changes = changes
+        self.stat = stat
 
 
 def _ignore_durability(err: object) -> None:
@@ -344,6 +363,8 @@ class SendProcessor:
         #: topics any connection may send to (not system, dead-letter nor retry topics): the
         #: door's name checks run once per topic, not per frame
         self._plain_topics: set[str] = set()
+        #: topic bytes -> _TopicDoor: a frame's plain batch of a known topic in one lookup
+        self._doors: dict[bytes, _TopicDoor] = {}
         self.limits = BatchLimits(
             max_batch_bytes=self.max_batch, max_properties_size=cfg.max_properties_size
         )
@@ -416,13 +437,28 @@ class SendProcessor:
         # (other batches stored at once, one put_many); any other batch goes alone through
         # _accept, after the runs before it.
         fast: list[int] = []
-        fast_topics: list[str] = []
+        fast_doors: list[_TopicDoor] = []
         run: list[tuple[int, memoryview, BatchView, str]] = []
         names = self._topic_names
+        doors = self._doors
+        table = self.topics
+        # the group is the frame's: a checked one lets its batches take their topic's door
+        group_ok = group in self._groups_ok
+        max_batch = self.max_batch
         for i, (start, size) in enumerate(zip(starts, sizes, strict=True)):
             if plain is not None and plain[i]:
                 tl = plain[i]
                 tb = mv[start + STORE_HEADER_SIZE : start + STORE_HEADER_SIZE + tl].tobytes()
+                d = doors.get(tb)
+                if d is not None and d.changes == table.changes and group_ok:
+                    tc = d.tc  # _admit_queue's checks that can fail for a known plain topic
+                    if size <= max_batch and tc.perm & _WRITE and qids[i] < tc.write_queue_nums:
+                        if run:
+                            self._put_run(agg, run)
+                            run = []
+                        fast.append(i)
+                        fast_doors.append(d)
+                        continue
                 topic = names.get(tb)
                 known = topic is not None
                 if not known:
@@ -438,15 +474,17 @@ class SendProcessor:
                         continue
                     if not known and len(names) < _PLAIN_MAX:
                         names[tb] = topic  # only names the door let in: bounded by the topics
+                    d = self._door(topic, tb)
+                    group_ok = True  # _admit_queue passed it
                     if run:
                         self._put_run(agg, run)
                         run = []
                     fast.append(i)
-                    fast_topics.append(topic)
+                    fast_doors.append(d)
                     continue
             if fast:
-                self._put_fast(agg, mv, cols, fast, fast_topics)  # type: ignore[arg-type]
-                fast, fast_topics = [], []
+                self._put_fast(agg, mv, cols, fast, fast_doors)  # type: ignore[arg-type]
+                fast, fast_doors = [], []
             part = mv[start : start + size]
             try:
                 v = BatchView(part)
@@ -476,7 +514,7 @@ class SendProcessor:
             except RequestRejected as exc:
                 agg.put(i, MultiQueueSendResult(exc.response_code, message=exc.message))
         if fast:
-            self._put_fast(agg, mv, cols, fast, fast_topics)  # type: ignore[arg-type]
+            self._put_fast(agg, mv, cols, fast, fast_doors)  # type: ignore[arg-type]
         if run:
             self._put_run(agg, run)
         agg.armed()
@@ -495,26 +533,38 @@ class SendProcessor:
         return (cols, np.where(ok, cols.store["topic_len"], 0).tolist(),
                 cols.store["queue_id"].tolist())
 
+    def _door(self, topic: str, tb: bytes) -> _TopicDoor:
+        """The door of an admitted persistent topic: remembered (by its bytes) when the topic
+        is plain, so its next batches skip the lookups of ``_admit_queue``."""
+        table = self.topics
+        tc = table.get(topic)
+        assert tc is not None  # admitted: the topic exists (or was just created)
+        d = _TopicDoor(topic, tc, table.changes, self.stats.put_counter(topic))
+        if topic in self._plain_topics and len(self._doors) < _PLAIN_MAX:
+            self._doors[tb] = d
+        return d
+
     def _put_fast(self, agg: _MultiResponse, mv: memoryview, cols: BatchColumns,
-                  rows: list[int], topics: list[str]) -> None:
+                  rows: list[int], doors: list[_TopicDoor]) -> None:
         """Store plain batches of a SEND_MULTI_QUEUE with one put_frame; each answered into
         its slot (a batch the store refuses as a SEND_BATCH of it would be)."""
         t0 = time.perf_counter()
-        qoffs, errors = self.store.put_frame(mv, cols, rows, topics)
+        qoffs, errors = self.store.put_frame(mv, cols, rows, [d.topic for d in doors])
         each = (time.perf_counter() - t0) / len(rows)
         sizes = cols.sizes[rows].tolist()
         counts = cols.producer["count"][rows].tolist()
-        stored: list[tuple[str, int, int]] = []
+        stored: list[tuple[str, list[int], int, int]] = []
         ok = ResponseCode.SUCCESS
         put = agg.put
         for j, (i, q) in enumerate(zip(rows, qoffs, strict=True)):
             if q >= 0:
-                stored.append((topics[j], counts[j], sizes[j]))
+                d = doors[j]
+                stored.append((d.topic, d.stat, counts[j], sizes[j]))
                 put(i, MultiQueueSendResult(ok, q, counts[j]))
             else:
                 exc = rejection_for_store_error(errors[j])
                 put(i, MultiQueueSendResult(exc.response_code, message=exc.message))
-        self.stats.record_puts(stored, each)
+        self.stats.record_put_counters(stored, each)
 
     def _put_run(self, agg: _MultiResponse, run: list[tuple[int, memoryview, BatchView, str]]
                  ) -> None:

@@ -89,6 +89,7 @@ class TopicConfigManager:
         self._topics = dict(data.topics)
         self.data_version = data.data_version
         self._shrinking = {n for n, tc in self._topics.items() if tc.shrinking_to}
+        self.changes += 1  # configs remembered by ``changes`` (the send door's) are stale
 
     def snapshot(self) -> bytes:
         return _encoder.encode(_TopicsFile(self.data_version, self._topics))

@@ -185,6 +185,12 @@ class Accumulator:
         #: wake the blocking facade's callers of an answered batch before on_answered sends
         #: what gathered (set by the facade when its wake-up hands over the GIL; _one_done)
         self.wake_first = False
+        #: how many callers the last batch answered with ``wake_first`` woke (the blocking
+        #: facade's inbox waits briefly for their next messages before it drains)
+        self.woken = 0
+        #: how the blocking facade's callers of an answered batch are woken with
+        #: ``wake_first`` (None: each by its own ``set_result``)
+        self.wake_many: Callable[[SendResult, list[Any]], None] | None = None
         #: writes the frames queued so far now (the connection pool's flush_now, wired by the
         #: producer): a batch that leaves at the end of a loop iteration is written in it
         self.flush_now: Callable[[], None] | None = None
@@ -558,8 +564,9 @@ class Accumulator:
         # fight this thread for the GIL while it encodes and writes. They send their next
         # messages through the inbox, never in this loop iteration: no cool-down.
         if self.wake_first:
+            self.woken = len(futs)
             try:
-                _wake(r, futs)
+                (self.wake_many or _wake)(r, futs)
             finally:
                 self._after(b, cool=False)
             return
@@ -745,6 +752,18 @@ def _waited_too_long(topic: str) -> RequestTimeoutError:
     return RequestTimeoutError(
         f"send to topic {topic!r} timed out before its batch left (the send timeout covers "
         "the wait in the batch container behind the batch in flight)")
+
+
+def results_of(r: SendResult, n: int) -> list[SendResult]:
+    """The SendResult of each of the ``n`` messages of a batch answered ``r`` (message i:
+    offset and sequence + i), as :func:`split_result` gives them."""
+    pid = r.producer_id
+    prefix = f"{pid:016X}"
+    status, topic, qid, qoff, bname, base = (r.status, r.topic, r.queue_id, r.queue_offset,
+                                             r.broker_name, r.base_seq)
+    step = 1 if qoff >= 0 else 0
+    return [SendResult(status, f"{prefix}{base + i:016X}", topic, qid, qoff + i * step, 1,
+                       bname, pid, base + i) for i in range(n)]
 
 
 def split_result(r: SendResult, futs: list[Any]) -> None:

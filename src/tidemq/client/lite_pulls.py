@@ -53,10 +53,19 @@ ERROR_DELAY = 1.0
 class LitePulls:
     """The pull drivers of one PullConsumer and the callbacks they make."""
 
+    #: the drivers size their first requests by a probe (PullDriver; ``expect`` keeps the
+    #: sized requests from asking for more than pull_threshold_for_all at once)
+    probe_first = True
+
     def __init__(self, consumer: PullConsumer) -> None:
         self.c = consumer
         self._drivers: dict[str, PullDriver] = {}
         self.pulls = 0
+        #: messages the pulls in flight are expected to bring (``per_pull`` each): counted
+        #: with the buffered ones against ``pull_threshold_for_all`` (PullConsumer._held_back)
+        self.expect = 0
+        #: messages an answer with messages brought, smoothed; 0 until the first one
+        self.per_pull = 0.0
 
     @property
     def requests(self) -> int:
@@ -69,6 +78,18 @@ class LitePulls:
         if d is None:
             d = self._drivers[addr] = PullDriver(self, addr)  # type: ignore[arg-type]
         return None if d.unsupported else d
+
+    def release(self, q: _Queue) -> None:
+        """``q``'s pull in flight is answered, failed or void: what it was expected to
+        bring no longer counts."""
+        if q.expect:
+            self.expect -= q.expect
+            q.expect = 0
+            c = self.c
+            if c._held and not c._closed:
+                # room under pull_threshold_for_all may be free now without a poll (an
+                # answer brought less than expected): held queues must not wait for one
+                c.loop_wake_held()
 
     def _current(self, q: _Queue) -> bool:
         c = self.c
@@ -104,6 +125,9 @@ class LitePulls:
         sel = c._subs.get(mq.topic, EVERYTHING)
         resolve = 0 if q.pull_offset is not None else _RESOLVE[c.consume_from.value]
         self.pulls += 1
+        self.release(q)
+        q.expect = int(self.per_pull + 0.5)
+        self.expect += q.expect
         return MultiQueuePull(
             mq.topic, mq.queue_id, q.pull_offset or 0, c.pull_batch_size,
             PullSysFlag.SUBSCRIPTION if sel.filters else 0, 0,
@@ -142,6 +166,7 @@ class LitePulls:
         """``q`` found nothing and stands on the broker: keep its resolved start. False: it
         does not stand here -- gone, or the broker resolved no start (a non-persistent
         topic, an older broker): its start is looked up and it is pulled again from there."""
+        self.release(q)
         if not self._current(q):
             return False
         if self._started(q, r):
@@ -152,6 +177,7 @@ class LitePulls:
     def on_result(self, q: _Queue, r: Any, body: Any, addr: str) -> bool:
         """One queue's answer of a PULL_MULTI_QUEUE; True: pull it again at once."""
         c = self.c
+        self.release(q)
         if not self._current(q):
             return False
         if not self._started(q, r):
@@ -163,7 +189,11 @@ class LitePulls:
             status = pull_status(r.code)
             if status is None:
                 raise BrokerError(r.message or f"pull refused ({r.code})", response_code=r.code)
+            before = q.buffered
             c._handle(q, q.pull_offset, status, r, body)  # type: ignore[arg-type]
+            got = q.buffered - before
+            if got > 0:
+                self.per_pull = got if not self.per_pull else 0.9 * self.per_pull + 0.1 * got
         except Exception as exc:  # noqa: BLE001 - the queue retries or stops (failed)
             self.failed(q, exc, addr)
             return False
@@ -173,6 +203,7 @@ class LitePulls:
         """A pull of ``q`` failed: stop it (a refusal no retry fixes) or retry after the delay
         the error asks for (``quiet``: the caller logged it once for many queues)."""
         c = self.c
+        self.release(q)
         if not self._current(q):
             return
         if not isinstance(exc, TidemqError):  # a bug must not silently stop a queue forever

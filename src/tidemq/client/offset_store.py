@@ -29,6 +29,7 @@ from typing import Protocol
 from tidemq.base.atomic_file import write_atomic
 from tidemq.client import offsets
 from tidemq.client.connection import ConnectionPool
+from tidemq.client.loop_share import Slicer
 from tidemq.client.message import MessageQueue
 from tidemq.client.route import RouteCache
 from tidemq.protocol.errors import TidemqError
@@ -113,7 +114,10 @@ class RemoteOffsetStore(_MemoryTable):
     async def persist_all(self, mqs: set[MessageQueue]) -> None:
         table, sent = self.table, self._sent
         by_addr: dict[str, dict[MessageQueue, int]] = {}
+        sl = Slicer()
         for mq in mqs:
+            if sl.due():  # 10,000 queues are not one stretch of the loop (loop_share)
+                await asyncio.sleep(0)
             off = table.get(mq)
             if off is None or sent.get(mq) == off:
                 continue

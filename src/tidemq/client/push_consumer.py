@@ -47,6 +47,7 @@ from tidemq.client.consume_orderly import ConsumeOrderlyService
 from tidemq.client.consumer_options import PushConsumerOptions
 from tidemq.client.errors import ClientClosedError, NoRouteError
 from tidemq.client.listener import Listener, MessageModel
+from tidemq.client.loop_share import Slicer
 from tidemq.client.message import MessageQueue
 from tidemq.client.offset_store import (
     LocalFileOffsetStore,
@@ -393,7 +394,10 @@ class PushConsumer:
     async def _clean_loop(self) -> None:
         while True:
             await asyncio.sleep(min(self.consume_timeout, 60.0))
+            sl = Slicer()
             for mq, pq in list(self.rebalance.table.items()):
+                if sl.due():  # 10,000 queues are not one stretch of the loop (loop_share)
+                    await asyncio.sleep(0)
                 try:
                     await self.consume_service.clean_expired(pq, mq)
                 except Exception:

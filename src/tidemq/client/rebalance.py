@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from tidemq.client import offsets
 from tidemq.client.errors import NoRouteError
+from tidemq.client.loop_share import Slicer
 from tidemq.client.message import ConsumeFrom, MessageQueue
 from tidemq.client.process_queue import ProcessQueue
 from tidemq.protocol.codes import RETRY_PREFIX, RequestCode
@@ -183,8 +184,11 @@ class Rebalance:
         for mq in self.table:
             by_topic.setdefault(mq.topic, []).append(mq)
         c.pull_service.defer_starts()
+        sl = Slicer()
         try:
             for topic in list(c.subscriptions):
+                if sl.due():  # a pass over 1,250 topics is not one stretch of the loop
+                    await asyncio.sleep(0)
                 try:
                     await self._rebalance_topic(topic, members, by_topic.get(topic, []))
                 except NoRouteError as exc:

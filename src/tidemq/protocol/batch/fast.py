@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from operator import attrgetter
 from typing import Protocol
 
+import msgspec
 import numpy as np
 
 from tidemq.protocol.batch.codec import (
@@ -83,6 +84,9 @@ class OutgoingMessage(Protocol):
 
 _tag_hashes: dict[str, int] = {}
 _FIELDS = attrgetter("tags", "properties", "keys", "body", "delay_level", "deliver_at")
+#: the first fields of a msgspec Struct whose ``astuple`` the encoder reads (client.Message)
+_ORDER = ("topic", "body", "tags", "keys", "properties", "delay_level", "deliver_at")
+_astuple = msgspec.structs.astuple
 _SMALL = 32  # batches up to this many messages are coded without numpy
 
 
@@ -162,7 +166,16 @@ def encode_messages(
     q = p + PRODUCER_HEADER_SIZE
     # Every field of every message read in one pass, no Python code per message (the
     # messages are cold in the CPU's cache: each further pass over them costs about as much).
-    tags_c, props_c, keys_c, bodies, delays, delivers = zip(*map(_FIELDS, messages), strict=True)
+    kinds = set(map(type, messages))
+    if len(kinds) == 1 and getattr(next(iter(kinds)), "__struct_fields__", ())[:7] == _ORDER:
+        # msgspec Structs laid out as the client's Message (all of one type): every field as
+        # one tuple in C, cheaper than the attrgetter (measured: ~100 against ~160 ns a
+        # message for the pass, at 125 messages)
+        _, bodies, tags_c, keys_c, props_c, delays, delivers, *_ = zip(
+            *map(_astuple, messages), strict=True)  # type: ignore[arg-type]
+    else:
+        tags_c, props_c, keys_c, bodies, delays, delivers = zip(*map(_FIELDS, messages),
+                                                                strict=True)
     delayed = any(delays) or any(delivers)
     plain = not (delayed or any(tags_c) or any(props_c) or any(keys_c))
     if plain and compression == Compression.NONE and n > _SMALL:
