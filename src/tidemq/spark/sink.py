@@ -122,10 +122,21 @@ def _sorted(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     if not got:  # an empty partition (Spark may send no batch at all)
         return iter(())
     table = pa.Table.from_batches(got)
-    keys = [(c, "ascending") for c in ("topic", "queue_id", "hash_key", "tags", "body")
-            if c in table.column_names
-            and any(t(table.schema.field(c).type) for t in _SORT_TYPES)]
-    return iter(table.take(pc.sort_indices(table, sort_keys=keys)).to_batches())
+    by: dict[str, Any] = {}
+    for c in ("topic", "queue_id", "hash_key", "tags", "body", "keys", "properties"):
+        if c not in table.column_names:
+            continue
+        col = table.column(c)
+        if any(t(col.type) for t in _SORT_TYPES):
+            by[c] = col
+        elif c in ("keys", "properties"):
+            # Lists and maps do not sort in Arrow; their text does. Without them, rows alike
+            # but for their keys or properties kept their arrival order, and a replay in
+            # another order gave such rows each other's sequences (one stored twice, one lost).
+            by[c] = pa.array([None if v is None else repr(sorted(v) if c == "properties" else v)
+                              for v in col.to_pylist()], pa.string())
+    order = pc.sort_indices(pa.table(by), sort_keys=[(c, "ascending") for c in by])
+    return iter(table.take(order).to_batches())
 
 
 class _Substream:
