@@ -107,6 +107,9 @@ class _QueueCounts:
         return n
 
 
+#: add() sends runs of one queue as slices when they average at least this many rows
+_RUN_ROWS = 64
+
 _SORT_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary,
                pa.types.is_large_binary, pa.types.is_integer)
 
@@ -119,10 +122,21 @@ def _sorted(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     if not got:  # an empty partition (Spark may send no batch at all)
         return iter(())
     table = pa.Table.from_batches(got)
-    keys = [(c, "ascending") for c in ("topic", "queue_id", "hash_key", "tags", "body")
-            if c in table.column_names
-            and any(t(table.schema.field(c).type) for t in _SORT_TYPES)]
-    return iter(table.take(pc.sort_indices(table, sort_keys=keys)).to_batches())
+    by: dict[str, Any] = {}
+    for c in ("topic", "queue_id", "hash_key", "tags", "body", "keys", "properties"):
+        if c not in table.column_names:
+            continue
+        col = table.column(c)
+        if any(t(col.type) for t in _SORT_TYPES):
+            by[c] = col
+        elif c in ("keys", "properties"):
+            # Lists and maps do not sort in Arrow; their text does. Without them, rows alike
+            # but for their keys or properties kept their arrival order, and a replay in
+            # another order gave such rows each other's sequences (one stored twice, one lost).
+            by[c] = pa.array([None if v is None else repr(sorted(v) if c == "properties" else v)
+                              for v in col.to_pylist()], pa.string())
+    order = pc.sort_indices(pa.table(by), sort_keys=[(c, "ascending") for c in by])
+    return iter(table.take(order).to_batches())
 
 
 class _Substream:
@@ -218,23 +232,31 @@ class _PartitionWriter:
         extras = {name: rb.column(rb.schema.get_field_index(name))
                   for name in ("tags", "keys", "properties")
                   if rb.schema.get_field_index(name) >= 0}
+        parts: list[tuple[tuple[str, int], np.ndarray | slice]]
         if isinstance(topics, str):
-            groups: dict[tuple[str, int], np.ndarray | slice] = {}
-            if bool((queues == queues[0]).all()):
-                groups[(topics, int(queues[0]))] = slice(0, n)
-            else:
-                for q in dict.fromkeys(queues.tolist()):
-                    groups[(topics, q)] = np.flatnonzero(queues == q)
+            cuts = np.flatnonzero(queues[1:] != queues[:-1]) + 1
+            if len(cuts) * _RUN_ROWS < n:
+                # Runs of consecutive rows for one queue (the default spread's windows of
+                # batchRows): zero-copy slices, in row order, so the windows' sends rotate
+                # over the queues and each queue has one in flight while the next is cut.
+                # Grouping by queue first sent every window of one queue before the next
+                # queue's: one request in flight in all, and a copy of every row.
+                bounds = [0, *cuts.tolist(), n]
+                parts = [((topics, int(queues[a])), slice(a, b))
+                         for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+            else:  # rows scattered over the queues (hash_key, queue_id)
+                parts = [((topics, q), np.flatnonzero(queues == q))
+                         for q in dict.fromkeys(queues.tolist())]
         else:
             keyed: dict[tuple[str, int], list[int]] = {}
             for k, (t, q) in enumerate(zip(topics, queues.tolist(), strict=True)):
                 keyed.setdefault((t, q), []).append(k)
-            groups = {key: np.array(v, dtype=np.int64) for key, v in keyed.items()}
-        for (topic, q), sel in groups.items():
+            parts = [(key, np.array(v, dtype=np.int64)) for key, v in keyed.items()]
+        for (topic, q), sel in parts:
             sub = self._sub(topic, q)
             if isinstance(sel, slice):
-                part = body
-                ex = extras
+                part = body.slice(sel.start, sel.stop - sel.start)
+                ex = {k: v.slice(sel.start, sel.stop - sel.start) for k, v in extras.items()}
             else:
                 idx = pa.array(sel)
                 part = body.take(idx)
