@@ -67,7 +67,10 @@ def test_held_pop_gets_a_revived_message_right_after_its_deadline(broker, topic)
         [again] = handles(r, topic)
         assert (decode_receipt(again).offset, decode_receipt(again).attempt) == (0, 2)
         assert deadline_ms <= decode_receipt(again).pop_time
-        assert got_ms - deadline_ms < 40, got_ms - deadline_ms  # a timer, not a scan
+        # Right after the deadline, not at the held pop's own end (poll_ms 5 s): the counters
+        # below prove it was the revive timer. (40 ms here failed a run at 58 ms on a machine
+        # at load 10: the bound is about the wake-up, not the loaded scheduler.)
+        assert got_ms - deadline_ms < 250, got_ms - deadline_ms
         t = info(w2)
         assert t["pop_held_tries"] - tries0 <= 2  # the revive timer's try (+ maybe the 1 ms edge)
         assert t["pop_held_woken_by_revive"] >= 1
