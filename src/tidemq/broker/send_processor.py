@@ -450,32 +450,30 @@ class SendProcessor:
                 tl = plain[i]
                 tb = mv[start + STORE_HEADER_SIZE : start + STORE_HEADER_SIZE + tl].tobytes()
                 d = doors.get(tb)
-                if d is not None and d.changes == table.changes and group_ok:
-                    tc = d.tc  # _admit_queue's checks that can fail for a known plain topic
-                    if size <= max_batch and tc.perm & _WRITE and qids[i] < tc.write_queue_nums:
-                        if run:
-                            self._put_run(agg, run)
-                            run = []
-                        fast.append(i)
-                        fast_doors.append(d)
-                        continue
-                topic = names.get(tb)
-                known = topic is not None
-                if not known:
-                    try:
-                        topic = tb.decode()
-                    except UnicodeDecodeError:
-                        topic = None  # the per-batch door words it
-                if topic is not None and not self.non_persistent.owns(topic):
-                    try:
-                        self._admit_queue(conn, group, topic, qids[i], size)
-                    except RequestRejected as exc:
-                        agg.put(i, MultiQueueSendResult(exc.response_code, message=exc.message))
-                        continue
-                    if not known and len(names) < _PLAIN_MAX:
-                        names[tb] = topic  # only names the door let in: bounded by the topics
-                    d = self._door(topic, tb)
-                    group_ok = True  # _admit_queue passed it
+                if d is not None and not (
+                        d.changes == table.changes and group_ok and size <= max_batch
+                        and d.tc.perm & _WRITE and qids[i] < d.tc.write_queue_nums):
+                    d = None  # (_admit_queue's checks that can fail for a known plain topic)
+                if d is None:  # the full door
+                    topic = names.get(tb)
+                    known = topic is not None
+                    if not known:
+                        try:
+                            topic = tb.decode()
+                        except UnicodeDecodeError:
+                            topic = None  # the per-batch door words it
+                    if topic is not None and not self.non_persistent.owns(topic):
+                        try:
+                            self._admit_queue(conn, group, topic, qids[i], size)
+                        except RequestRejected as exc:
+                            agg.put(i, MultiQueueSendResult(exc.response_code,
+                                                            message=exc.message))
+                            continue
+                        if not known and len(names) < _PLAIN_MAX:
+                            names[tb] = topic  # only names the door let in: bounded
+                        d = self._door(topic, tb)
+                        group_ok = True  # _admit_queue passed it
+                if d is not None:
                     if run:
                         self._put_run(agg, run)
                         run = []

@@ -87,27 +87,8 @@ class BrokerStats:
         """:meth:`record_put` of several batches (topic, messages, bytes) stored together,
         each taking ``latency_s``: the per-topic counters per batch, the totals and the
         latency histogram once (a SEND_MULTI_QUEUE run of one-message batches)."""
-        if not puts:
-            return
-        put = self.put
-        changed = self._put_changed
-        msgs = nbytes = 0
-        for topic, m, b in puts:
-            c = put.get(topic)
-            if c is None:
-                c = put[topic] = [0, 0, 0]
-            changed.add(topic)
-            c[0] += m
-            c[1] += b
-            c[2] += 1
-            msgs += m
-            nbytes += b
-        n = len(puts)
-        t = self.put_total
-        t[0] += msgs
-        t[1] += nbytes
-        t[2] += n
-        self._record_latency(latency_s * 1000.0, n)
+        counter = self.put_counter
+        self.record_put_counters([(t, counter(t), m, b) for t, m, b in puts], latency_s)
 
     def put_counter(self, topic: str) -> list[int]:
         """The topic's [messages, bytes, batches] counter (created at zero): the same list for
