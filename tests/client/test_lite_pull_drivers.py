@@ -40,6 +40,17 @@ async def _spread(namesrv: str, topics: list[str], queues: int, count: int,
     return bodies
 
 
+def _consumer(dev, group: str, topics: list[str], **kw) -> PullConsumer:
+    """A lite PullConsumer of ``group`` subscribed to ``topics``: from the first offset, no
+    auto-commit, pull drivers from 16 queues, 2 s held pulls (``kw`` overrides)."""
+    opts = {"consume_from": "first", "auto_commit": False, "multi_queue_min": 16,
+            "suspend_timeout": 2.0, **kw}
+    c = PullConsumer(dev.namesrv, group, **opts)
+    for t in topics:
+        c.subscribe(t)
+    return c
+
+
 async def _poll_until(c: PullConsumer, n: int, got: list[bytes], timeout: float = 5.0) -> None:
     while len(got) < n:
         msgs = await c.poll(timeout=timeout)
@@ -51,10 +62,7 @@ def test_many_queues_are_pulled_by_one_driver_and_every_message_arrives_once(dev
     async def run() -> None:
         topics = await _topics(dev.namesrv, "drv", 8, 8)  # 64 queues
         bodies = await _spread(dev.namesrv, topics, 8, 2000, "a")
-        c = PullConsumer(dev.namesrv, "g-drv", consume_from="first", auto_commit=False,
-                         multi_queue_min=16, suspend_timeout=2.0, pull_batch_size=16)
-        for t in topics:
-            c.subscribe(t)
+        c = _consumer(dev, "g-drv", topics, pull_batch_size=16)
         got: list[bytes] = []
         async with c:
             await _poll_until(c, len(bodies), got)
@@ -94,12 +102,8 @@ def test_the_consumer_wide_cap_bounds_what_it_buffers(dev, multi_queue_min: int)
     async def run() -> None:
         topics = await _topics(dev.namesrv, f"cap{multi_queue_min}-", 4, 8)
         bodies = await _spread(dev.namesrv, topics, 8, 3000, f"c{multi_queue_min}")
-        c = PullConsumer(dev.namesrv, f"g-cap{multi_queue_min}", consume_from="first",
-                         auto_commit=False, multi_queue_min=multi_queue_min,
-                         suspend_timeout=2.0, pull_batch_size=batch, max_poll_records=40,
-                         pull_threshold_for_all=cap)
-        for t in topics:
-            c.subscribe(t)
+        c = _consumer(dev, f"g-cap{multi_queue_min}", topics, multi_queue_min=multi_queue_min,
+                      pull_batch_size=batch, max_poll_records=40, pull_threshold_for_all=cap)
         got: list[bytes] = []
         peak = 0
         async with c:
@@ -125,10 +129,7 @@ def test_non_persistent_topics_through_the_drivers_lose_nothing(dev):
     multi pull): every message sent after the consumer started arrives, once."""
     async def run() -> None:
         topics = await _topics(dev.namesrv, "%NP%drv", 3, 8)  # 24 queues
-        c = PullConsumer(dev.namesrv, "g-np", consume_from="last", auto_commit=False,
-                         multi_queue_min=16, suspend_timeout=2.0)
-        for t in topics:
-            c.subscribe(t)
+        c = _consumer(dev, "g-np", topics, consume_from="last")
         got: list[bytes] = []
         async with c:
             for _ in range(100):  # every queue knows where it starts
@@ -153,10 +154,7 @@ def test_queues_stand_on_with_permits_and_are_pulled_once(dev) -> None:
     async def run() -> None:
         topics = await _topics(dev.namesrv, "kp", 4, 8)  # 32 queues
         bodies = await _spread(dev.namesrv, topics, 8, 200, "k")  # ~6 a queue, < batch size
-        c = PullConsumer(dev.namesrv, "g-kp", consume_from="first", auto_commit=False,
-                         multi_queue_min=16, suspend_timeout=2.0, pull_batch_size=32)
-        for t in topics:
-            c.subscribe(t)
+        c = _consumer(dev, "g-kp", topics, pull_batch_size=32)
         got: list[bytes] = []
         async with c:
             await _poll_until(c, len(bodies), got)
@@ -199,10 +197,7 @@ def test_the_first_requests_are_sized_so_no_queue_comes_back_not_read(dev) -> No
         async with Producer(dev.namesrv, auto_batch=False) as p:
             await asyncio.gather(*(p.send_batch([Message(t, body)], queue_id=q)
                                    for t in topics for q in range(4)))
-        c = PullConsumer(dev.namesrv, "g-sz", consume_from="first", auto_commit=False,
-                         multi_queue_min=16, suspend_timeout=2.0, pull_batch_size=32)
-        for t in topics:
-            c.subscribe(t)
+        c = _consumer(dev, "g-sz", topics, pull_batch_size=32)
         got: list[bytes] = []
         async with c:
             await _poll_until(c, 300, got)
