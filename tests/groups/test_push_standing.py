@@ -346,7 +346,8 @@ def test_a_large_answer_is_handled_in_slices_of_the_loop(dev, monkeypatch) -> No
             for rnd in range(3):  # one message in each queue at once: woken together
                 await asyncio.gather(*(p.send(tq.Message(topic, b"s%d-%d" % (rnd, q)),
                                               queue_id=q) for q in range(8)))
-                await asyncio.to_thread(wait_until, lambda: len(got) >= 8 * (rnd + 1), 10)
+                want = 8 * (rnd + 1)
+                await asyncio.to_thread(wait_until, lambda n=want: len(got) >= n, 10)
             t.cancel()
 
     asyncio.run(go())
