@@ -338,8 +338,8 @@ class PullDriver:
                     # standing on at its next offset from now: a later answer may wake it
                     # again before this result is handled (answers are handled in order)
                     standing[key] = got
-                else:
-                    got.pq.standing = False
+                # else ``pq.standing`` stays until the result is handled (_result): the
+                # queue is not idle meanwhile (ProcessQueue.pull_expired)
                 work.append((key, got, w.result, part, stands))
         if self.standing and self.in_flight == 0:
             self._schedule()  # keep a request in flight for the next woken queues
@@ -370,6 +370,8 @@ class PullDriver:
 
     def _result(self, key: Key, req: PullRequest, r: MultiQueuePullResult, part: Any,
                 stands: bool = False) -> None:
+        if not stands:
+            req.pq.standing = False
         if req.pq.dropped:
             self.latest.pop(key, None)
             self._not_standing(key, req)
