@@ -6,7 +6,7 @@ queue (each batch then goes to the next queue), ``(topic, MessageQueue)`` for or
 pinned to a queue (``queue_id=``, ``selector=``, ``hash_key=``). A bucket leaves as one batch
 (one frame, one round trip) when:
 
-- it holds ``batch_max_messages`` (1000) or ``batch_max_bytes`` (128 KiB): at once;
+- it holds ``batch_max_messages`` (1000) or ``batch_max_bytes`` (512 KiB): at once;
 - it holds a waiting caller (``await send()``, blocking ``send()``) and no batch of the bucket is
   in flight: at the end of the current event-loop iteration (no added latency when idle; every
   send of the same iteration joins it); while one is in flight, arriving sends gather and leave
