@@ -388,12 +388,12 @@ class MultiPullProcessor:
                     raise refused
                 tags = admit_queue(one, conn)
                 # the read of a PULL_MESSAGE, its answer straight into this queue's slot
-                code, r, bodies, members, nb, suggest = read(one, tags)
+                code, got, bodies, members, nb, suggest = read(one, tags)
             except RequestRejected as exc:
                 agg.put(i, exc.response_code, _Msg(exc.message), None)
                 continue
             res = results[i] = MultiQueuePullResult(
-                code, r.next_begin_offset, r.min_offset, r.max_offset, nb, "", members,
+                code, got.next_begin_offset, got.min_offset, got.max_offset, nb, "", members,
                 suggest)
             if p.resolve and i in agg.starts:
                 res.start_offset, res.start_committed = agg.starts[i]

@@ -69,7 +69,8 @@ from tidemq.protocol.headers import (
     PullMessageResponseHeader,
     PullSysFlag,
 )
-from tidemq.store.message_store import GetResult, GetStatus
+from tidemq.store.message_store import GetStatus
+from tidemq.store.pull_outcome import GetResult
 
 if TYPE_CHECKING:
     from tidemq.broker.broker import Broker
