@@ -698,8 +698,10 @@ class MessageStore:
             else:
                 cl.pwrite(seg, rel, (out,), total)
             cl.advance(total)
-            put_hash = self.index.put_hash
             id_hashes = self._id_hashes
+            # the frame's id-index entries, added in one call after the loop
+            id_hs: list[int] = []
+            id_phys: list[int] = []
             listeners = self._listeners
             n_msgs = 0
             for o, j, cq, q in zip(at_l, good, g_cqs, g_qoffs, strict=True):
@@ -720,12 +722,16 @@ class MessageStore:
                     seq = seqs[j]
                     block = (pid, seq >> ID_BLOCK_BITS)
                     h = id_hashes.get(block)
-                    put_hash(h if h is not None else self._id_block_hash(*block), phys, now)
+                    id_hs.append(h if h is not None else self._id_block_hash(*block))
+                    id_phys.append(phys)
                     for b in range(block[1] + 1, ((seq + c - 1) >> ID_BLOCK_BITS) + 1):
-                        put_hash(self._id_block_hash(pid, b), phys, now)
+                        id_hs.append(self._id_block_hash(pid, b))
+                        id_phys.append(phys)
                 if listeners:
                     for cb in listeners:
                         cb(topics[j], qids[j], q + c, tag_list)
+            if id_hs:
+                self.index.put_hash_run(id_hs, id_phys, now)
         self._put_frames += 1
         self._put_batches += len(good)
         self._put_messages += n_msgs
