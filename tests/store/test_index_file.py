@@ -458,7 +458,8 @@ def test_queries_during_puts_see_a_consistent_prefix(tmp_path):
     ix.close()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 3)), min_size=1,
                 max_size=30),
        st.integers(1, 5))
