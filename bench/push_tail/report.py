@@ -18,6 +18,18 @@ def summary(out: dict[str, Any]) -> str:
     rec = out["rec"]
     lines = [f"sent {out['sent']} received {len(rec)} load {out.get('load')} "
              f"cpu {out.get('cpu')} stats {out.get('stats')}"]
+    pc = out.get("phase_cpu")
+    if pc and pc.get("received"):
+        k = pc["received"]
+        lines.append(f"phase CPU (go -> last delivery): consumer {pc['consumer']:.2f} s = "
+                     f"{pc['consumer'] / k * 1e6:.1f} us/msg, broker {pc['broker']:.2f} s = "
+                     f"{pc['broker'] / k * 1e6:.1f} us/msg ({k} delivered)")
+    dr = out.get("drains")
+    if dr:
+        ms = sorted((e - t) / 1e6 for t, _n, e in dr)
+        lines.append(f"answer slices: {len(dr)}, queues/slice p50 "
+                     f"{sorted(n for _t, n, _e in dr)[len(dr) // 2]}; ms p50 {_pct(ms, .5):.2f} "
+                     f"p99 {_pct(ms, .99):.2f} max {ms[-1]:.2f}")
     if not rec:
         return "\n".join(lines)
     # stages in ms: send->born (producer: ms clock), born->stored (ms clocks), stored->rx,

@@ -43,6 +43,7 @@ from tidemq.client.push_consumer import PushConsumer
 RX: dict[int, int] = {}  # id(message) -> ns the answer carrying it was handed over
 ANSWERS: list[tuple[int, ...]] = []  # (ns handled, queues in it, ns done, queues asked)
 STALLS: list[tuple[int, float, float]] = []  # (ns at end, wall ms, thread cpu ms)
+DRAINS: list[tuple[int, int, int]] = []  # (ns start, queue results handled, ns end)
 GCS: list[tuple[int, int, float, float, int]] = []  # (ns start, generation, ms, cpu ms, collected)
 
 
@@ -55,6 +56,17 @@ def _patch() -> None:
         ANSWERS.append((t, len(h.woken) + len(items), time.time_ns(), len(items)))
 
     pull_driver.PullDriver._answered = answered  # type: ignore[method-assign]
+
+    orig_drain = getattr(pull_driver.PullDriver, "_drain", None)
+    if orig_drain is not None:  # sliced answers: each stretch of their handling
+
+        def drain(self: Any) -> None:
+            t = time.time_ns()
+            n = len(self._work)
+            orig_drain(self)
+            DRAINS.append((t, n - len(self._work), time.time_ns()))
+
+        pull_driver.PullDriver._drain = drain  # type: ignore[method-assign]
 
     t0 = [0, 0.0, 0.0]
 
@@ -148,7 +160,7 @@ async def _ticker(stop: asyncio.Event) -> None:
 
 
 async def push_phase(namesrv: str, topics: list[tuple[str, int]], rate: int,
-                     seconds: float) -> dict[str, Any]:
+                     seconds: float, dev: DevProcess | None = None) -> dict[str, Any]:
     names = [t for t, _ in topics]
     n_queues = sum(q for _, q in topics)
     # five flat arrays, not a tuple per message: 10,000 tuples a second are tracked objects
@@ -188,6 +200,7 @@ async def push_phase(namesrv: str, topics: list[tuple[str, int]], rate: int,
             del a[:]
         RX.clear()
         ANSWERS.clear()
+        DRAINS.clear()
         GCS.clear()
         if await asyncio.to_thread(here.recv) != "ready":
             raise RuntimeError("producer did not start")
@@ -199,11 +212,14 @@ async def push_phase(namesrv: str, topics: list[tuple[str, int]], rate: int,
             prof = cProfile.Profile(time.thread_time)  # CPU: not the waits for a core
             prof.enable()
         t_go = time.time_ns()
+        cpu_go = (time.process_time(), dev.cpu_seconds() if dev is not None else 0.0)
         here.send("go")
         sent, errors = await asyncio.to_thread(here.recv)
         deadline = time.perf_counter() + 5
         while len(rec[0]) < sent - errors and time.perf_counter() < deadline:
             await asyncio.sleep(0.01)
+        # CPU from the go to the last delivery (the tail of the wait above: up to 10 ms)
+        cpu_done = (time.process_time(), dev.cpu_seconds() if dev is not None else 0.0)
         stop.set()
         if prof is not None:
             prof.disable()
@@ -221,7 +237,9 @@ async def push_phase(namesrv: str, topics: list[tuple[str, int]], rate: int,
         await consumer.close()
     return {"sent": sent, "errors": errors, "t_go": t_go,
             "rec": [list(t) for t in zip(*rec, strict=True)], "answers": ANSWERS,
-            "stalls": STALLS, "gcs": GCS, "stacks": STACKS, "long": LONG, "stats": stats}
+            "stalls": STALLS, "gcs": GCS, "drains": DRAINS,
+            "phase_cpu": {"consumer": cpu_done[0] - cpu_go[0], "broker": cpu_done[1] - cpu_go[1],
+                          "received": len(rec[0])}, "stacks": STACKS, "long": LONG, "stats": stats}
 
 
 def main() -> None:
@@ -243,9 +261,9 @@ def main() -> None:
             c0 = (dev.cpu_seconds(), time.process_time())
             if os.environ.get("PUSHTAIL_CENSUS"):
                 _census()
-                out = asyncio.run(push_phase(dev.namesrv, topics, a.rate, a.seconds))
+                out = asyncio.run(push_phase(dev.namesrv, topics, a.rate, a.seconds, dev))
             else:
-                out = run_loop(push_phase(dev.namesrv, topics, a.rate, a.seconds))
+                out = run_loop(push_phase(dev.namesrv, topics, a.rate, a.seconds, dev))
             c1 = (dev.cpu_seconds(), time.process_time())
             out["cpu"] = {"broker": c1[0] - c0[0], "consumer": c1[1] - c0[1]}
         finally:

@@ -59,6 +59,27 @@ def test_concurrent_awaited_sends_share_frames_and_each_gets_its_own_result(dev)
     assert batches < 640 / 8, f"{batches} frames for 640 concurrent sends"
 
 
+def test_awaited_sends_past_batch_max_messages_leave_in_full_batches(dev):
+    # The senders joining a batch that leaves at the end of the loop iteration (the
+    # accumulator's fast join) still cut it at batch_max_messages, each with its own result.
+    async def main():
+        await ensure_topic(dev.namesrv, "ab-cut", 4)
+        async with aio.Producer(dev.namesrv, batch_max_messages=50) as p:
+            await p.send(aio.Message("ab-cut", b"warm"))
+            b0, m0 = p.accumulator.batches, p.accumulator.batched_messages
+            results = await asyncio.gather(
+                *(p.send(aio.Message("ab-cut", f"c{i}".encode())) for i in range(200)))
+            acc = p.accumulator
+            return results, acc.batches - b0, acc.batched_messages - m0
+
+    results, batches, messages = _run(main())
+    assert messages == 200
+    # 4 of 50, or the first alone (nothing in flight) and 50, 50, 50, 49
+    assert batches in (4, 5), f"{batches} batches for 200 sends of at most 50"
+    assert len({(r.queue_id, r.queue_offset) for r in results}) == 200
+    assert all(r.status == tidemq.SendStatus.SEND_OK for r in results)
+
+
 def test_a_send_that_finds_nothing_in_flight_leaves_at_once(dev):
     async def main():
         # a linger of 2 s: an awaited send must not wait for it

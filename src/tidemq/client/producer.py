@@ -50,6 +50,13 @@ SendCallback = Callable[[SendResult | None, BaseException | None], None]
 DEFAULT_GROUP = "DEFAULT_PRODUCER"
 _ROUTING_OPTIONS = frozenset({"timeout", "queue_id", "selector", "arg", "hash_key"})
 MAX_MESSAGE_SIZE = 4 * 1024 * 1024  # the broker's default batch limit (ref BR1)
+#: An automatic batch leaves at this many bytes of bodies (or ``batch_max_messages``). 512 KiB,
+#: not 128: a batch costs ~150 µs of client CPU beyond its messages (its request, the frame's
+#: write, the answer, the encoder's per-batch calls), so ~125 varied 1 KiB messages a batch
+#: paid ~1.2 µs each for it; at ~500 a batch `bench app`'s send_async used 3.9-4.1 instead of
+#: 4.6-5.9 µs of client CPU and 3.2-3.6 instead of 4.4-4.9 µs of broker CPU per message
+#: (docs/benchmarks.md, fifth session). 1 MiB measured no better.
+BATCH_MAX_BYTES = 512 * 1024
 
 
 def _pins(options: dict[str, Any]) -> bool:
@@ -102,7 +109,7 @@ class Producer:
         auto_create_route: bool = True,
         auto_batch: bool = True,
         batch_max_messages: int = 1000,
-        batch_max_bytes: int = 128 * 1024,
+        batch_max_bytes: int = BATCH_MAX_BYTES,
         batch_max_delay: float = 0.001,
         producer_name: str | None = None,
         default_topic_queues: int = 8,

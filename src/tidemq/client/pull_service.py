@@ -126,6 +126,9 @@ def _skipped(corrupt: CorruptRecords, mq: MessageQueue, queue_offset: int, count
 class PullService:
     """Executes pull requests for every queue of one consumer (event loop only)."""
 
+    #: a pull driver's answer of many queues is handled in slices of the loop (PullDriver)
+    slice_answers = True
+
     def __init__(self, consumer: PushConsumer) -> None:
         self.c = consumer
         self.loop = asyncio.get_running_loop()

@@ -13,16 +13,36 @@ guide is docs/spark.md. This package uses only ``tidemq.client`` (import-linter 
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from tidemq.spark.schema import READ_SCHEMA
-from tidemq.spark.source import TideMQDataSource
+if TYPE_CHECKING:
+    from tidemq.spark.schema import READ_SCHEMA
+    from tidemq.spark.source import TideMQDataSource
 
 __all__ = ["TideMQDataSource", "READ_SCHEMA", "register"]
+
+#: Loaded on first use (PEP 562), not by ``import tidemq.spark``: a Spark task that writes
+#: unpickles its writer from ``tidemq.spark.sink``, which first runs this package's
+#: ``__init__``; importing the read side here (source, planner, schema, range_reader) cost
+#: every fresh Python worker and every micro-batch commit process 0.3-0.5 s more before its
+#: first row (measured on a loaded 2-core machine, docs/benchmarks.md).
+_LAZY = {"TideMQDataSource": "tidemq.spark.source", "READ_SCHEMA": "tidemq.spark.schema"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
 def register(spark: Any) -> None:
     """Register ``format("tidemq")`` with a SparkSession."""
+    from tidemq.spark.source import TideMQDataSource
+
     spark.dataSource.register(TideMQDataSource)
 
 

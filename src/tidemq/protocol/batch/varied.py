@@ -6,7 +6,7 @@ Why hand-written (measured, docs/producer-path.md): a Python loop over the messa
 ~1.5-2 µs per message in attribute reads, a properties join, a ``struct.pack`` and list stores;
 ``send_async`` of 200 k varied messages spent half of its client CPU there. Here no Python code
 runs per message, and a batch makes about twenty numpy calls (each costs ~0.5-1 µs, which a
-batch of ~125 messages of ~1 KiB, what ``batch_max_bytes`` lets through, feels):
+batch of ~125 messages feels; ``batch_max_bytes`` lets ~500 of ~1 KiB through):
 
 - the caller reads every field of all messages in one pass (``map`` of ``astuple`` for the
   client's Message structs, else of an ``attrgetter``);
