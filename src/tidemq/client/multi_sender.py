@@ -83,19 +83,18 @@ class MultiQueueSender:
         # per batch for 30 s: slower still, more timeouts, and the avoidance renewed
         # (100,000 queues: 4.4 k msgs/s and 1,788 send errors of 100,000).
         # once per batch, and at 100,000 queues nearly every batch is one message: locals
-        cached, select, no_multi = router.cached, router.select, self.no_multi
-        # the router's everyday choice (plain round robin while no broker is avoided), inlined
+        cached, no_multi = router.cached, self.no_multi
+        # the router's choice for unpinned batches (round robin, avoiding a slow broker);
+        # rr: the everyday case (no broker avoided) inlined
+        choose = router.spread_chooser()
         rr = None if router.faults.avoiding else router._rr
         for b in batches:
             route = cached(b[0])
             if route is None or not route.write_queues:
                 rest.append(b)
                 continue
-            if rr is not None:
-                queues = route.write_queues
-                mq = queues[next(rr) % len(queues)]
-            else:
-                mq, _ = select(route, b[1][0], None, None, None, None, None)
+            queues = route.write_queues
+            mq = queues[next(rr) % len(queues)] if rr is not None else choose(queues)
             addr = route.broker_addrs.get(mq.broker_name)
             if addr is None or addr in no_multi:
                 rest.append(b)
