@@ -35,6 +35,7 @@ import mmap
 import os
 import resource
 import shutil
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -88,7 +89,7 @@ from tidemq.store.config import StoreConfig
 from tidemq.store.consume_queue import ConsumeQueueTable
 from tidemq.store.flush import FlushCallback, FlushMode, FlushService
 from tidemq.store.index_file import IndexService, key_hash
-from tidemq.store.index_log import IndexLog, LogQueue
+from tidemq.store.index_log import UNIT_DTYPE, UNIT_SIZE, IndexLog, LogQueue
 from tidemq.store.pull_outcome import (
     GetResult,
     ReadBatch,
@@ -100,6 +101,13 @@ from tidemq.store.pull_outcome import (
 from tidemq.store.pull_outcome import GetStatus as GetStatus
 from tidemq.store.recovery import RecoveryReport, scan
 from tidemq.store.retention import RetentionService
+
+# get_messages reads up to this many index units with one struct unpack (phys, size, tag per
+# unit: UNIT_DTYPE's layout) instead of a numpy array: 0.4 against 0.9 us for the unit or two
+# a queue holds when a backlog is spread over 100,000 queues
+_UNITS_BY_STRUCT = 16
+_UNITS_OF = [struct.Struct("<" + "QIQ" * k) for k in range(_UNITS_BY_STRUCT + 1)]
+assert _UNITS_OF[1].size == UNIT_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -1104,13 +1112,20 @@ class MessageStore:
         # stored_span and the segment's view is reused: per batch this loop is a few calls,
         # which is what a backlog of single-message batches needs.
         while q < mx and n < max_messages and nbytes < max_bytes:
-            units = cq.units(q, max_messages - n)
-            if not len(units):
+            raw = cq.unit_bytes(q, max_messages - n)
+            k = len(raw) // UNIT_SIZE
+            if not k:
                 break
             base = q
-            phys_l = units["phys"].tolist()
-            size_l = units["size"].tolist()
-            k = len(phys_l)
+            if k <= _UNITS_BY_STRUCT:
+                # a queue's next unit or two (a backlog spread over many queues): one unpack
+                vals = _UNITS_OF[k].unpack(raw)
+                phys_l = vals[0::3]
+                size_l = vals[1::3]
+            else:
+                units = np.frombuffer(raw, UNIT_DTYPE)
+                phys_l = units["phys"].tolist()
+                size_l = units["size"].tolist()
             i = 0
             while i < k and n < max_messages and nbytes < max_bytes:
                 phys = phys_l[i]
