@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from tidemq.client.message import Message, MessageExt, SendResult
 from tidemq.protocol.batch.layout import (
@@ -227,21 +226,20 @@ def may_hold_chunks(msgs: list[MessageExt]) -> bool:
         if b is prev:
             continue
         prev = b
-        if b.count == 1 and _props_len(b, m._i) > 0 and CHUNK_UUID in m.properties:
+        if b.count != 1:
+            continue
+        h = b.h
+        if (len(h) > H_REC0_PROPS_LEN and not h[H_KEYS_SIZE] and not h[H_IDX0_REL]
+                and not h[H_ATTRIBUTES] & ATTR_COMPRESSION_MASK):
+            # the record header the decoder read with the batch's (batch.layout.heads_struct:
+            # valid for one uncompressed message without keys), not read again: at 10,000
+            # queues every message of a pull is such a batch (issue 17)
+            props_len = h[H_REC0_PROPS_LEN]
+        else:
+            props_len = b.record(m._i)[4]
+        if props_len > 0 and CHUNK_UUID in m.properties:
             return True
     return False
-
-
-def _props_len(b: Any, i: int) -> int:
-    """Properties length of message ``i`` of the one-message batch ``b``: the decoder's header
-    tuple holds it when the record follows the index directly (uncompressed, keyless; read
-    with the batch's headers, codec.decode_pull_body), saving a second unpack per message."""
-    h = b.h
-    if (len(h) > H_REC0_PROPS_LEN and not h[H_KEYS_SIZE] and not h[H_IDX0_REL]
-            and not h[H_ATTRIBUTES] & ATTR_COMPRESSION_MASK):
-        n: int = h[H_REC0_PROPS_LEN]
-        return n
-    return int(b.record(i)[4])
 
 
 class _Assembled(MessageExt, array_like=True, gc=False):
