@@ -5,6 +5,7 @@ waits on a loop nobody runs."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import threading
 import time
@@ -361,7 +362,12 @@ def test_a_wait_with_no_time_left_times_out_instead_of_sleeping_for_ever():
 
 def _held_inbox(p, monkeypatch):
     """The producer's inbox as while a batch of its topic is in flight: a put wakes nobody,
-    and what is put stays in the inbox until the answer's drain (here: the test's)."""
+    and what is put stays in the inbox until the answer's drain (here: the test's).
+
+    First waits until the loop has finished with the warm-up send's answer: it wakes the
+    caller before its own drain (``wake_first``), and on a loaded machine that drain could
+    run after the test's first put and take the message away."""
+    p._host.run(asyncio.sleep(0))  # a callback queued after the answer's: it is done
     inbox = p._inbox
     monkeypatch.setattr(inbox, "_answer_pending", lambda topic: True)
     return inbox
