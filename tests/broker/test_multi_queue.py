@@ -85,20 +85,26 @@ def test_the_producer_sends_spread_traffic_in_multi_queue_frames(tmp_path):
             async with Producer(ns.addr, batch_max_delay=0.005) as p:
                 for t in topics:  # routes cached
                     await p.send(Message(t, b"first"))
-                futs = [p.send_async(Message(topics[i % 20], b"m%d" % i)) for i in range(200)]
+                # ~10 messages a topic's batch: plain ones take the frame's small-batch
+                # encoder; a batch holding a tagged message (i = 0, 140: topic 0) the full one
+                futs = [p.send_async(Message(topics[i % 20], b"m%d" % i,
+                                             tags="x" if i % 140 == 0 else None))
+                        for i in range(200)]
                 results = await asyncio.gather(*futs)
                 assert p.multi.frames >= 1
                 assert all(r.queue_offset >= 1 for r in results)
             c = PullConsumer(ns.addr, "g-spread", consume_from="first", auto_commit=False)
             for t in topics:
                 c.subscribe(t)
-            got: list[bytes] = []
+            got: list[tuple[bytes, str | None]] = []
             async with c:
                 while len(got) < 220:
                     msgs = await c.poll(timeout=5)
                     assert msgs, len(got)
-                    got += [m.body for m in msgs]
-            assert sorted(got) == sorted([b"first"] * 20 + [b"m%d" % i for i in range(200)])
+                    got += [(m.body, m.tags or None) for m in msgs]
+            assert sorted(got, key=repr) == sorted(
+                [(b"first", None)] * 20
+                + [(b"m%d" % i, "x" if i % 140 == 0 else None) for i in range(200)], key=repr)
 
         asyncio.run(run())
     finally:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tidemq.client.codec import decode_batches, decode_pull_body
 from tidemq.client.message import Message
-from tidemq.protocol.batch.fast import encode_messages
+from tidemq.protocol.batch.fast import encode_messages, encode_small_plain
 from tidemq.protocol.batch.fields import set_queue_id
 from tidemq.protocol.batch.tags import parse_tag_expression
 from tidemq.protocol.errors import CorruptBatchError
@@ -103,6 +103,20 @@ def test_small_plain_batches_match_reference(bodies):
     got = encode_messages("topic-a", msgs, queue_id=5, producer_id=11, base_seq=3, born_ts=1234,
                           born_host=pack_host("10.0.0.7"), born_port=4321)
     assert got == reference(msgs, queue_id=5, producer_id=11, base_seq=3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.binary(max_size=300), min_size=2, max_size=32))
+def test_a_frames_small_plain_batch_encodes_as_encode_messages(bodies):
+    """encode_small_plain (a SEND_MULTI_QUEUE frame's batches of a few plain messages, without
+    the encoder's dispatch) gives encode_messages' bytes."""
+    msgs = [Message("topic-a", b) for b in bodies]
+    host = pack_host("10.0.0.7")
+    got = encode_small_plain("topic-a", 5, bodies, 11, 3, 1234, host, 4321)
+    assert got == encode_messages("topic-a", msgs, queue_id=5, producer_id=11, base_seq=3,
+                                  born_ts=1234, born_host=host, born_port=4321)
+    with pytest.raises(ValueError):
+        encode_small_plain("topic-a", 5, bodies[:1], 11, 3, 1234, host, 4321)
 
 
 def test_fixed_size_fast_path_matches_reference():

@@ -4,6 +4,7 @@ suggested broker, else the master, else a slave; an unreachable address is skipp
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 from tidemq.client.connection import ConnectionPool
 from tidemq.client.message import MessageQueue
@@ -48,3 +49,50 @@ def test_addr_for_read_follows_the_suggestion_and_skips_dead_addresses():
         assert rc.group_size("a") == 2
 
     asyncio.run(go())
+
+
+def test_spread_choice_avoids_a_slow_broker_asking_each_broker_once():
+    """The queue choice of a flush of spread traffic (client/multi_sender.py) picks what
+    ``select`` picks -- another broker's queue while one is avoided, round robin when every
+    broker of the route is -- asking the latency-fault table once per broker, not once per
+    candidate queue of every batch."""
+    from tidemq.client.latency_fault import LatencyFaultTable
+    from tidemq.client.send_router import SendRouter
+
+    def two(topic: str, queues: int) -> TopicRoute:
+        return TopicRoute(topic, TopicRouteData(
+            queue_datas=[QueueData(broker_name=n, read_queue_nums=queues,
+                                   write_queue_nums=queues) for n in ("a", "b")],
+            broker_datas=[BrokerData(cluster="c", broker_name=n, broker_addrs={0: f"{n}:1"})
+                          for n in ("a", "b")],
+        ))
+
+    asked: list[str] = []
+
+    class Counted(LatencyFaultTable):
+        def available(self, broker: str) -> bool:
+            asked.append(broker)
+            return super().available(broker)
+
+    router = SendRouter(RouteCache(ConnectionPool(), "ns:1"), latency_fault=True,
+                        auto_create_route=False, default_topic_queues=4)
+    router.faults = Counted()
+    routes = [two(f"T{i}", 8) for i in range(50)]
+    router.record("a", 10_000)  # a is avoided for a while
+    choose = router.spread_chooser()
+    picked = [choose(r.write_queues) for r in routes]
+    assert {mq.broker_name for mq in picked} == {"b"}
+    assert sorted(asked) == ["a", "b"]  # once each for the 50 choices
+    # select's choice, from the same round-robin position
+    asked.clear()
+    router._rr = itertools.count(7)
+    sel = [router.select(r, None, None, None, None, None, None)[0]  # type: ignore[arg-type]
+           for r in routes[:5]]
+    router._rr = itertools.count(7)
+    choose = router.spread_chooser()
+    assert [choose(r.write_queues) for r in routes[:5]] == sel
+    router.record("b", 10_000)  # every broker avoided: plain round robin, as select
+    router._rr = itertools.count(3)
+    choose = router.spread_chooser()
+    assert [choose(r.write_queues) for r in routes[:3]] == [
+        r.write_queues[(3 + i) % 16] for i, r in enumerate(routes[:3])]

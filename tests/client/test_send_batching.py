@@ -59,6 +59,24 @@ def test_concurrent_awaited_sends_share_frames_and_each_gets_its_own_result(dev)
     assert batches < 640 / 8, f"{batches} frames for 640 concurrent sends"
 
 
+def test_send_async_of_1_kib_messages_leaves_in_batches_of_about_500_by_default(dev):
+    # batch_max_bytes is 512 KiB by default (producer.BATCH_MAX_BYTES; 128 KiB made ~125
+    # messages of 1 KiB a batch, and each batch's own cost was ~1.2 µs of client CPU a message)
+    async def main():
+        await ensure_topic(dev.namesrv, "ab-big-batches", 4)
+        async with aio.Producer(dev.namesrv) as p:
+            await p.send(aio.Message("ab-big-batches", b"warm"))
+            b0 = p.accumulator.batches
+            futs = [p.send_async(aio.Message("ab-big-batches", bytes(1000), keys=f"k{i}"))
+                    for i in range(2000)]
+            await p.flush()
+            return [f.result() for f in futs], p.accumulator.batches - b0
+
+    results, batches = _run(main())
+    assert len({(r.queue_id, r.queue_offset) for r in results}) == 2000
+    assert batches <= 4, f"{batches} batches for 2000 messages of 1000 bytes"
+
+
 def test_awaited_sends_past_batch_max_messages_leave_in_full_batches(dev):
     # The senders joining a batch that leaves at the end of the loop iteration (the
     # accumulator's fast join) still cut it at batch_max_messages, each with its own result.

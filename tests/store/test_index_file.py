@@ -456,3 +456,41 @@ def test_queries_during_puts_see_a_consistent_prefix(tmp_path):
     assert errors == []
     assert ix.query("hot", 0, 2**62, 10_000) == list(range(595, 0, -7))
     ix.close()
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 3)), min_size=1,
+                max_size=30),
+       st.integers(1, 5))
+def test_put_hash_run_writes_what_put_hash_writes(tmp_path_factory, entries, frames):
+    """A frame's id-index entries in one call (issue 17) leave the same bytes as one
+    put_hash per entry: rolls when a file is full, an entry below the last indexed phys
+    skipped, the header written once."""
+    a, b = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("run")
+    one = IndexService(a, slots=4, max_entries=7)
+    run = IndexService(b, slots=4, max_entries=7)
+    ts, phys = 1_700_000_000_000, 1000
+    hs, physs = [], []
+    for h, step in entries:
+        phys += step * 100
+        hs.append(h)
+        physs.append(phys)
+    cut = len(hs) // frames or 1
+    for i in range(0, len(hs), cut):
+        one_h, one_p = hs[i : i + cut], physs[i : i + cut]
+        first = one_p[0] - 50  # below the last indexed phys from the second frame on: skipped
+        one.put_hash(7, first, ts)
+        run.put_hash_run([7], [first], ts)
+        for h, p in zip(one_h, one_p, strict=True):
+            one.put_hash(h, p, ts)
+        run.put_hash_run(one_h, one_p, ts)
+        ts += 3
+    one.flush()
+    run.flush()
+    assert len(one.files) == len(run.files)
+    for x, y in zip(one.files, run.files, strict=True):
+        with open(x, "rb") as f1, open(y, "rb") as f2:
+            assert f1.read() == f2.read()
+    one.close()
+    run.close()

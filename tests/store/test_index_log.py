@@ -30,6 +30,7 @@ def _units(q, lo: int | None = None) -> list[tuple[int, int, int]]:
     while off < q.max_offset:
         u = q.units(off, 7)
         assert len(u), (q, off)
+        assert q.unit_bytes(off, 7) == u.tobytes()  # the same units, as stored bytes
         out += [(int(r["phys"]), int(r["size"]), int(r["tag"])) for r in u]
         off += len(u)
     return out

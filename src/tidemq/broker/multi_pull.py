@@ -360,6 +360,9 @@ class MultiPullProcessor:
             self.pull.admit_group(h.consumer_group)
         except RequestRejected as exc:
             refused = exc
+        admit_queue = self.pull.admit_queue
+        read = self.pull.read
+        results = agg.results
         for i, p in enumerate(h.pulls):
             if agg.nbytes >= budget:
                 # A response stays within one read's bytes (and the frame limit): the queues
@@ -380,15 +383,23 @@ class MultiPullProcessor:
                 suspend_timeout_millis=h.suspend_timeout_millis, subscription=p.subscription,
                 expression_type=p.expression_type,
             )
-            slot = _PullSlot(agg, i)
             try:
                 if refused is not None:
                     raise refused
-                tags = self.pull.admit_queue(one, agg.conn)
-                self.pull.process(slot, i, one, tags, allow_suspend=False)  # type: ignore[arg-type]
+                tags = admit_queue(one, conn)
+                # the read of a PULL_MESSAGE, its answer straight into this queue's slot
+                code, got, bodies, members, nb, suggest = read(one, tags)
             except RequestRejected as exc:
                 agg.put(i, exc.response_code, _Msg(exc.message), None)
                 continue
+            res = results[i] = MultiQueuePullResult(
+                code, got.next_begin_offset, got.min_offset, got.max_offset, nb, "", members,
+                suggest)
+            if p.resolve and i in agg.starts:
+                res.start_offset, res.start_committed = agg.starts[i]
+            if bodies:
+                agg.bodies[i] = bodies
+                agg.nbytes += nb
             admitted.append((i, one, tags))
         all_empty = all(r is not None and r.code == _NOT_FOUND for r in agg.results)
         if st is not None:

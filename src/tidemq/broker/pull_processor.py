@@ -70,6 +70,7 @@ from tidemq.protocol.headers import (
     PullSysFlag,
 )
 from tidemq.store.message_store import GetStatus
+from tidemq.store.pull_outcome import GetResult
 
 if TYPE_CHECKING:
     from tidemq.broker.broker import Broker
@@ -97,6 +98,7 @@ _FIXED_CODES: dict[GetStatus, ResponseCode] = {
     _S.OFFSET_OVERFLOW_BADLY: _R.PULL_OFFSET_MOVED,
     _S.OFFSET_TOO_SMALL: _R.PULL_OFFSET_MOVED,
 }
+_SUCCESS = int(_R.SUCCESS)
 _EMPTY_QUEUE = frozenset({_S.NO_MESSAGE_IN_QUEUE, _S.NO_MATCHED_LOGIC_QUEUE})
 
 
@@ -223,34 +225,17 @@ class PullProcessor:
         allow_suspend: bool,
     ) -> None:
         """Read and answer (or hold) one validated pull."""
-        np = self.broker.non_persistent
-        src = np if np.owns(h.topic) else self.store
-        members: list[bytes] = []
-        if h.expression_type == "SQL92" or h.expression_type.upper() == "SQL92":
-            r, members, _examined = read_selected(
-                src, h.topic, h.queue_id, h.queue_offset, h.max_msg_nums,
-                sql_filter_for(h.subscription), max_read_bytes=self.store.config.max_read_bytes,
-            )
-        else:
-            r = src.get_messages(h.topic, h.queue_id, h.queue_offset, h.max_msg_nums, tags)
-        status = r.status
-        if status is _S.FOUND:
-            bodies = [b.data for b in r.batches]
-            n = 0
-            for b in bodies:
-                n += len(b)
-            self.stats.record_get(h.consumer_group, h.topic, r.message_count, n)
+        code, r, bodies, members, _n, suggest = self.read(h, tags)
+        if bodies is not None:
             header = PullMessageResponseHeader(
                 next_begin_offset=r.next_begin_offset,
                 min_offset=r.min_offset,
                 max_offset=r.max_offset,
                 members=members,
+                suggest_which_broker_id=suggest,
             )
-            if self.config.slave_read_enable and src is self.store:
-                header.suggest_which_broker_id = self._suggest(h.consumer_group, bodies[-1])
             conn.respond(opaque, ResponseCode.SUCCESS, header, bodies)
             return
-        code = response_code_for(status, h.queue_offset)
         suspend = allow_suspend and h.sys_flag & PullSysFlag.SUSPEND
         if code == ResponseCode.PULL_NOT_FOUND and suspend:
             cfg = self.config
@@ -277,6 +262,35 @@ class PullProcessor:
                 max_offset=r.max_offset,
             ),
         )
+
+    def read(self, h: PullMessageRequestHeader, tags: frozenset[int] | None
+             ) -> tuple[int, GetResult, list[memoryview] | None, list[bytes], int, int]:
+        """Read one validated pull: (response code, the store's result, the found batches --
+        None unless SUCCESS --, the SQL92 members, their bytes, the suggested broker id).
+        ``process`` answers it as a PULL_MESSAGE, a PULL_MULTI_QUEUE as one of its queues."""
+        np = self.broker.non_persistent
+        src = np if np.owns(h.topic) else self.store
+        members: list[bytes] = []
+        if h.expression_type == "SQL92" or h.expression_type.upper() == "SQL92":
+            r, members, _examined = read_selected(
+                src, h.topic, h.queue_id, h.queue_offset, h.max_msg_nums,
+                sql_filter_for(h.subscription), max_read_bytes=self.store.config.max_read_bytes,
+            )
+        else:
+            r = src.get_messages(h.topic, h.queue_id, h.queue_offset, h.max_msg_nums, tags)
+        if r.status is not _S.FOUND:
+            return response_code_for(r.status, h.queue_offset), r, None, members, 0, MASTER_ID
+        bodies = []
+        n = count = 0
+        for b in r.batches:
+            bodies.append(b.data)
+            n += len(b.data)
+            count += b.count
+        self.stats.record_get(h.consumer_group, h.topic, count, n)
+        suggest = MASTER_ID
+        if self.config.slave_read_enable and src is self.store:
+            suggest = self._suggest(h.consumer_group, bodies[-1])
+        return _SUCCESS, r, bodies, members, n, suggest
 
     def _suggest(self, group: str, last: memoryview) -> int:
         """RocketMQ's suggestWhichBrokerId: a consumer more than

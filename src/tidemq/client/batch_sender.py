@@ -31,7 +31,7 @@ from tidemq.client.retry_policy import RetryPolicy
 from tidemq.client.route import TopicRoute
 from tidemq.client.send_router import Selector, SendRouter
 from tidemq.client.sequencer import Sequencer
-from tidemq.protocol.batch.fast import encode_messages, encode_one
+from tidemq.protocol.batch.fast import encode_messages, encode_one, encode_small_plain
 from tidemq.protocol.batch.fields import set_queue_id
 from tidemq.protocol.codes import RequestCode, ResponseCode
 from tidemq.protocol.errors import BrokerError, LocalProtocolError
@@ -122,6 +122,28 @@ class BatchSender:
         if len(batch) > self.max_message_size:
             raise self._oversize(len(batch), 1)
         sq.next_seq = seq + 1
+        return batch, seq
+
+    def encode_small(self, topic: str, msgs: Sequence[Message], queue_id: int,
+                     packed_host: bytes, port: int, born_ts: int
+                     ) -> tuple[bytearray, int] | None:
+        """:meth:`encode_batch` of 2..32 plain messages (no tags, keys, properties, delay nor
+        deliver_at; the caller checked the producer does not compress), without the encoder's
+        per-batch dispatch: the small batches of a frame at 10,000 queues and more
+        (client/multi_sender.py). None when a message is not plain (then ``encode_batch``)."""
+        for m in msgs:
+            if m.tags or m.keys or m.properties or m.delay_level or m.deliver_at:
+                return None
+        sq = self.sequencer
+        seq = sq.next_seq
+        try:
+            batch = encode_small_plain(topic, queue_id, [m.body for m in msgs],
+                                       sq.producer_id, seq, born_ts, packed_host, port)
+        except (ValueError, struct.error) as exc:
+            raise _unencodable(exc) from exc
+        if len(batch) > self.max_message_size:
+            raise self._oversize(len(batch), len(msgs))
+        sq.next_seq = seq + len(msgs)
         return batch, seq
 
     def encode_batch(

@@ -35,6 +35,13 @@ import time
 from collections.abc import Awaitable, Callable
 
 from tidemq.client.message import Message, MessageExt, SendResult
+from tidemq.protocol.batch.layout import (
+    ATTR_COMPRESSION_MASK,
+    H_ATTRIBUTES,
+    H_IDX0_REL,
+    H_KEYS_SIZE,
+    H_REC0_PROPS_LEN,
+)
 
 __all__ = [
     "ChunkAssembler",
@@ -219,7 +226,18 @@ def may_hold_chunks(msgs: list[MessageExt]) -> bool:
         if b is prev:
             continue
         prev = b
-        if b.count == 1 and b.record(m._i)[4] > 0 and CHUNK_UUID in m.properties:
+        if b.count != 1:
+            continue
+        h = b.h
+        if (len(h) > H_REC0_PROPS_LEN and not h[H_KEYS_SIZE] and not h[H_IDX0_REL]
+                and not h[H_ATTRIBUTES] & ATTR_COMPRESSION_MASK):
+            # the record header the decoder read with the batch's (batch.layout.heads_struct:
+            # valid for one uncompressed message without keys), not read again: at 10,000
+            # queues every message of a pull is such a batch (issue 17)
+            props_len = h[H_REC0_PROPS_LEN]
+        else:
+            props_len = b.record(m._i)[4]
+        if props_len > 0 and CHUNK_UUID in m.properties:
             return True
     return False
 

@@ -63,6 +63,10 @@ class MultiQueueSender:
         #: marks batches, or compresses them)
         self.encode_one: Callable[[str, Message, int, bytes, int, int],
                                   tuple[bytearray, int]] | None = None
+        #: encodes a batch of 2..32 messages if all are plain (BatchSender.encode_small;
+        #: None when it declines), set with ``encode_one``
+        self.encode_small: Callable[[str, list[Message], int, bytes, int, int],
+                                    tuple[bytearray, int] | None] | None = None
         self.packed_host: Callable[[str], bytes] = lambda host: b""
         self.frames = 0  # SEND_MULTI_QUEUE frames sent (stats, tests)
 
@@ -79,19 +83,18 @@ class MultiQueueSender:
         # per batch for 30 s: slower still, more timeouts, and the avoidance renewed
         # (100,000 queues: 4.4 k msgs/s and 1,788 send errors of 100,000).
         # once per batch, and at 100,000 queues nearly every batch is one message: locals
-        cached, select, no_multi = router.cached, router.select, self.no_multi
-        # the router's everyday choice (plain round robin while no broker is avoided), inlined
+        cached, no_multi = router.cached, self.no_multi
+        # the router's choice for unpinned batches (round robin, avoiding a slow broker);
+        # rr: the everyday case (no broker avoided) inlined
+        choose = router.spread_chooser()
         rr = None if router.faults.avoiding else router._rr
         for b in batches:
             route = cached(b[0])
             if route is None or not route.write_queues:
                 rest.append(b)
                 continue
-            if rr is not None:
-                queues = route.write_queues
-                mq = queues[next(rr) % len(queues)]
-            else:
-                mq, _ = select(route, b[1][0], None, None, None, None, None)
+            queues = route.write_queues
+            mq = queues[next(rr) % len(queues)] if rr is not None else choose(queues)
             addr = route.broker_addrs.get(mq.broker_name)
             if addr is None or addr in no_multi:
                 rest.append(b)
@@ -135,13 +138,19 @@ class MultiQueueSender:
             one = self.encode_one
             if one is not None:
                 packed = self.packed_host(host)
+                small = self.encode_small
                 for mq, (topic, msgs, _futs) in items:
-                    if len(msgs) == 1 and not (msgs[0].delay_level or msgs[0].deliver_at):
+                    n = len(msgs)
+                    if n == 1 and not (msgs[0].delay_level or msgs[0].deliver_at):
                         # a batch of one plain message (at 100,000 queues nearly every one)
                         encoded, seq = one(topic, msgs[0], mq.queue_id, packed, port, born_ts)
                     else:
-                        encoded, seq = encode(topic, msgs, mq.queue_id, host, port, None,
-                                              born_ts)
+                        # a few plain messages (at 10,000 queues ~10 a batch), else the
+                        # encoder's full dispatch
+                        got = (small(topic, msgs, mq.queue_id, packed, port, born_ts)
+                               if small is not None and n <= 32 else None)
+                        encoded, seq = got if got is not None else encode(
+                            topic, msgs, mq.queue_id, host, port, None, born_ts)
                     parts.append(encoded)
                     seqs.append(seq)
             else:

@@ -167,6 +167,7 @@ class Producer:
             if type(self)._encode is Producer._encode and not self.sender.compression:
                 # batches encoded as encode_batch would (no subclass marks them)
                 self.multi.encode_one = self.sender.encode_one
+                self.multi.encode_small = self.sender.encode_small
                 self.multi.packed_host = self.sender.packed_host
         acc.start_one = self._start_one
         acc.flush_now = self.pool.flush_now

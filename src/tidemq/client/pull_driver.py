@@ -15,11 +15,15 @@ flight for every queue it pulls from that broker (docs/protocol.md 4.0, "standin
   permits are left (the result says ``stands``): it is not pulled again per answer, only
   when the broker says it no longer stands.
 
-Each answer is handled here, synchronously, by the pull service's own result handling
-(``PullService.on_result``: ProcessQueue, consume service, offsets, OFFSET_ILLEGAL, refusals),
-the same as a PULL_MESSAGE's; a queue to pull again at once is due again. Flow control, pause,
-orderly locks and retry delays stay the pull service's (``PullService.multi_pull_of`` checks
-them when a due queue is sent; a queue held back returns through ``PullService.execute_now``).
+Each answer is handled here by the pull service's own result handling (``PullService.on_result``:
+ProcessQueue, consume service, offsets, OFFSET_ILLEGAL, refusals), the same as a PULL_MESSAGE's;
+a queue to pull again at once is due again. Which queues stand is settled when the answer
+arrives; the queue results follow oldest first, for the push consumer (``slice_answers``) a
+slice of the loop at a time (``loop_share.SLICE``), so that an answer of a thousand woken queues
+is not one stretch of the loop (:meth:`PullDriver._drain`); the lite consumer's all at once.
+Flow control, pause, orderly locks and retry delays stay the pull service's
+(``PullService.multi_pull_of`` checks them when a due queue is sent; a queue held back returns
+through ``PullService.execute_now``).
 A queue dropped by a rebalance is skipped when due and forgotten when answered; assigned again
 it is a new pull request that replaces the old one here and on the broker. A failed request
 returns its queues and every standing one to the pull service's error handling (retry after
@@ -338,8 +342,8 @@ class PullDriver:
                     # standing on at its next offset from now: a later answer may wake it
                     # again before this result is handled (answers are handled in order)
                     standing[key] = got
-                else:
-                    got.pq.standing = False
+                # else ``pq.standing`` stays until the result is handled (_result): the
+                # queue is not idle meanwhile (ProcessQueue.pull_expired)
                 work.append((key, got, w.result, part, stands))
         if self.standing and self.in_flight == 0:
             self._schedule()  # keep a request in flight for the next woken queues
@@ -370,6 +374,8 @@ class PullDriver:
 
     def _result(self, key: Key, req: PullRequest, r: MultiQueuePullResult, part: Any,
                 stands: bool = False) -> None:
+        if not stands:
+            req.pq.standing = False
         if req.pq.dropped:
             self.latest.pop(key, None)
             self._not_standing(key, req)

@@ -89,6 +89,32 @@ class SendRouter:
         if self.latency_fault:
             self.faults.update(broker, latency_ms)
 
+    def spread_chooser(self) -> Callable[[list[MessageQueue]], MessageQueue]:
+        """The queue choice of :meth:`select` for unpinned batches (no queue id, selector,
+        hash key nor broker to avoid), for many batches chosen at once (a flush of spread
+        traffic, client/multi_sender.py): each broker's availability is asked once per
+        chooser, not once per candidate queue of every batch (a route of 8 queues on the one
+        avoided broker asked it 8 times per batch, to end on the round-robin queue anyway)."""
+        rr = self._rr
+        if not self.faults.avoiding:
+            return lambda queues: queues[next(rr) % len(queues)]
+        available = self.faults.available
+        known: dict[str, bool] = {}
+
+        def choose(queues: list[MessageQueue]) -> MessageQueue:
+            n = len(queues)
+            start = next(rr)
+            for k in range(n):
+                mq = queues[(start + k) % n]
+                ok = known.get(mq.broker_name)
+                if ok is None:
+                    ok = known[mq.broker_name] = available(mq.broker_name)
+                if ok:
+                    return mq
+            return queues[start % n]  # every broker of the route avoided: round robin
+
+        return choose
+
     def select(
         self,
         route: TopicRoute,

@@ -287,6 +287,34 @@ class IndexFile:
         self.index_count = n
         self.mf.dirty = True
 
+    def add_run(self, hashes: list[int], physs: list[int], ts: int) -> None:
+        """:meth:`add_one` of each (hash, phys) in turn (``physs`` ascending), the header
+        written once at the end as :meth:`add` writes it: a SEND_MULTI_QUEUE frame's id-index
+        entries, one per batch (issue 17). The caller checked room for all of them."""
+        mm = self.mf.mm
+        n = self.index_count
+        if n == 0:
+            self.begin_ts = self.end_ts = ts
+            self.begin_phys = physs[0]
+        diff = max(ts - self.begin_ts, 0)
+        slots, used = self.slots, self.hash_slot_count
+        es = self.entries_start - ENTRY_SIZE  # entry numbers are 1-based
+        unpack_slot, pack_slot, pack_entry = SLOT.unpack_from, SLOT.pack_into, ENTRY.pack_into
+        for h, phys in zip(hashes, physs, strict=True):
+            spos = HEADER_SIZE + (h % slots) * SLOT_SIZE
+            head = unpack_slot(mm, spos)[0]
+            n += 1
+            pack_entry(mm, es + n * ENTRY_SIZE, h, phys, diff, head)
+            pack_slot(mm, spos, n)
+            if not head:
+                used += 1
+        self.end_ts = max(self.end_ts, ts)
+        self.end_phys = physs[-1]
+        self.hash_slot_count = used
+        self._write_header(n)
+        self.index_count = n
+        self.mf.dirty = True
+
     def add_one(self, h: int, phys: int, ts: int) -> None:
         """:meth:`add` for a single hash: the hot path (one id-index entry per batch). The
         caller checked :meth:`fits`."""
@@ -491,6 +519,26 @@ class IndexService:
             if n >= f.max_entries or (n and store_ts - f.begin_ts > _I32_MAX):
                 f = self._roll(store_ts)
         f.add_one(h, phys_offset, store_ts)
+
+    def put_hash_run(self, hashes: list[int], physs: list[int], store_ts: int) -> None:
+        """:meth:`put_hash` of each (hash, phys) in turn, ``physs`` ascending (the id-index
+        entries of a frame's batches): one call and one header write per index file instead of
+        one per batch. Entries below the newest file's last phys are already indexed and
+        skipped, as :meth:`put_hash` skips them."""
+        k = len(hashes)
+        i = 0
+        if self._files:
+            end = self._files[-1].end_phys
+            while i < k and physs[i] < end:
+                i += 1
+        while i < k:
+            files = self._files
+            f = files[-1] if files else None
+            if f is None or not f.fits(store_ts):
+                f = self._roll(store_ts)
+            take = min(k - i, f.room)
+            f.add_run(hashes[i : i + take], physs[i : i + take], store_ts)
+            i += take
 
     def put_many(self, keys: Iterable[str], phys_offset: int, store_ts: int) -> None:
         """Index every non-empty key of ``keys`` to the batch at ``phys_offset``.

@@ -158,27 +158,36 @@ class LogQueue:
         with self._log._lock:
             return self._units_locked(offset, max_count)
 
+    def unit_bytes(self, offset: int, max_count: int) -> bytes:
+        """:meth:`units` as their stored bytes (UNIT_SIZE each): a reader of a unit or two
+        unpacks them with ``struct``, cheaper than an array (MessageStore.get_messages)."""
+        with self._log._lock:
+            return self._unit_bytes_locked(offset, max_count)
+
     def _units_locked(self, offset: int, max_count: int) -> np.ndarray:
+        data = self._unit_bytes_locked(offset, max_count)
+        return np.frombuffer(data, UNIT_DTYPE) if data else _EMPTY
+
+    def _unit_bytes_locked(self, offset: int, max_count: int) -> bytes:
         mx = self._max
         if max_count <= 0 or offset >= mx or offset < self._min:
-            return _EMPTY
+            return b""
         pend = self._pend
         if pend and offset >= self._pend_first:
             a = (offset - self._pend_first) * UNIT_SIZE
             n = min(max_count, mx - offset)
-            arr = np.frombuffer(bytes(pend[a : a + n * UNIT_SIZE]), UNIT_DTYPE)
-            return arr
+            return bytes(pend[a : a + n * UNIT_SIZE])
         k = bisect.bisect_right(self._rfirst, offset) - 1
         if k < 0:
-            return _EMPTY
+            return b""
         first, count = self._rfirst[k], self._rcount[k]
         if offset >= first + count:
-            return _EMPTY
+            return b""
         n = min(max_count, first + count - offset, mx - offset)
         data = self._log._pread(self._rpos[k] + (offset - first) * UNIT_SIZE, n * UNIT_SIZE)
         if len(data) != n * UNIT_SIZE:
-            return _EMPTY
-        return np.frombuffer(data, UNIT_DTYPE)
+            return b""
+        return data
 
     def offset_for_timestamp(self, ts_ms: int, store_ts_of: Callable[[int], int]) -> int:
         lo, hi = self._min, self._max
