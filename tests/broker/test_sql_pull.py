@@ -10,7 +10,9 @@ from tidemq.protocol.codes import PullStatus, pull_status
 from tidemq.protocol.headers import (
     ConsumerData,
     HeartbeatRequestHeader,
+    MultiQueuePull,
     PullMessageRequestHeader,
+    PullMultiQueueRequestHeader,
     SendMessageRequestHeader,
     SubscriptionData,
     pull_sys_flag,
@@ -131,3 +133,28 @@ def test_bad_sql_is_refused_at_the_heartbeat(wire, topic):
     assert "lower bound" in error_message(r) and topic in error_message(r)
     assert heartbeat("a", "LUA").code == ResponseCode.SUBSCRIPTION_PARSE_FAILED
     assert heartbeat("a BETWEEN 1 AND 3").code == ResponseCode.SUCCESS
+
+
+def test_a_multi_queue_pull_answers_an_sql92_queue_as_a_pull_would(wire, topic):
+    """PULL_MULTI_QUEUE reads each queue with PULL_MESSAGE's read: the same batches, member
+    bitmaps and next offset in the queue's result (and the tag filter of a plain queue)."""
+    send(wire, topic, [{"a": str(i), "region": "eu" if i % 2 else "us"} for i in range(10)])
+    sql = "a >= 3 AND region = 'eu'"
+    single = sql_pull(wire, topic, 0, sql)
+    pulls = [MultiQueuePull(topic, 0, 0, sys_flag=pull_sys_flag(subscription=True),
+                            subscription=sql, expression_type="SQL92"),
+             MultiQueuePull(topic, 0, 4, sys_flag=pull_sys_flag(subscription=True),
+                            subscription="a = 'none'", expression_type="SQL92"),
+             MultiQueuePull(topic, 0, 0)]
+    r = wire.request(RequestCode.PULL_MULTI_QUEUE,
+                     PullMultiQueueRequestHeader(consumer_group="cg", pulls=pulls))
+    assert r.code == ResponseCode.SUCCESS, error_message(r)
+    sel, none, plain = r.header.results
+    assert sel.code == ResponseCode.SUCCESS and sel.members == single.header.members
+    assert sel.body_bytes == len(single.body) and r.body[: sel.body_bytes] == single.body
+    assert member_offsets(r.body[: sel.body_bytes], sel.members) == {3, 5, 7, 9}
+    assert (sel.next_begin_offset, sel.max_offset) == (10, 10)
+    assert none.code != ResponseCode.SUCCESS and none.body_bytes == 0 and not none.members
+    assert none.next_begin_offset == single.header.next_begin_offset == 10
+    assert plain.code == ResponseCode.SUCCESS and plain.members == []
+    assert r.body[sel.body_bytes :] == single.body  # the whole batch again, no bitmap

@@ -391,12 +391,11 @@ class PullConsumer:
         ready = self._ready_qs
         need = self.max_poll_records
         out: list[MessageExt] = []
-        queues = self._queues
         while ready and need > 0:
             q = ready.popleft()
             q.in_ready = False
-            if queues.get(q.mq) is not q:
-                continue  # no longer assigned
+            if q.dropped:
+                continue  # no longer assigned, or replaced by a seek (retired: _retire)
             chunks = q.chunks
             while chunks and need > 0:
                 msgs, nxt = chunks[0]

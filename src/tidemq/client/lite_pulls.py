@@ -75,8 +75,11 @@ class LitePulls:
         return None if d.unsupported else d
 
     def _current(self, q: _Queue) -> bool:
-        c = self.c
-        return not c._closed and not q.dropped and q.failed is None and c._queues.get(q.mq) is q
+        """Whether ``q`` is still pulled. A queue unassigned or replaced (a seek) is retired
+        first (``PullConsumer._retire`` sets ``dropped``), so a queue not dropped is the
+        consumer's current one: no lookup of it by MessageQueue (hashed field by field, in a
+        table of 100,000 queues) three times per answer."""
+        return not q.dropped and q.failed is None and not self.c._closed
 
     def execute_now(self, q: _Queue) -> None:
         """Pull ``q`` now: with its broker's driver when it can, else with its own task."""
