@@ -10,11 +10,12 @@ the periodic check (5 s per 4,096 held queues) -- the late deliveries seen at 10
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
@@ -197,6 +198,20 @@ def test_a_message_stored_while_its_queue_is_being_answered_is_not_left_behind(d
             assert time.monotonic() - t0 < 2.0, sent
 
 
+@contextlib.asynccontextmanager
+async def _all_standing(dev, group: str, topic: str, handle) -> AsyncIterator[
+        tuple[tq.Producer, tq.PushConsumer]]:
+    """A producer, and a push consumer of ``group`` on ``topic`` (8 queues) whose queues all
+    stand on the broker (one standing multi-queue pull from the first queue on)."""
+    async with tq.Producer(dev.namesrv) as p, tq.PushConsumer(
+            dev.namesrv, group, handle, consume_from="last",
+            heartbeat_interval=1.0, rebalance_interval=1.0, multi_queue_min=1) as c:
+        c.subscribe(topic)
+        await asyncio.to_thread(wait_until, lambda: len(c.assignment()) >= 8, 20)
+        await asyncio.sleep(0.5)  # every queue standing
+        yield p, c
+
+
 def test_the_next_standing_request_is_on_the_broker_while_an_answer_is_handled(dev) -> None:
     """The push consumer's carrier of standing queues is written when an answer arrives,
     before that answer's queues are handled (decoded, handed to the listener): messages stored
@@ -213,12 +228,7 @@ def test_the_next_standing_request_is_on_the_broker_while_an_answer_is_handled(d
         return tq.ConsumeStatus.SUCCESS
 
     async def go() -> None:
-        async with tq.Producer(dev.namesrv) as p, tq.PushConsumer(
-                dev.namesrv, "standing-carrier", handle, consume_from="last",
-                heartbeat_interval=1.0, rebalance_interval=1.0, multi_queue_min=1) as c:
-            c.subscribe(topic)
-            await asyncio.to_thread(wait_until, lambda: len(c.assignment()) >= 8, 20)
-            await asyncio.sleep(0.5)  # every queue standing
+        async with _all_standing(dev, "standing-carrier", topic, handle) as (p, c):
             svc = c.pull_service
             orig = svc.on_result
 
@@ -327,12 +337,7 @@ def test_a_large_answer_is_handled_in_slices_of_the_loop(dev, monkeypatch) -> No
         return tq.ConsumeStatus.SUCCESS
 
     async def go() -> None:
-        async with tq.Producer(dev.namesrv) as p, tq.PushConsumer(
-                dev.namesrv, "standing-slices", handle, consume_from="last",
-                heartbeat_interval=1.0, rebalance_interval=1.0, multi_queue_min=1) as c:
-            c.subscribe(topic)
-            await asyncio.to_thread(wait_until, lambda: len(c.assignment()) >= 8, 20)
-            await asyncio.sleep(0.5)  # every queue standing
+        async with _all_standing(dev, "standing-slices", topic, handle) as (p, c):
             monkeypatch.setattr(loop_share, "SLICE", 0.0)
             svc = c.pull_service
             orig = svc.on_result

@@ -262,35 +262,15 @@ class IndexFile:
         return self.max_entries - self.index_count
 
     def add(self, hashes: list[int], phys: int, ts: int) -> None:
-        """Append one entry per hash, all pointing at ``phys``; the caller checked room."""
-        mm = self.mf.mm
-        n = self.index_count
-        if n == 0:
-            self.begin_ts = self.end_ts = ts
-            self.begin_phys = phys
-        diff = max(ts - self.begin_ts, 0)
-        slots, used = self.slots, self.hash_slot_count
-        es = self.entries_start - ENTRY_SIZE  # entry numbers are 1-based
-        unpack_slot, pack_slot, pack_entry = SLOT.unpack_from, SLOT.pack_into, ENTRY.pack_into
-        for h in hashes:
-            spos = HEADER_SIZE + (h % slots) * SLOT_SIZE
-            head = unpack_slot(mm, spos)[0]
-            n += 1
-            pack_entry(mm, es + n * ENTRY_SIZE, h, phys, diff, head)
-            pack_slot(mm, spos, n)
-            if not head:
-                used += 1
-        self.end_ts = max(self.end_ts, ts)
-        self.end_phys = phys
-        self.hash_slot_count = used
-        self._write_header(n)
-        self.index_count = n
-        self.mf.dirty = True
+        """Append one entry per hash (at least one), all pointing at ``phys``; the caller
+        checked room."""
+        self.add_run(hashes, [phys] * len(hashes), ts)
 
     def add_run(self, hashes: list[int], physs: list[int], ts: int) -> None:
-        """:meth:`add_one` of each (hash, phys) in turn (``physs`` ascending), the header
-        written once at the end as :meth:`add` writes it: a SEND_MULTI_QUEUE frame's id-index
-        entries, one per batch (issue 17). The caller checked room for all of them."""
+        """:meth:`add_one` of each (hash, phys) in turn (``physs`` ascending, at least one),
+        the header written once at the end: a SEND_MULTI_QUEUE frame's id-index entries, one
+        per batch (issue 17), and a batch's keys (:meth:`add`). The caller checked room for
+        all of them."""
         mm = self.mf.mm
         n = self.index_count
         if n == 0:
