@@ -18,8 +18,9 @@ The asyncio API is ``tidemq.aio``. Names load lazily, so the broker and the stor
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tidemq.base.lazy import lazy_names
 
 __all__ = [
     "Consumer",
@@ -145,13 +146,7 @@ if TYPE_CHECKING:
     from tidemq.client.transaction_producer import LocalTransactionState, TransactionSendResult
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tidemq' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(globals(), _WHERE)
 
 
 def __dir__() -> list[str]:

@@ -115,8 +115,10 @@ def test_a_frames_small_plain_batch_encodes_as_encode_messages(bodies):
     got = encode_small_plain("topic-a", 5, bodies, 11, 3, 1234, host, 4321)
     assert got == encode_messages("topic-a", msgs, queue_id=5, producer_id=11, base_seq=3,
                                   born_ts=1234, born_host=host, born_port=4321)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="2..32 messages, not 1"):
         encode_small_plain("topic-a", 5, bodies[:1], 11, 3, 1234, host, 4321)
+    with pytest.raises(ValueError, match="1..65535 bytes of UTF-8, not 0"):
+        encode_small_plain("", 5, bodies, 11, 3, 1234, host, 4321)
 
 
 def test_fixed_size_fast_path_matches_reference():

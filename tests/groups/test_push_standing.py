@@ -42,6 +42,30 @@ def _standing(w: Wire, pulls: list[MultiQueuePull]) -> int:
         standing=True))
 
 
+@contextlib.asynccontextmanager
+async def _push_consumer(dev, group: str, topics: list[str], handle, queues: int,
+                         settle: float = 0.5) -> AsyncIterator[
+        tuple[tq.Producer, tq.PushConsumer]]:
+    """A producer, and a push consumer of ``group`` on ``topics`` pulling with standing
+    multi-queue pulls from the first queue on, once it holds ``queues`` queues and ``settle``
+    seconds more (every queue's start offset resolved, all standing)."""
+    async with tq.Producer(dev.namesrv) as p, tq.PushConsumer(
+            dev.namesrv, group, handle, consume_from="last",
+            heartbeat_interval=1.0, rebalance_interval=1.0, multi_queue_min=1) as c:
+        for t in topics:
+            c.subscribe(t)
+        await asyncio.to_thread(wait_until, lambda: len(c.assignment()) >= queues, 20)
+        await asyncio.sleep(settle)
+        yield p, c
+
+
+async def _ticker(ticks: list[int]) -> None:
+    """Count the event loop's turns (``ticks[0]``) until cancelled."""
+    while True:
+        ticks[0] += 1
+        await asyncio.sleep(0)
+
+
 def test_a_woken_queue_is_answered_after_the_answer_that_made_it_stand(dev) -> None:
     topic = "standing-order"
     with tidemq.Admin(dev.namesrv) as admin:
@@ -90,13 +114,7 @@ def test_push_consumer_of_standing_pulls_gets_every_message_in_time(dev) -> None
     total = 3000
 
     async def go() -> None:
-        async with tq.Producer(dev.namesrv) as p, tq.PushConsumer(
-                dev.namesrv, "standing-push", handle, consume_from="last",
-                heartbeat_interval=1.0, rebalance_interval=1.0, multi_queue_min=1) as c:
-            for t in topics:
-                c.subscribe(t)
-            await asyncio.to_thread(wait_until, lambda: len(c.assignment()) >= 256, 20)
-            await asyncio.sleep(1.0)  # every queue's start offset resolved, all standing
+        async with _push_consumer(dev, "standing-push", topics, handle, 256, 1.0) as (p, c):
             rnd = random.Random(17)
             for i in range(total):
                 p.send_async(tq.Message(topics[rnd.randrange(len(topics))],
@@ -198,20 +216,6 @@ def test_a_message_stored_while_its_queue_is_being_answered_is_not_left_behind(d
             assert time.monotonic() - t0 < 2.0, sent
 
 
-@contextlib.asynccontextmanager
-async def _all_standing(dev, group: str, topic: str, handle) -> AsyncIterator[
-        tuple[tq.Producer, tq.PushConsumer]]:
-    """A producer, and a push consumer of ``group`` on ``topic`` (8 queues) whose queues all
-    stand on the broker (one standing multi-queue pull from the first queue on)."""
-    async with tq.Producer(dev.namesrv) as p, tq.PushConsumer(
-            dev.namesrv, group, handle, consume_from="last",
-            heartbeat_interval=1.0, rebalance_interval=1.0, multi_queue_min=1) as c:
-        c.subscribe(topic)
-        await asyncio.to_thread(wait_until, lambda: len(c.assignment()) >= 8, 20)
-        await asyncio.sleep(0.5)  # every queue standing
-        yield p, c
-
-
 def test_the_next_standing_request_is_on_the_broker_while_an_answer_is_handled(dev) -> None:
     """The push consumer's carrier of standing queues is written when an answer arrives,
     before that answer's queues are handled (decoded, handed to the listener): messages stored
@@ -228,7 +232,7 @@ def test_the_next_standing_request_is_on_the_broker_while_an_answer_is_handled(d
         return tq.ConsumeStatus.SUCCESS
 
     async def go() -> None:
-        async with _all_standing(dev, "standing-carrier", topic, handle) as (p, c):
+        async with _push_consumer(dev, "standing-carrier", [topic], handle, 8) as (p, c):
             svc = c.pull_service
             orig = svc.on_result
 
@@ -261,21 +265,11 @@ def test_periodic_passes_over_every_queue_give_the_loop_back(dev, monkeypatch) -
     ticks = [0]
     seen: dict[str, list[int]] = {"rebalance": [], "persist": []}
 
-    async def ticker() -> None:
-        while True:
-            ticks[0] += 1
-            await asyncio.sleep(0)
-
     async def handle(msgs, ctx):
         return tq.ConsumeStatus.SUCCESS
 
     async def go() -> None:
-        async with tq.Producer(dev.namesrv) as p, tq.PushConsumer(
-                dev.namesrv, "share-g", handle, consume_from="last",
-                heartbeat_interval=1.0, rebalance_interval=1.0, multi_queue_min=1) as c:
-            for t in topics:
-                c.subscribe(t)
-            await asyncio.to_thread(wait_until, lambda: len(c.assignment()) >= 24, 20)
+        async with _push_consumer(dev, "share-g", topics, handle, 24, 0.0) as (p, c):
             for t in topics:
                 for q in range(2):
                     await p.send(tq.Message(t, b"x"), queue_id=q)
@@ -297,7 +291,7 @@ def test_periodic_passes_over_every_queue_give_the_loop_back(dev, monkeypatch) -
                 return orig_addr(mq, *a)
 
             store.routes.addr_for_read_now = addr
-            t = asyncio.create_task(ticker())
+            t = asyncio.create_task(_ticker(ticks))
             await rb.do_rebalance()  # the members were asked already: everything cached
             await rb.do_rebalance()
             seen["persist"].clear()
@@ -327,17 +321,12 @@ def test_a_large_answer_is_handled_in_slices_of_the_loop(dev, monkeypatch) -> No
     seen: list[int] = []
     ticks = [0]
 
-    async def ticker() -> None:
-        while True:
-            ticks[0] += 1
-            await asyncio.sleep(0)
-
     async def handle(msgs, ctx):
         got.extend(m.body for m in msgs)
         return tq.ConsumeStatus.SUCCESS
 
     async def go() -> None:
-        async with _all_standing(dev, "standing-slices", topic, handle) as (p, c):
+        async with _push_consumer(dev, "standing-slices", [topic], handle, 8) as (p, c):
             monkeypatch.setattr(loop_share, "SLICE", 0.0)
             svc = c.pull_service
             orig = svc.on_result
@@ -347,7 +336,7 @@ def test_a_large_answer_is_handled_in_slices_of_the_loop(dev, monkeypatch) -> No
                 return orig(req, r, body, addr)
 
             svc.on_result = on_result
-            t = asyncio.create_task(ticker())
+            t = asyncio.create_task(_ticker(ticks))
             for rnd in range(3):  # one message in each queue at once: woken together
                 await asyncio.gather(*(p.send(tq.Message(topic, b"s%d-%d" % (rnd, q)),
                                               queue_id=q) for q in range(8)))

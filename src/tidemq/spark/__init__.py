@@ -13,8 +13,9 @@ guide is docs/spark.md. This package uses only ``tidemq.client`` (import-linter 
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from tidemq.base.lazy import lazy_names
 
 if TYPE_CHECKING:
     from tidemq.spark.schema import READ_SCHEMA
@@ -28,15 +29,7 @@ __all__ = ["TideMQDataSource", "READ_SCHEMA", "register"]
 #: every fresh Python worker and every micro-batch commit process 0.3-0.5 s more before its
 #: first row (measured on a loaded 2-core machine, docs/benchmarks.md).
 _LAZY = {"TideMQDataSource": "tidemq.spark.source", "READ_SCHEMA": "tidemq.spark.schema"}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(globals(), _LAZY)
 
 
 def register(spark: Any) -> None:

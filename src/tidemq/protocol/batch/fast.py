@@ -377,8 +377,11 @@ def encode_small_plain(topic: str, queue_id: int, bodies: Sequence[bytes], produ
     (the set of types, the field columns, five ``any`` passes: ~1.9 us of a two-message
     batch), for a frame of many small batches (client/multi_sender.py, issue 17)."""
     topic_b = topic.encode()
-    if not topic_b or len(topic_b) > 0xFFFF or not 1 < len(bodies) <= _SMALL:
-        raise ValueError("topic must be 1..65535 bytes of UTF-8, 2..32 messages")
+    if not topic_b or len(topic_b) > 0xFFFF:
+        raise ValueError(f"the topic must be 1..65535 bytes of UTF-8, not {len(topic_b)}")
+    if not 1 < len(bodies) <= _SMALL:
+        raise ValueError(f"a small plain batch holds 2..{_SMALL} messages, not {len(bodies)} "
+                         f"(encode_messages takes any number)")
     p = STORE_HEADER_SIZE + len(topic_b)
     return _small_plain(bodies, p + PRODUCER_HEADER_SIZE, p, topic_b, queue_id, producer_id,
                         base_seq, born_ts, born_host, born_port)
