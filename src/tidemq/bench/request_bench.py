@@ -60,17 +60,25 @@ def _frames(size: int | None) -> list[bytes]:
     return out
 
 
-def _cpu_ns(pid: int) -> int:
-    """Run time of every thread of ``pid`` so far, in nanoseconds."""
-    total = 0
+def _threads_ns(pid: int) -> dict[str, int]:
+    """Run time of each live thread of ``pid`` so far, in nanoseconds, by thread id."""
+    out: dict[str, int] = {}
     base = f"/proc/{pid}/task"
     for tid in os.listdir(base):
         try:
             with open(f"{base}/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
+                out[tid] = int(f.read().split()[0])
         except (FileNotFoundError, ProcessLookupError):
             pass  # a thread that ended meanwhile
-    return total
+    return out
+
+
+def _cpu_ns_since(pid: int, before: dict[str, int]) -> int:
+    """CPU time of ``pid``'s threads since ``before`` (:func:`_threads_ns`), per thread: a
+    thread that ended meanwhile takes its time with it, so summing all threads before and
+    after could go negative (seen: a broker's short-lived worker thread ending in a round).
+    What such a thread ran in the round is missed; a thread born in it counts from zero."""
+    return sum(ns - before.get(tid, 0) for tid, ns in _threads_ns(pid).items())
 
 
 class _Reader:
@@ -124,7 +132,7 @@ def _round(sock: socket.socket, reader: _Reader, frames: list[bytes], count: int
     rtts: list[float] = []
     nf = len(frames)
     clock = time.perf_counter_ns
-    cpu0 = _cpu_ns(pid)
+    cpu0 = _threads_ns(pid)
     t0 = clock()
     if inflight == 1:
         send = sock.sendall
@@ -147,7 +155,7 @@ def _round(sock: socket.socket, reader: _Reader, frames: list[bytes], count: int
                 sock.sendall(b"".join(frames[(sent + i) % nf] for i in range(more)))
                 sent += more
     wall = clock() - t0
-    cpu = _cpu_ns(pid) - cpu0
+    cpu = _cpu_ns_since(pid, cpu0)
     out = {"broker_cpu_us_per_request": cpu / count / 1000,
            "requests_per_s": count / (wall / 1e9)}
     if rtts:

@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 from tidemq.client import loop_share
@@ -361,13 +360,11 @@ class PullDriver:
         if self._closed:
             work.clear()
             return
-        sliced = self._sliced
-        t0 = time.perf_counter() if sliced else 0.0
-        budget = loop_share.SLICE
+        sl = loop_share.Slicer() if self._sliced else None
         result = self._result
         while work:
             result(*work.popleft())
-            if sliced and work and time.perf_counter() - t0 >= budget:
+            if sl is not None and work and sl.due():
                 self._draining = True
                 self.loop.call_soon(self._drain)
                 return
