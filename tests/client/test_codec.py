@@ -560,3 +560,30 @@ def test_varied_batch_of_other_message_types_matches_reference(msgs, data):
         got = encode_messages("topic-a", batch, queue_id=3, producer_id=99, base_seq=7,
                               born_ts=1234, born_host=pack_host("10.0.0.7"), born_port=4321)
         assert got == want
+
+
+def test_a_small_plain_batch_with_a_record_outside_its_section_is_caught():
+    """A batch of a few plain messages whose last index entry points where its record header
+    would run past the records section (under valid CRCs): the whole batch is reported,
+    whether the header still lies inside the body (another batch follows) or past its end."""
+    from tidemq.protocol.batch.layout import PRODUCER_HEADER_SIZE
+    from tidemq.protocol.record import crc32c
+
+    p = 72 + len("topic-a")
+    plain = encode_messages("topic-a", [Message("topic-a", b"b%d" % i) for i in range(3)],
+                            queue_id=5, producer_id=1, base_seq=10, born_ts=1)
+    after = single(b"after", 13)
+    for rel_from_end in (1, 20):  # the last record's header: past the end by 27 / by 8 bytes
+        bad = stored(bytearray(plain), 10)
+        records = len(bad) - (p + PRODUCER_HEADER_SIZE + 3 * 12)
+        at = p + PRODUCER_HEADER_SIZE + 2 * 12 + 8
+        bad[at : at + 4] = (records - rel_from_end).to_bytes(4, "little")
+        bad[p : p + 4] = crc32c(memoryview(bad)[p + 4 :]).to_bytes(4, "little")
+        for body, tail in ((bytes(bad), []), (bytes(bad + after), [b"after"])):
+            with pytest.raises(CorruptBatchError, match="message 2 starts outside"):
+                decode_pull_body(body, from_offset=10)
+            reports = _Reports()
+            msgs, end = decode_pull_body(body, from_offset=10, on_corrupt=reports.append_args)
+            assert [m.body for m in msgs] == tail
+            assert [(q, n) for q, n, _ in reports] == [(10, 3)]
+            assert end == 13 + len(tail)
