@@ -587,3 +587,23 @@ def test_a_small_plain_batch_with_a_record_outside_its_section_is_caught():
             assert [m.body for m in msgs] == tail
             assert [(q, n) for q, n, _ in reports] == [(10, 3)]
             assert end == 13 + len(tail)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(2, 32), st.integers(0, 40), st.integers(0, 33),
+       st.sampled_from([None, "x"]), st.integers(-1, 31))
+def test_small_batches_of_alike_records_decode_as_batchview(count, size, start, tag, odd):
+    """A few equal plain messages (records checked at once) and the same with one message
+    ``odd`` carrying a tag or properties (checked record by record): BatchView's messages,
+    from ``start``, and none through a tag filter unless they match it."""
+    msgs = [Message("topic-a", bytes([i]) * size) for i in range(count)]
+    if 0 <= odd < count:
+        msgs[odd] = Message("topic-a", msgs[odd].body, tag, properties=None if tag else {"p": "q"})
+    body = bytes(stored(encode_messages("topic-a", msgs, queue_id=5, producer_id=1, base_seq=0,
+                                        born_ts=1), 100))
+    for tags in (None, parse_tag_expression("x")):
+        got = decode_batches(body, from_offset=100 + start, tags=tags)
+        want = reference_messages(body, 100 + start, tags)
+        assert [(m.body, m.queue_offset, m.tags, m.properties, m.msg_id) for m in got] == [
+            (m.body, m.queue_offset, m.tags, m.properties, m.msg_id) for m in want]
+        assert all(m.born_timestamp == 1 for m in got)

@@ -295,14 +295,32 @@ def _decode_plain(
     header are read (born_ts would be a new int object per message; it is read lazily), and
     one comparison checks them: ``r + size + 4`` is where the record ends, which must be where
     its tags, properties and body end, inside the records section (a record header running
-    past the body is caught by the unpack: struct.error)."""
+    past the body is caught by the unpack: struct.error). A batch of equal records without
+    tags or properties (one producer's messages of one size: the index is a fixed stride and
+    every header reads the same four sizes) is checked with two tuple comparisons and its
+    messages built in one comprehension (:func:`_alike`; ~7 % of decoding at 10,000 queues)."""
     ipos = rec - INDEX_ENTRY_SIZE
     off = ipos + count * INDEX_ENTRY_SIZE
     rlen = off + h[H_RECORDS_SIZE]
     rels = _RELS_OF[count].unpack_from(buf, ipos)
     meta = _BatchMeta(topic, broker_name, h, buf, a, buf, off)
-    unpack_rec = _REC_SIZES.unpack_from
     qo = h[H_QUEUE_OFFSET]
+    if count > 1:
+        stride = rels[1]
+        if not rels[0] and h[H_RECORDS_SIZE] == count * stride:
+            alike = _alike(count, stride)
+            if (alike is not None and rels == alike[0]
+                    and alike[1].unpack_from(buf, off) == alike[2]):
+                # equal records without tags or properties, end to end: checked at once
+                if tags is not None:
+                    return []
+                bl = stride - RECORD_HEADER_SIZE
+                s0 = off + RECORD_HEADER_SIZE + start * stride
+                return [MessageExt(buf[s : s + bl], qo + i, None, meta, i)
+                        for i, s in zip(range(start, count),
+                                        range(s0, rlen + RECORD_HEADER_SIZE, stride),
+                                        strict=True)]
+    unpack_rec = _REC_SIZES.unpack_from
     out: list[MessageExt] = []
     append = out.append
     try:
@@ -331,6 +349,33 @@ def _decode_plain(
     except struct.error:
         return None
     return out
+
+
+# (count, stride) -> what a batch of ``count`` alike records of ``stride`` bytes holds: its
+# index's rel offsets, a struct of the records' four sizes, and what it must read
+_Alike = tuple[tuple[int, ...], struct.Struct, tuple[int, ...]]
+_ALIKE: dict[tuple[int, int], _Alike] = {}
+_ALIKE_MAX = 4096  # kinds kept (message sizes x batch sizes); then the cache starts over
+
+
+def _alike(count: int, stride: int) -> _Alike | None:
+    """For :func:`_decode_plain`: the index a batch of ``count`` records of ``stride`` bytes
+    each, back to back, has; a struct reading the four sizes of every record header at once;
+    and the sizes it reads when each record is a body of ``stride - RECORD_HEADER_SIZE`` bytes
+    without tags or properties. None when the stride cannot hold a record header."""
+    got = _ALIKE.get((count, stride))
+    if got is None:
+        bl = stride - RECORD_HEADER_SIZE
+        if bl < 0:
+            return None
+        if len(_ALIKE) >= _ALIKE_MAX:
+            _ALIKE.clear()
+        got = _ALIKE[count, stride] = (
+            tuple(range(0, count * stride, stride)),
+            struct.Struct("<" + f"I12xH2xII{bl}x" * count),
+            (stride - 4, 0, 0, bl) * count,
+        )
+    return got
 
 
 def _why_undecodable(raw: bytes, q: int, tl: int, pl: int, i: int) -> str:
