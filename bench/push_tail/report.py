@@ -63,6 +63,9 @@ def summary(out: dict[str, Any]) -> str:
     lines.append(f"gcs: {len(gcs)} (gen, wall ms, cpu ms): "
                  + ", ".join(f"({g[1]}, {g[2]:.1f}, {g[3]:.1f})" if len(g) > 3
                              else f"({g[1]}, {g[2]:.1f})" for g in gcs[:12]))
+    if "gc_go" in out:
+        lines.append(f"gc at the go: counts {out['gc_go']['count']}, objects per generation "
+                     f"{out['gc_go']['objects']}, frozen {out['gc_go']['frozen']}")
     ans = out["answers"]
     if ans:
         gaps = [(b[0] - a[2]) / 1e6 for a, b in zip(ans, ans[1:])]

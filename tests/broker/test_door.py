@@ -97,9 +97,11 @@ def test_what_a_reader_could_not_decode_is_refused_in_any_message(wire, n, codec
 
 def test_compression_lies_are_refused_cheaply(broker, wire):
     raw = RECORD_HEADER.pack(25, 1, 0, 0, 0, 0, 1) + b"x"
+    # 261 KB -> 256 MiB; made before the clock starts: compressing it costs this process
+    # ~1 s of CPU (several on a loaded machine), which is not the broker's refusal
+    bomb = zlib.compress(raw + bytes(256 << 20), 9)
     rss0 = _rss(broker)
     t0 = time.monotonic()
-    bomb = zlib.compress(raw + bytes(256 << 20), 9)  # 261 KB -> 256 MiB
     for _ in range(3):
         refused(wire, forge("ok", [Rec()], compression=Compression.ZLIB, records=bomb,
                             raw_size=len(raw)), R.MESSAGE_ILLEGAL, "raw_size of 29 bytes")

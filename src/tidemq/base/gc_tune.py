@@ -20,6 +20,20 @@ defaults: a process that set its own keeps them, and ``TIDEMQ_GC_TUNE=0`` turns 
 cost is up to that many young objects between collections (a few megabytes at most) and
 garbage cycles that live a little longer. The broker calls it when it starts, a client when its
 first connection pool is created (as ``tidemq.base.malloc.tune_malloc``).
+
+:func:`freeze_long_lived` is for a moment after which most of what is alive stays alive: a push
+consumer calls it when a rebalance pass has added many queues (``client/rebalance.py``). At
+10,000 queues the assignment leaves ~70,000 tracked objects (each queue's ProcessQueue, pull
+request, MessageQueue, offset entries) in the young generations; the next collection of
+generation 1 walks all of them -- 44-73 ms of the consumer's CPU in one stretch, measured on a
+loaded machine in the push phase of ``bench/push_tail/run.py`` (docs/benchmarks.md, "Many
+queues: the push consumer's p99, sixth session") -- and a full collection later walks them
+again. It collects once (the pause falls on the rebalance, not on a message) and moves
+everything alive into the collector's permanent generation (``gc.freeze``), which no later
+collection walks. Frozen objects are still freed by reference counting; cyclic garbage among
+them waits for the next call, which first gives them back (``gc.unfreeze``) to that
+collection. Only in a process whose thresholds :func:`tune_gc` set (``TIDEMQ_GC_TUNE=0`` or a
+process's own thresholds: never).
 """
 
 from __future__ import annotations
@@ -27,7 +41,7 @@ from __future__ import annotations
 import gc
 import os
 
-__all__ = ["tune_gc", "GEN0_THRESHOLD"]
+__all__ = ["tune_gc", "freeze_long_lived", "GEN0_THRESHOLD"]
 
 GEN0_THRESHOLD = 20_000
 _DEFAULT = (700, 10, 10)
@@ -49,4 +63,15 @@ def tune_gc() -> bool:
         return False
     gc.set_threshold(GEN0_THRESHOLD, t[1], t[2])
     _state = True
+    return True
+
+
+def freeze_long_lived() -> bool:
+    """Collect once and freeze what is alive, as the module docstring says; True if done
+    (only after :func:`tune_gc` raised this process's threshold)."""
+    if not _state:
+        return False
+    gc.unfreeze()  # what an earlier call froze and has died since is collected now
+    gc.collect()
+    gc.freeze()
     return True

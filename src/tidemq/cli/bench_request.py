@@ -25,17 +25,22 @@ __all__ = ["register"]
 @click.option("--pid", type=int, default=None, help="The running broker's process id.")
 @click.option("-o", "--option", "options", multiple=True, metavar="KEY=VALUE",
               help="A broker setting of the `tidemq dev` started (e.g. -o flush=SYNC_FLUSH).")
+@click.option("--floor/--no-floor", default=True, show_default=True,
+              help="Also measure, in the same run, a bare uvloop server that only answers each "
+              "frame with the broker's answer bytes: the floor under the broker's CPU and round "
+              "trip on this machine now.")
 @click.option("--json", "as_json", is_flag=True)
 def bench_request_cmd(count: int, inflight: int, size: int | None, rounds: int,
                       broker: str | None, pid: int | None, options: tuple[str, ...],
-                      as_json: bool) -> None:
+                      floor: bool, as_json: bool) -> None:
     """Broker CPU per one-message SEND_MESSAGE request and its round trip, over a raw
     socket (no client library in the measure)."""
     from tidemq.bench.request_bench import bench_request
 
     if count < 1 or inflight < 1 or rounds < 1:
         raise click.BadParameter("count, inflight and rounds must be >= 1")
-    with click.progressbar(length=rounds, label="request", file=sys.stderr) as bar:
+    with click.progressbar(length=rounds * (2 if floor else 1), label="request",
+                           file=sys.stderr) as bar:
         done = [0]
 
         def progress(n: int) -> None:
@@ -43,7 +48,8 @@ def bench_request_cmd(count: int, inflight: int, size: int | None, rounds: int,
             done[0] = n
 
         result = bench_request(count=count, inflight=inflight, size=size, rounds=rounds,
-                               broker=broker, pid=pid, options=options, progress=progress)
+                               broker=broker, pid=pid, options=options, floor=floor,
+                               progress=progress)
     emit_result(result, as_json)
 
 

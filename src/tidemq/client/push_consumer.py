@@ -199,6 +199,7 @@ class PushConsumer:
             "flow_controlled": self.pull_service.flow_controlled,
             "flow_resumed_early": self.pull_service.unparked,
             "rebalances": self.rebalance.rebalances,
+            "gc_freezes": self.rebalance.gc_freezes,
             "in_flight": sum(pq.msg_count for pq in self.rebalance.table.values()),
             "corrupt_skipped": self.corrupt.total,
             "chunks_assembled": sum(pq.assembler.assembled for pq in self.rebalance.table.values()
