@@ -30,9 +30,9 @@ them (27-33 ms of CPU, 48-102 ms wall, in one stretch of the consumer's loop; a 
 ``bench/push_tail/gc_walk.py``; docs/benchmarks.md, "Many queues: the push consumer's tail,
 sixth session"); after this call 0.6 and 0.2-0.7 ms. It collects once (the pause falls on
 the rebalance, not on a message) and moves everything alive into the collector's permanent
-generation (``gc.freeze``), which no later collection walks. Frozen objects are still freed by reference counting; cyclic garbage among
-them waits for the next call, which first gives them back (``gc.unfreeze``) to that
-collection. Only in a process whose thresholds :func:`tune_gc` set (``TIDEMQ_GC_TUNE=0`` or a
+generation (``gc.freeze``), which no later collection walks. Frozen objects are still freed
+by reference counting; cyclic garbage among them waits for the next call, which first gives
+them back (``gc.unfreeze``) to that collection. Only in a process whose thresholds :func:`tune_gc` set (``TIDEMQ_GC_TUNE=0`` or a
 process's own thresholds: never).
 """
 
