@@ -32,8 +32,8 @@ sixth session"); after this call 0.6 and 0.2-0.7 ms. It collects once (the pause
 the rebalance, not on a message) and moves everything alive into the collector's permanent
 generation (``gc.freeze``), which no later collection walks. Frozen objects are still freed
 by reference counting; cyclic garbage among them waits for the next call, which first gives
-them back (``gc.unfreeze``) to that collection. Only in a process whose thresholds :func:`tune_gc` set (``TIDEMQ_GC_TUNE=0`` or a
-process's own thresholds: never).
+them back (``gc.unfreeze``) to that collection. Only in a process whose thresholds
+:func:`tune_gc` set (``TIDEMQ_GC_TUNE=0`` or a process's own thresholds: never).
 """
 
 from __future__ import annotations
