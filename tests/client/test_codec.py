@@ -560,3 +560,13 @@ def test_varied_batch_of_other_message_types_matches_reference(msgs, data):
         got = encode_messages("topic-a", batch, queue_id=3, producer_id=99, base_seq=7,
                               born_ts=1234, born_host=pack_host("10.0.0.7"), born_port=4321)
         assert got == want
+
+
+def test_varied_batch_with_one_key_or_one_new_tag_matches_the_reference():
+    # the column passes pick by index in one call; a batch where exactly one message has a
+    # key (one pick) or a tag never seen before must encode as the per-message reference
+    msgs = [Message("topic-a", bytes([i]) * i, "TagB", None, {"a": str(i)}) for i in range(40)]
+    msgs[17] = Message("topic-a", b"x", "never-seen-before-tag-17", "the-only-key", {"b": "c"})
+    got = encode_messages("topic-a", msgs, queue_id=3, producer_id=99, base_seq=7, born_ts=1234,
+                          born_host=pack_host("10.0.0.7"), born_port=4321)
+    assert got == reference(msgs, queue_id=3, producer_id=99, base_seq=7)

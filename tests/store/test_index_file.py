@@ -39,6 +39,36 @@ I32_MAX = 2**31 - 1
 T0 = 1_700_000_000_000
 
 
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.lists(st.integers(0, 9), min_size=1, max_size=4),
+                          st.integers(-1, 3), st.integers(-2, 3)), min_size=1, max_size=30))
+def test_put_few_writes_what_put_hash_writes(tmp_path_factory, batches):
+    """A small batch's few hashes in one call (the store's per-batch path: a keyed message's
+    key and its id block) leave the same bytes as one put_hash per hash: rolls when a file is
+    full (also in the middle of a batch's hashes), a repeated hash chained to itself, a
+    batch below the last indexed phys skipped, a clock going back clamped."""
+    a, b = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("few")
+    one = IndexService(a, slots=4, max_entries=7)
+    few = IndexService(b, slots=4, max_entries=7)
+    ts, phys = 1_700_000_000_000, 1000
+    for hashes, step, dts in batches:
+        phys += step * 100  # step -1: below the last one indexed, skipped by both
+        ts += dts
+        for h in hashes:
+            one.put_hash(h, phys, ts)
+        few.put_few(hashes, phys, ts)
+    one.flush()
+    few.flush()
+    assert len(one.files) == len(few.files)
+    for x, y in zip(one.files, few.files, strict=True):
+        with open(x, "rb") as f1, open(y, "rb") as f2:
+            assert f1.read() == f2.read()
+    assert one.query("", 0, 2**62, 100) == few.query("", 0, 2**62, 100)
+    one.close()
+    few.close()
+
+
 class ModelFile:
     def __init__(self, begin_ts: int) -> None:
         self.begin_ts = begin_ts

@@ -81,7 +81,12 @@ class BrokerStats:
         t[0] += msgs
         t[1] += nbytes
         t[2] += 1
-        self._record_latency(latency_s * 1000.0, 1)
+        # _record_latency(ms, 1), inlined: this runs once per stored batch
+        ms = latency_s * 1000.0
+        self.put_latency_sum_ms += ms
+        if ms > self.put_latency_max_ms:
+            self.put_latency_max_ms = ms
+        self.put_latency_buckets[bisect_left(LATENCY_BUCKETS_MS, ms)] += 1
 
     def record_puts(self, puts: list[tuple[str, int, int]], latency_s: float) -> None:
         """:meth:`record_put` of several batches (topic, messages, bytes) stored together,

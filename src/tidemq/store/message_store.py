@@ -456,7 +456,8 @@ class MessageStore:
                 + (f": {blocked}" if blocked else "")
             )
         v = BatchView(data) if view is None else view  # the broker passes the view it parsed
-        self._check_batch(v, size)
+        if v.total_size != size or not v.batch_crc_ok():
+            self._check_batch(v, size)  # raises
         topic = v.topic
         qid = v.queue_id if queue_id is None else queue_id
         count = v.count
@@ -988,10 +989,8 @@ class MessageStore:
         else:
             cq.append_batch(qoff, phys, size, v.index_view())
         if hashes:
-            if len(hashes) <= 4:  # a small batch's few keys: the one-hash path beats the loop
-                put_hash = self.index.put_hash
-                for h in hashes:
-                    put_hash(h, phys, ts)
+            if len(hashes) <= 4:  # a small batch's few keys: one file check, one header
+                self.index.put_few(hashes, phys, ts)
             else:
                 self.index.put_hashes(hashes, phys, ts)
 
