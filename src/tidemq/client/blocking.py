@@ -683,13 +683,17 @@ class _Inbox:
         # the loop iteration), so a lone blocking send costs two loop iterations, not four.
         self._armed = False
         self._draining = True
+        items = self._items
         aio = self._aio
+        hand_over = aio._hand_over
         acc = aio.accumulator
         pool = aio.pool
         pool.cork()  # the frames are written below, not by a call_soon each
         acc.handing_over()
         try:
-            aio._hand_over_all(self._items)
+            while items:
+                msg, options, sink, wait = items.popleft()
+                hand_over(msg, options, sink, wait)
         finally:
             self._draining = False
             try:

@@ -388,35 +388,6 @@ class Producer:
             fut.add_done_callback(done)
         return fut
 
-    def _hand_over_all(self, items: Any) -> None:
-        """On the loop: :meth:`_hand_over` of everything in ``items`` (the blocking facade's
-        inbox, a deque of ``(msg, options, sink, wait)``), in order. A waiting send without
-        options of a plain message (what threads sending in a loop hand over: all of a
-        batch) goes straight into its topic's bucket, with one clock read for the whole
-        drain (its send timeout starts there, microseconds later than one read per message
-        would start it); anything else through :meth:`_hand_over`."""
-        acc = self.accumulator
-        add = acc.add
-        hand_over = self._hand_over
-        plain_ok = self._started and not self._closed and self.auto_batch
-        deadline = self._loop.time() + self.send_timeout if plain_ok else 0.0
-        max_bytes = acc.batch_max_bytes
-        while items:
-            msg, options, sink, wait = items.popleft()
-            if (
-                plain_ok and wait and not options and type(msg) is Message
-                and len(msg.body) < max_bytes and not msg.delay_level and not msg.deliver_at
-                and acc.npending < acc.max_pending_messages
-            ):
-                acc.npending += 1
-                try:
-                    add(msg, None, None, deadline, sink)
-                except Exception as exc:  # noqa: BLE001 - as _hand_over: this sender's error
-                    if not sink.done():
-                        sink.set_exception(exc)
-            else:
-                hand_over(msg, options, sink, wait)
-
     def _hand_over(self, msg: Message, options: dict[str, Any], sink: Any, wait: bool) -> None:
         """On the loop: a message of the blocking facade (``send`` when ``wait``, else
         ``send_async``) into the batch container, its answer to ``sink`` (anything with
