@@ -562,6 +562,53 @@ def test_varied_batch_of_other_message_types_matches_reference(msgs, data):
         assert got == want
 
 
+def test_a_small_plain_batch_with_a_record_outside_its_section_is_caught():
+    """A batch of a few plain messages whose last index entry points where its record header
+    would run past the records section (under valid CRCs): the whole batch is reported,
+    whether the header still lies inside the body (another batch follows) or past its end."""
+    from tidemq.protocol.batch.layout import PRODUCER_HEADER_SIZE
+    from tidemq.protocol.record import crc32c
+
+    p = 72 + len("topic-a")
+    plain = encode_messages("topic-a", [Message("topic-a", b"b%d" % i) for i in range(3)],
+                            queue_id=5, producer_id=1, base_seq=10, born_ts=1)
+    after = single(b"after", 13)
+    for rel_from_end in (1, 20):  # the last record's header: past the end by 27 / by 8 bytes
+        bad = stored(bytearray(plain), 10)
+        records = len(bad) - (p + PRODUCER_HEADER_SIZE + 3 * 12)
+        at = p + PRODUCER_HEADER_SIZE + 2 * 12 + 8
+        bad[at : at + 4] = (records - rel_from_end).to_bytes(4, "little")
+        bad[p : p + 4] = crc32c(memoryview(bad)[p + 4 :]).to_bytes(4, "little")
+        for body, tail in ((bytes(bad), []), (bytes(bad + after), [b"after"])):
+            with pytest.raises(CorruptBatchError, match="message 2 starts outside"):
+                decode_pull_body(body, from_offset=10)
+            reports = _Reports()
+            msgs, end = decode_pull_body(body, from_offset=10, on_corrupt=reports.append_args)
+            assert [m.body for m in msgs] == tail
+            assert [(q, n) for q, n, _ in reports] == [(10, 3)]
+            assert end == 13 + len(tail)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(2, 32), st.integers(0, 40), st.integers(0, 33),
+       st.sampled_from([None, "x"]), st.integers(-1, 31))
+def test_small_batches_of_alike_records_decode_as_batchview(count, size, start, tag, odd):
+    """A few equal plain messages (records checked at once) and the same with one message
+    ``odd`` carrying a tag or properties (checked record by record): BatchView's messages,
+    from ``start``, and none through a tag filter unless they match it."""
+    msgs = [Message("topic-a", bytes([i]) * size) for i in range(count)]
+    if 0 <= odd < count:
+        msgs[odd] = Message("topic-a", msgs[odd].body, tag, properties=None if tag else {"p": "q"})
+    body = bytes(stored(encode_messages("topic-a", msgs, queue_id=5, producer_id=1, base_seq=0,
+                                        born_ts=1), 100))
+    for tags in (None, parse_tag_expression("x")):
+        got = decode_batches(body, from_offset=100 + start, tags=tags)
+        want = reference_messages(body, 100 + start, tags)
+        assert [(m.body, m.queue_offset, m.tags, m.properties, m.msg_id) for m in got] == [
+            (m.body, m.queue_offset, m.tags, m.properties, m.msg_id) for m in want]
+        assert all(m.born_timestamp == 1 for m in got)
+
+
 def test_varied_batch_with_one_key_or_one_new_tag_matches_the_reference():
     # the column passes pick by index in one call; a batch where exactly one message has a
     # key (one pick) or a tag never seen before must encode as the per-message reference

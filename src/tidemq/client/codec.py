@@ -60,12 +60,16 @@ from tidemq.protocol.batch.layout import (
     STORE_CRC_FROM,
     STORE_HEADER,
     STORE_HEADER_SIZE,
-    crc32c_held,
+    crc32c,
     heads_struct,
 )
 from tidemq.protocol.errors import CorruptBatchError
 
 _SMALL = 32  # batches up to this many messages are decoded without numpy
+# crc32c's gil_release_mode, passed positionally: keep the GIL (layout.crc32c_held says why).
+# ``crc32c(data, 0, _HELD)`` is crc32c_held(data) without functools.partial's keyword call,
+# which cost ~0.3 µs of each of a batch's two checks (timeit, 48-byte and 8 KiB buffers).
+_HELD = 0
 
 __all__ = [
     "decode_batches",
@@ -175,8 +179,8 @@ def decode_pull_body(
                     + h[H_RECORDS_SIZE]
                     == total
                     and (not check_crc
-                         or (crc32c_held(mv[pos + p + 4 : pos + total]) == h[H_BATCH_CRC]
-                             and crc32c_held(mv[pos + STORE_CRC_FROM : pos + p])
+                         or (crc32c(mv[pos + p + 4 : pos + total], 0, _HELD) == h[H_BATCH_CRC]
+                             and crc32c(mv[pos + STORE_CRC_FROM : pos + p], 0, _HELD)
                              == h[H_STORE_CRC]))):
                 h = None
         if h is None:
@@ -272,8 +276,11 @@ def decode_pull_body(
     return out, end_offset
 
 
-# the index entries of a batch of n messages, one unpack (rel offsets at odd positions)
-_INDEX_OF = [struct.Struct("<" + "QI" * n) for n in range(_SMALL + 1)]
+# the rel offsets of a batch of n messages' index entries, one unpack (the tag hashes skipped)
+_RELS_OF = [struct.Struct("<" + "8xI" * n) for n in range(_SMALL + 1)]
+# a record header without born_ts, flag and reserved: (size, tags_len, props_len, body_len)
+_REC_SIZES = struct.Struct("<I12xH2xII")
+assert _REC_SIZES.size == RECORD_HEADER_SIZE
 
 
 def _decode_plain(
@@ -284,40 +291,91 @@ def _decode_plain(
     messages without keys or compression at ``buf[a:]`` (``rec``: where a one-message batch's
     records would start), or None when a record's sizes do not add up or a tag or properties
     are not UTF-8 (the general path then words it). One unpack reads the whole index, and the
-    batch's shared metadata is built once."""
+    batch's shared metadata is built once. Per message only the four sizes of its record
+    header are read (born_ts would be a new int object per message; it is read lazily), and
+    one comparison checks them: ``r + size + 4`` is where the record ends, which must be where
+    its tags, properties and body end, inside the records section (a record header running
+    past the body is caught by the unpack: struct.error). A batch of equal records without
+    tags or properties (one producer's messages of one size: the index is a fixed stride and
+    every header reads the same four sizes) is checked with two tuple comparisons and its
+    messages built in one comprehension (:func:`_alike`; ~7 % of decoding at 10,000 queues)."""
     ipos = rec - INDEX_ENTRY_SIZE
     off = ipos + count * INDEX_ENTRY_SIZE
     rlen = off + h[H_RECORDS_SIZE]
-    rels = _INDEX_OF[count].unpack_from(buf, ipos)
+    rels = _RELS_OF[count].unpack_from(buf, ipos)
     meta = _BatchMeta(topic, broker_name, h, buf, a, buf, off)
-    unpack_rec = RECORD_HEADER.unpack_from
     qo = h[H_QUEUE_OFFSET]
+    if count > 1:
+        stride = rels[1]
+        if not rels[0] and h[H_RECORDS_SIZE] == count * stride:
+            alike = _alike(count, stride)
+            if (alike is not None and rels == alike[0]
+                    and alike[1].unpack_from(buf, off) == alike[2]):
+                # equal records without tags or properties, end to end: checked at once
+                if tags is not None:
+                    return []
+                bl = stride - RECORD_HEADER_SIZE
+                s0 = off + RECORD_HEADER_SIZE + start * stride
+                return [MessageExt(buf[s : s + bl], qo + i, None, meta, i)
+                        for i, s in zip(range(start, count),
+                                        range(s0, rlen + RECORD_HEADER_SIZE, stride),
+                                        strict=True)]
+    unpack_rec = _REC_SIZES.unpack_from
     out: list[MessageExt] = []
     append = out.append
-    for i in range(start, count):
-        r = off + rels[2 * i + 1]
-        if r + RECORD_HEADER_SIZE > rlen:
-            return None
-        size, _ts, _f, tl, _r, pl, bl = unpack_rec(buf, r)
-        q = r + RECORD_HEADER_SIZE
-        s = q + tl + pl
-        if size + 4 != RECORD_HEADER_SIZE + tl + pl + bl or s + bl > rlen:
-            return None
-        tag = None
-        if tl or pl:
-            try:
-                if tl:
-                    tag = buf[q : q + tl].decode()
-                if pl:
-                    buf[q + tl : s].decode()  # properties must decode too
-            except UnicodeDecodeError:
+    try:
+        for i in range(start, count):
+            r = off + rels[i]
+            size, tl, pl, bl = unpack_rec(buf, r)
+            q = r + RECORD_HEADER_SIZE
+            s = q + tl + pl
+            e = s + bl
+            if r + size + 4 != e or e > rlen:
                 return None
-            if tags is not None and tag not in tags:
-                continue
-        elif tags is not None:
-            continue
-        append(MessageExt(buf[s : s + bl], qo + i, tag, meta, i))
+            if tl or pl:
+                tag = None
+                try:
+                    if tl:
+                        tag = buf[q : q + tl].decode()
+                    if pl:
+                        buf[q + tl : s].decode()  # properties must decode too
+                except UnicodeDecodeError:
+                    return None
+                if tags is not None and tag not in tags:
+                    continue
+                append(MessageExt(buf[s:e], qo + i, tag, meta, i))
+            elif tags is None:
+                append(MessageExt(buf[s:e], qo + i, None, meta, i))
+    except struct.error:
+        return None
     return out
+
+
+# (count, stride) -> what a batch of ``count`` alike records of ``stride`` bytes holds: its
+# index's rel offsets, a struct of the records' four sizes, and what it must read
+_Alike = tuple[tuple[int, ...], struct.Struct, tuple[int, ...]]
+_ALIKE: dict[tuple[int, int], _Alike] = {}
+_ALIKE_MAX = 4096  # kinds kept (message sizes x batch sizes); then the cache starts over
+
+
+def _alike(count: int, stride: int) -> _Alike | None:
+    """For :func:`_decode_plain`: the index a batch of ``count`` records of ``stride`` bytes
+    each, back to back, has; a struct reading the four sizes of every record header at once;
+    and the sizes it reads when each record is a body of ``stride - RECORD_HEADER_SIZE`` bytes
+    without tags or properties. None when the stride cannot hold a record header."""
+    got = _ALIKE.get((count, stride))
+    if got is None:
+        bl = stride - RECORD_HEADER_SIZE
+        if bl < 0:
+            return None
+        if len(_ALIKE) >= _ALIKE_MAX:
+            _ALIKE.clear()
+        got = _ALIKE[count, stride] = (
+            tuple(range(0, count * stride, stride)),
+            struct.Struct("<" + f"I12xH2xII{bl}x" * count),
+            (stride - 4, 0, 0, bl) * count,
+        )
+    return got
 
 
 def _why_undecodable(raw: bytes, q: int, tl: int, pl: int, i: int) -> str:

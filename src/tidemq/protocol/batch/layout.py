@@ -87,7 +87,8 @@ crc32c = _crc32c_mod.crc32c
 #: consumer's event-loop thread hands the interpreter to a waiting listener thread at every
 #: batch checked, and the loop waits to get it back (up to the 5 ms switch interval): measured,
 #: a push consumer's loop spent 85 µs per 143 KB batch in crc32c against ~13 µs of checking.
-#: The receive path (client/codec.py) uses this one.
+#: The receive path (client/codec.py) calls it as ``crc32c(data, 0, 0)``, the same without
+#: functools.partial's keyword call (~0.3 µs a call).
 crc32c_held = functools.partial(_crc32c_mod.crc32c, gil_release_mode=0)
 
 BATCH_MAGIC = 0x7D51
