@@ -273,13 +273,14 @@ class Accumulator:
             self._answered(1)
             self._after(b, answered=1)
 
-    def start_lone(self, msg: Message, deadline: float, sink: Any) -> bool:
+    def start_lone(self, msg: Message, deadline: float, timeout: float, sink: Any) -> bool:
         """A waiting caller's message (not counted in ``npending`` yet) written now as a batch
         of its own when its topic's bucket is idle (nothing gathered, in flight, cooling or
         leaving) and there is room: what :meth:`add` then the end-of-iteration
         :meth:`_dispatch` would do for it, without the bucket's lists and the hand-over in
         between. The blocking facade's borrower (client/blocking.py): one thread sending alone,
-        whose every send finds its bucket idle. ``sink`` gets the answer as a lone batch's
+        whose every send finds its bucket idle. ``deadline`` (loop time) is ``timeout`` from
+        now (the caller read the clock). ``sink`` gets the answer as a lone batch's
         callers do (:class:`_Lone`, :meth:`_one_done`), or, when it cannot be written so, by
         a task, as :meth:`_dispatch` would. False (nothing done, nothing counted): take the
         ordinary path (:meth:`add`)."""
@@ -287,7 +288,6 @@ class Accumulator:
         if (b is None or b.msgs or b.inflight or b.cool or b.scheduled
                 or self.npending >= self.max_pending_messages or self.start_one is None):
             return False
-        timeout = deadline - b.loop.time()
         if timeout <= 0:
             return False
         msgs = [msg]

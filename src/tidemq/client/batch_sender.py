@@ -231,8 +231,8 @@ class BatchSender:
             # again and raises it to the caller. Raised here it would escape into the loop
             # callback that kicked the batch, and the caller would wait out its timeout.
             return None
-        conn = self.pool.get_nowait(route.broker_addrs[mq.broker_name])
-        if conn is None or not conn.writable:
+        conn = self.pool.writable_nowait(route.broker_addrs[mq.broker_name])
+        if conn is None:
             return None
         timeout = self.send_timeout if timeout is None else timeout
         t0 = time.monotonic()
@@ -251,12 +251,12 @@ class BatchSender:
             header = SendMessageRequestHeader(
                 producer_group=self.group, topic=topic, queue_id=mq.queue_id,
                 born_timestamp=born_ts, batch=code == _SEND_BATCH)
-            fut = conn.start_request(code, header, batch, timeout, sink, now)
+            deadline = conn._loop.time() + timeout
+            fut = conn.start_request(code, header, batch, timeout, sink, now, deadline)
         except (ClientError, LocalProtocolError):
             return None  # the coroutine path sends it again and reports what it must
         # (tuple.__new__: a NamedTuple's own __new__ is a Python function)
-        return _new_tuple(Started, (fut, route, mq, pinned, batch, seq, t0,
-                                    conn._loop.time() + timeout))
+        return _new_tuple(Started, (fut, route, mq, pinned, batch, seq, t0, deadline))
 
     def finish(self, st: Started, topic: str, frame: Frame) -> SendResult | None:
         """The SendResult of a started send whose answer ``frame`` is a plain SEND_OK, else

@@ -365,7 +365,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def start_request(
         self, code: int, header: Any = None, body: Any = b"", timeout: float = DEFAULT_TIMEOUT,
-        sink: Any = None, now: bool = False,
+        sink: Any = None, now: bool = False, deadline: float = 0.0,
     ) -> asyncio.Future[Frame]:
         """Queue a request now and return the future of its response frame: :meth:`request`
         without the coroutine, for a caller on the hot path that awaits the future itself
@@ -379,14 +379,17 @@ class Connection(asyncio.BufferedProtocol):
         ``now``: the frame (with whatever was queued before it) is written at once, not at
         the end of the loop iteration: for a caller that knows nothing else will be queued in
         this iteration (the blocking facade's thread sending alone, which then waits for the
-        answer: no ``call_soon`` and no extra loop iteration, an ``epoll_wait``, to write)."""
+        answer: no ``call_soon`` and no extra loop iteration, an ``epoll_wait``, to write).
+        ``deadline``: ``timeout`` from now in loop time, when the caller has read the clock
+        already (0: read here)."""
         if self._closed_exc is not None:
             raise self._closed_exc
         o = self._next_opaque
         self._next_opaque = (o + 1) & _OPAQUE_MASK or 1
         loop = self._loop
         fut: asyncio.Future[Frame] = loop.create_future() if sink is None else sink
-        deadline = loop.time() + timeout
+        if not deadline:
+            deadline = loop.time() + timeout
         self._pending[o] = (fut, code, deadline, timeout)
         if deadline < self._sweep_at:
             self._arm(deadline)
@@ -538,6 +541,15 @@ class ConnectionPool:
         for c in conns:
             if c._wbuf:
                 c.flush_now()
+
+    def writable_nowait(self, address: str) -> Connection | None:
+        """The open connection to ``address`` when it takes a write now (not over its
+        high-water mark), else None: :meth:`get_nowait` and :attr:`Connection.writable` in one
+        call (the hot path of a send written at once)."""
+        c = self._conns.get(address)
+        if c is None or c._closed_exc is not None or c._drained is not None:
+            return None
+        return c
 
     def get_nowait(self, address: str) -> Connection | None:
         """The open connection to ``address``, or None (no await: the hot path's fast check)."""

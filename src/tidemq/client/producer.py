@@ -577,8 +577,8 @@ class Producer:
             and not msg.deliver_at
         ):
             return False
-        return acc.start_lone(
-            msg, self._loop.time() + (self.send_timeout if timeout is None else timeout), sink)
+        t = self.send_timeout if timeout is None else timeout
+        return acc.start_lone(msg, self._loop.time() + t, t, sink)
 
     async def _resume_one(self, topic: str, mq: MessageQueue | None, msgs: list[Message],
                           st: Started) -> SendResult:
