@@ -79,6 +79,49 @@ def test_a_lone_send_costs_the_loop_one_iteration(dev):
         assert n - 5 <= runs[0] <= n + 3
 
 
+def test_a_thread_sending_alone_writes_each_message_without_the_hand_over(dev, monkeypatch):
+    """The borrower's send of a message whose topic has nothing gathered or in flight is
+    written at once as a batch of its own (Producer._lone_driven, Accumulator.start_lone):
+    no inbox, no drain, no bucket list -- and it is still counted in flight while it waits,
+    so a message of another thread gathers behind it. Each gets its own result, with or
+    without a timeout, and a refused message still fails only its own send."""
+    drains = [0]
+    real_drain = blocking._Inbox._drain
+
+    def drain(self: blocking._Inbox) -> None:
+        drains[0] += 1
+        real_drain(self)
+
+    monkeypatch.setattr(blocking._Inbox, "_drain", drain)
+    with tidemq.Producer(dev.namesrv) as p:
+        for i in range(5):
+            p.send(tidemq.Message("bl-lane", b"w%d" % i))
+        assert _owner() == threading.get_ident()
+        acc = p._aio.accumulator
+        seen: list[bool] = []
+        real_start = acc.start_one
+
+        def start_one(*args):  # the lane's batch counts as in flight when it is written
+            seen.append(acc.answer_pending("bl-lane"))
+            return real_start(*args)
+
+        acc.start_one = start_one
+        drains[0] = 0
+        batches = acc.batches
+        results = [p.send(tidemq.Message("bl-lane", b"m%d" % i), **opts)
+                   for i in range(40) for opts in ({}, {"timeout": 5.0})]
+        assert drains[0] == 0
+        assert seen == [True] * 80
+        assert acc.batches - batches == 80
+        assert len({(r.queue_id, r.queue_offset) for r in results}) == 80
+        assert all(r.queue_offset >= 0 for r in results)
+        with pytest.raises(tidemq.MessageRejectedError):
+            p.send(tidemq.Message("bl-lane", b"x", properties={"p": "v" * 40_000}))
+        assert p.send(tidemq.Message("bl-lane", b"after")).queue_offset >= 0
+        assert acc.npending == 0
+        assert not acc.answer_pending("bl-lane")
+
+
 def test_another_thread_gets_the_loop_back_while_one_thread_holds_it(dev):
     """Thread A holds the loop (and keeps sending); B's sends, calls and send_async are
     served at once, A's sends keep working, and every message is stored."""

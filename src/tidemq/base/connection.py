@@ -450,7 +450,12 @@ class ServerConnection(asyncio.BufferedProtocol):
             self.write([head, *bodies], len(head) + n)
         else:
             head = encode_response(opaque, code, header)
-            self.write([head], len(head))
+            out = self._out
+            if out is not None:  # answered while its read is handled (most are): write() inlined
+                out.append(head)
+                self._out_bytes += len(head)
+            else:
+                self.write([head], len(head))
 
     def send_oneway_request(self, code: int, header: Any) -> None:
         """A server -> client one-way request (NOTIFY_CONSUMER_IDS_CHANGED); never answered."""

@@ -23,17 +23,17 @@ first connection pool is created (as ``tidemq.base.malloc.tune_malloc``).
 
 :func:`freeze_long_lived` is for a moment after which most of what is alive stays alive: a push
 consumer calls it when a rebalance pass has added many queues (``client/rebalance.py``). At
-10,000 queues the assignment leaves ~70,000 tracked objects (each queue's ProcessQueue, pull
-request, MessageQueue, offset entries) in the young generations; the next collection of
-generation 1 walks all of them -- 44-73 ms of the consumer's CPU in one stretch, measured on a
-loaded machine in the push phase of ``bench/push_tail/run.py`` (docs/benchmarks.md, "Many
-queues: the push consumer's p99, sixth session") -- and a full collection later walks them
-again. It collects once (the pause falls on the rebalance, not on a message) and moves
-everything alive into the collector's permanent generation (``gc.freeze``), which no later
-collection walks. Frozen objects are still freed by reference counting; cyclic garbage among
-them waits for the next call, which first gives them back (``gc.unfreeze``) to that
-collection. Only in a process whose thresholds :func:`tune_gc` set (``TIDEMQ_GC_TUNE=0`` or a
-process's own thresholds: never).
+10,000 queues the assignment leaves ~58,000 tracked objects (each queue's ProcessQueue, pull
+request, MessageQueue, offset entries) in the young generations and ~83,000 alive in all; the
+next collection of generation 1 walks the former (7.8 ms of CPU), every full collection all of
+them (27-33 ms of CPU, 48-102 ms wall, in one stretch of the consumer's loop; a loaded machine,
+``bench/push_tail/gc_walk.py``; docs/benchmarks.md, "Many queues: the push consumer's tail,
+sixth session"); after this call 0.6 and 0.2-0.7 ms. It collects once (the pause falls on
+the rebalance, not on a message) and moves everything alive into the collector's permanent
+generation (``gc.freeze``), which no later collection walks. Frozen objects are still freed
+by reference counting; cyclic garbage among them waits for the next call, which first gives
+them back (``gc.unfreeze``) to that collection. Only in a process whose thresholds
+:func:`tune_gc` set (``TIDEMQ_GC_TUNE=0`` or a process's own thresholds: never).
 """
 
 from __future__ import annotations

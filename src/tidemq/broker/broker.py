@@ -38,7 +38,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from tidemq.base.gc_tune import tune_gc
+from tidemq.base.gc_tune import freeze_long_lived, tune_gc
 from tidemq.base.server import FrameServer
 from tidemq.broker.admin_processor import AdminProcessor, rss_bytes
 from tidemq.broker.config import BrokerConfig
@@ -159,6 +159,8 @@ class Broker:
         self._stopped = False
         self._loaded = False
         self.started_at = 0.0
+        #: collections frozen by _freeze_gc_forever (runtime info)
+        self.gc_freezes = 0
         self.pop: PopProcessor | None = None
 
     @property
@@ -269,6 +271,7 @@ class Broker:
             loop.create_task(self.hold.run_checks(), name="long-polling-check"),
             loop.create_task(self._persist_offsets_forever(), name="offsets-persist"),
             loop.create_task(self._sample_stats_forever(), name="stats-sample"),
+            loop.create_task(self._freeze_gc_forever(), name="gc-freeze"),
             loop.create_task(self.dedup.run_snapshots(self.store), name="dedup-snapshot"),
             loop.create_task(self.pop.run_snapshots(), name="pop-snapshot"),
             loop.create_task(self._scan_clients_forever(), name="client-scan"),
@@ -641,6 +644,26 @@ class Broker:
             except Exception:  # keep scanning
                 log.exception("client housekeeping failed")
 
+    async def _freeze_gc_forever(self) -> None:
+        """``freeze_long_lived`` once the store has ``gc_freeze_min_queues`` more queues than
+        at the last freeze and their number held still for a second (a burst of topic
+        creations or first messages is over): their state lives as long as they do, and the
+        collector's full collections walked it -- 68-95 ms of the loop's CPU at 10,000 queues,
+        in the push phase of ``bench scale`` (issue 17). Counted in ``gc_freezes``."""
+        step = self.config.gc_freeze_min_queues
+        if step <= 0:
+            return
+        frozen_at = 0
+        last = -1
+        while True:
+            await asyncio.sleep(1.0)
+            n = len(self.store.cqs)
+            if n - frozen_at >= step and n == last:
+                frozen_at = n
+                if freeze_long_lived():
+                    self.gc_freezes += 1
+            last = n
+
     async def _sample_stats_forever(self) -> None:
         interval = self.config.stats_sample_interval_ms / 1000
         while True:
@@ -702,6 +725,7 @@ class Broker:
             "sent_back_dlq": self.send_back.dead,
             "connections": len(self.connections),
             **self.frames.stats(),
+            "gc_freezes": self.gc_freezes,
             "held_pulls": (held := self.hold.held_count()),
             # requests, not queues: a held PULL_MULTI_QUEUE is one, whatever its queues
             "held_multi_pulls": (multi := self.multi_pull.held_counts())[0],

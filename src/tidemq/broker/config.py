@@ -95,6 +95,11 @@ class BrokerConfig:
     #: queues to receive messages before it answers, so spread traffic travels as a few
     #: multi-message answers rather than one answer per message; 0 = answer at once.
     multi_pull_linger_ms: float = 1.0
+    #: When the store has this many more queues than at the last freeze and their number held
+    #: still for a second, collect once and freeze what is alive
+    #: (``tidemq.base.gc_tune.freeze_long_lived``): the queues' state is long-lived, and a full
+    #: collection walking it held the loop 68-95 ms of CPU at 10,000 queues; 0 = never.
+    gc_freeze_min_queues: int = 1000
     #: Upper bound of a pull's suspend_timeout_millis (a client cannot pin a request forever).
     max_suspend_ms: int = 60_000
 
@@ -272,6 +277,9 @@ class BrokerConfig:
         if not 0 <= self.multi_pull_linger_ms <= 5:
             raise ValueError("broker setting multi_pull_linger_ms must be in [0, 5], got "
                              f"{self.multi_pull_linger_ms}")
+        if self.gc_freeze_min_queues < 0:
+            raise ValueError("broker setting gc_freeze_min_queues must be >= 0, got "
+                             f"{self.gc_freeze_min_queues}")
         if self.max_held_pulls_per_connection <= 0:
             raise ValueError("broker setting max_held_pulls_per_connection must be > 0, got "
                              f"{self.max_held_pulls_per_connection}")

@@ -399,7 +399,7 @@ class SendProcessor:
         # per layer it crosses).
         t0 = _perf_counter()
         try:
-            r = self.store.put(body, queue_id=qid, view=v)
+            r = self.store.put(body, queue_id=qid, view=v, topic=topic)  # the door compared it
         except TidemqError as exc:
             raise rejection_for_store_error(exc) from None
         count = r.count

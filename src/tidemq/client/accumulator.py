@@ -170,8 +170,10 @@ class Accumulator:
         #: a lone message's (or a batch of waiting callers') send without a task
         #: (BatchSender.start / finish / send with ``started``, wired by the producer); None:
         #: every batch is a task
+        #: (``now``, the last argument: the frame is written at once, not at the end of the
+        #: loop iteration)
         self.start_one: Callable[[str, MessageQueue | None, list[Message], float | None,
-                                  Any], Any] | None = None
+                                  Any, bool], Any] | None = None
         self.finish_one: Callable[[Any, str, Any], SendResult | None] | None = None
         self.resume_one: Callable[[str, MessageQueue | None, list[Message], Any],
                                   Awaitable[SendResult]] | None = None
@@ -270,6 +272,39 @@ class Accumulator:
         finally:
             self._answered(1)
             self._after(b, answered=1)
+
+    def start_lone(self, msg: Message, deadline: float, timeout: float, sink: Any) -> bool:
+        """A waiting caller's message (not counted in ``npending`` yet) written now as a batch
+        of its own when its topic's bucket is idle (nothing gathered, in flight, cooling or
+        leaving) and there is room: what :meth:`add` then the end-of-iteration
+        :meth:`_dispatch` would do for it, without the bucket's lists and the hand-over in
+        between. The blocking facade's borrower (client/blocking.py): one thread sending alone,
+        whose every send finds its bucket idle. ``deadline`` (loop time) is ``timeout`` from
+        now (the caller read the clock). ``sink`` gets the answer as a lone batch's
+        callers do (:class:`_Lone`, :meth:`_one_done`), or, when it cannot be written so, by
+        a task, as :meth:`_dispatch` would. False (nothing done, nothing counted): take the
+        ordinary path (:meth:`add`)."""
+        b = self._buckets.get(msg.topic)
+        if (b is None or b.msgs or b.inflight or b.cool or b.scheduled
+                or self.npending >= self.max_pending_messages or self.start_one is None):
+            return False
+        if timeout <= 0:
+            return False
+        msgs = [msg]
+        futs = [sink]
+        deadlines = [deadline]
+        lone = _Lone(self, b, msgs, futs, deadlines)
+        b.inflight += 1  # before the write: a send of another thread now gathers behind it
+        self.npending += 1
+        self.batches += 1
+        self.batched_messages += 1
+        st = self.start_one(b.topic, None, msgs, timeout, lone, True)
+        if st is not None:
+            lone.st = st
+            self.tasks.add(lone)
+        else:  # as _dispatch: a task (one attempt to start it, one queue chosen, not two)
+            self.track(b.loop.create_task(self._send_batch(b, msgs, futs, deadlines)))
+        return True
 
     def add(self, msg: Message, key: Hashable | None = None, mq: MessageQueue | None = None,
             deadline: float = 0.0, fut: Any = None) -> asyncio.Future[SendResult]:
@@ -534,7 +569,7 @@ class Accumulator:
                 timeout = d - b.loop.time()
             if timeout is None or timeout > 0:
                 lone = _Lone(self, b, msgs, futs, deadlines)
-                st = self.start_one(b.topic, b.mq, msgs, timeout, lone)
+                st = self.start_one(b.topic, b.mq, msgs, timeout, lone, False)
                 if st is not None:
                     lone.st = st
                     self.tasks.add(lone)
@@ -581,7 +616,8 @@ class Accumulator:
         if self.wake_first:
             self.woken = len(futs)
             try:
-                (self.wake_many or _wake)(r, futs)
+                # (a lone caller, a thread sending alone: woken without wake_many's layers)
+                (_wake if len(futs) == 1 else self.wake_many or _wake)(r, futs)
             finally:
                 self._after(b, cool=False)
             return

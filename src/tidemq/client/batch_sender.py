@@ -73,6 +73,9 @@ class Started(NamedTuple):
     deadline: float  # loop time
 
 
+_new_tuple = tuple.__new__
+
+
 class BatchSender:
     """Encodes and sends one batch at a time for a producer."""
 
@@ -93,6 +96,10 @@ class BatchSender:
         self._hosts: dict[str, bytes] = {}  # local address -> record.pack_host form
         #: the encoder sends use (a TransactionProducer wraps it to mark half messages)
         self.encode: Encoder = self.encode_batch
+        #: :meth:`start` may encode a batch of one message with :meth:`encode_one` (the
+        #: bytes ``encode`` gives it): set by the producer when ``encode`` is
+        #: :meth:`encode_batch` without compression
+        self.encode_lone = False
 
     def header(self, topic: str, queue_id: int, batch: bool,
                born_ts: int | None = None) -> SendMessageRequestHeader:
@@ -201,15 +208,17 @@ class BatchSender:
         return None
 
     def start(self, topic: str, msgs: Sequence[Message], queue_id: MessageQueue | None,
-              timeout: float | None, code: int, sink: Any = None) -> Started | None:
+              timeout: float | None, code: int, sink: Any = None, now: bool = False
+              ) -> Started | None:
         """The first attempt of :meth:`send` without a coroutine: encode and write the request
         now, return what :meth:`finish` needs once its response future completes -- or None
         when this send needs the coroutine from the start (no cached route or open writable
         connection, a deduplicated producer, a message the encoder refuses: :meth:`send` then
         does everything, and raises what it must). The blocking facade's lone sends take this
         path: no task, no coroutine frames, no loop iteration to wake a task. ``sink``:
-        where the connection puts the answer (``Connection.start_request``)."""
-        if self.sequencer.dedup:
+        where the connection puts the answer (``Connection.start_request``); ``now``: the
+        frame is written at once (``Connection.start_request``)."""
+        if self.sequencer.producer_name is not None:  # deduplicated (Sequencer.dedup)
             return None
         route = self.router.cached(topic)
         if route is None:
@@ -222,20 +231,32 @@ class BatchSender:
             # again and raises it to the caller. Raised here it would escape into the loop
             # callback that kicked the batch, and the caller would wait out its timeout.
             return None
-        conn = self.pool.get_nowait(route.broker_addrs[mq.broker_name])
-        if conn is None or not conn.writable:
+        conn = self.pool.writable_nowait(route.broker_addrs[mq.broker_name])
+        if conn is None:
             return None
         timeout = self.send_timeout if timeout is None else timeout
         t0 = time.monotonic()
         born_ts = int(time.time() * 1000)
         try:
-            batch, seq = self.encode(topic, msgs, mq.queue_id, conn.local_host,
-                                     conn.local_port, None, born_ts)
-            header = self.header(topic, mq.queue_id, code == _SEND_BATCH, born_ts)
-            fut = conn.start_request(code, header, batch, timeout, sink)
+            m = msgs[0]
+            if self.encode_lone and len(msgs) == 1 and not (m.delay_level or m.deliver_at):
+                # (encode_batch's own path for it, without its layers: ~1 us a send here)
+                host = conn.local_host
+                packed = self._hosts.get(host) or self.packed_host(host)
+                batch, seq = self.encode_one(topic, m, mq.queue_id, packed, conn.local_port,
+                                             born_ts)
+            else:
+                batch, seq = self.encode(topic, msgs, mq.queue_id, conn.local_host,
+                                         conn.local_port, None, born_ts)
+            header = SendMessageRequestHeader(
+                producer_group=self.group, topic=topic, queue_id=mq.queue_id,
+                born_timestamp=born_ts, batch=code == _SEND_BATCH)
+            deadline = conn._loop.time() + timeout
+            fut = conn.start_request(code, header, batch, timeout, sink, now, deadline)
         except (ClientError, LocalProtocolError):
             return None  # the coroutine path sends it again and reports what it must
-        return Started(fut, route, mq, pinned, batch, seq, t0, conn._loop.time() + timeout)
+        # (tuple.__new__: a NamedTuple's own __new__ is a Python function)
+        return _new_tuple(Started, (fut, route, mq, pinned, batch, seq, t0, deadline))
 
     def finish(self, st: Started, topic: str, frame: Frame) -> SendResult | None:
         """The SendResult of a started send whose answer ``frame`` is a plain SEND_OK, else

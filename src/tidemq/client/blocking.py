@@ -237,6 +237,7 @@ class _LoopHost:
         loop = self.loop
         run_once = getattr(loop, "_run_once", None)
         if run_once is None:  # pragma: no cover - the producers' loop is the stock one
+            d._loop = loop  # its answer stops run_forever
             asyncio_events._set_running_loop(loop)
             try:
                 put(msg, options, d)
@@ -531,14 +532,17 @@ if not _BELLS:  # pragma: no cover - CI runs on Linux
 
 
 class _Driven:
-    """Where a send that runs the loop itself (a borrower's, see _LoopHost) gets its answer:
-    it stops the loop, and the send returns. A send left by an exception (KeyboardInterrupt)
-    is abandoned: its late answer must not stop the loop on whichever thread runs it then."""
+    """Where a send that runs the loop itself (a borrower's, see _LoopHost) gets its answer,
+    and the send returns. The borrower runs the loop's iterations itself and checks
+    ``_done`` after each (``_LoopHost.drive``): nothing to stop. Only where it runs the loop
+    through ``run_forever`` (a loop without ``_run_once``) does ``drive`` set ``_loop``: the
+    answer then stops it. A send left by an exception (KeyboardInterrupt) is abandoned: its
+    late answer must not stop the loop on whichever thread runs it then."""
 
     __slots__ = ("_loop", "_done", "result", "error")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = loop
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._done = False
         self.result: SendResult | None = None
         self.error: BaseException | None = None
@@ -623,7 +627,13 @@ class _Inbox:
         """:meth:`put` by the thread that holds the loop and runs it (see _LoopHost.drive):
         the hand-over and the write happen here and now, on this thread, as the loop would
         run them, which saves the loop the iteration (and the ``epoll`` call) that would
-        run the drain."""
+        run the drain. A message without routing options whose topic's bucket is idle (every
+        send of a thread sending alone) is not handed over at all: it is written at once as
+        a batch of its own (``Producer._lone_driven``), answered as the drain's would be."""
+        if not self._armed and not self._items and (
+            not options or (len(options) == 1 and "timeout" in options)
+        ) and self._aio._lone_driven(msg, options.get("timeout") if options else None, sink):
+            return
         self._items.append((msg, options, sink, True))
         if self._armed:
             return  # a drain is queued (another thread's put): it takes this one too
@@ -779,7 +789,7 @@ class Producer(_Facade):
         if host.enter_send():  # (raises on a thread while it runs the loop: a callback)
             # This thread runs the loop (see _LoopHost): the hand-over, the write, the answer
             # and the wake-up are calls on this thread's stack.
-            d = _Driven(host.loop)
+            d = _Driven()
             clean = False
             try:
                 host.drive(self._inbox.put_driven, msg, options, d)

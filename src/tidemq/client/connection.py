@@ -270,7 +270,8 @@ class Connection(asyncio.BufferedProtocol):
         self._next_opaque = (o + 1) & _OPAQUE_MASK or 1
         return o
 
-    def _write(self, code: int, opaque: int, flags: int, header: Any, body: Any) -> None:
+    def _write(self, code: int, opaque: int, flags: int, header: Any, body: Any,
+               now: bool = False) -> None:
         """Queue a frame; every frame queued in this loop iteration goes out in one write.
 
         A write system call costs tens of microseconds here (loopback delivery runs in the
@@ -281,7 +282,8 @@ class Connection(asyncio.BufferedProtocol):
         A request with a header and a small body (every send of a few messages) is framed
         here with one ``FRAME_PREFIX.pack`` and one join: the same bytes as
         ``frame.encode_frame_parts`` (a test compares them) at ~0.3 instead of ~0.8 µs, since
-        it skips the Frame object and the general checks; anything else goes through it."""
+        it skips the Frame object and the general checks; anything else goes through it.
+        ``now``: written at once with what is queued (see :meth:`start_request`)."""
         if self._closed_exc is not None:
             raise self._closed_exc
         th = type(header)
@@ -300,14 +302,16 @@ class Connection(asyncio.BufferedProtocol):
                     pass  # encode_frame_parts raises its LocalProtocolError
                 else:
                     self._wbuf.append(b"".join((prefix, hb, body)))
-                    if not self._flush_scheduled:
+                    if now:
+                        self._flush()
+                    elif not self._flush_scheduled:
                         self._flush_scheduled = True
                         self._loop.call_soon(self._flush)
                     return
         parts = encode_frame_parts(Frame(code, opaque, flags, header, body),
                                    max_frame_size=self.max_frame_size)
         self._wbuf += parts
-        if len(parts) > 1 and len(parts[-1]) >= _WRITE_NOW:  # [prefix + header, body]
+        if now or len(parts) > 1 and len(parts[-1]) >= _WRITE_NOW:  # [prefix + header, body]
             # A large frame (a batch) is written now, with what is queued before it: the
             # transport then pauses writing at once when its buffer is full, and the next
             # sender of this loop iteration waits in drain() (a send_async backlog would else
@@ -361,7 +365,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def start_request(
         self, code: int, header: Any = None, body: Any = b"", timeout: float = DEFAULT_TIMEOUT,
-        sink: Any = None,
+        sink: Any = None, now: bool = False, deadline: float = 0.0,
     ) -> asyncio.Future[Frame]:
         """Queue a request now and return the future of its response frame: :meth:`request`
         without the coroutine, for a caller on the hot path that awaits the future itself
@@ -370,19 +374,27 @@ class Connection(asyncio.BufferedProtocol):
         ``sink``: instead of a new future, any object with ``done()``, ``set_result(frame)``
         and ``set_exception(exc)``, called on the loop as soon as the outcome is known (from
         ``data_received`` itself: no loop iteration between the answer and its use); it is
-        returned. The producer's lone sends use it (accumulator.py)."""
+        returned. The producer's lone sends use it (accumulator.py).
+
+        ``now``: the frame (with whatever was queued before it) is written at once, not at
+        the end of the loop iteration: for a caller that knows nothing else will be queued in
+        this iteration (the blocking facade's thread sending alone, which then waits for the
+        answer: no ``call_soon`` and no extra loop iteration, an ``epoll_wait``, to write).
+        ``deadline``: ``timeout`` from now in loop time, when the caller has read the clock
+        already (0: read here)."""
         if self._closed_exc is not None:
             raise self._closed_exc
         o = self._next_opaque
         self._next_opaque = (o + 1) & _OPAQUE_MASK or 1
         loop = self._loop
         fut: asyncio.Future[Frame] = loop.create_future() if sink is None else sink
-        deadline = loop.time() + timeout
+        if not deadline:
+            deadline = loop.time() + timeout
         self._pending[o] = (fut, code, deadline, timeout)
         if deadline < self._sweep_at:
             self._arm(deadline)
         try:
-            self._write(code, o, 0, header, body)
+            self._write(code, o, 0, header, body, now)
         except BaseException:
             self._pending.pop(o, None)
             raise
@@ -529,6 +541,15 @@ class ConnectionPool:
         for c in conns:
             if c._wbuf:
                 c.flush_now()
+
+    def writable_nowait(self, address: str) -> Connection | None:
+        """The open connection to ``address`` when it takes a write now (not over its
+        high-water mark), else None: :meth:`get_nowait` and :attr:`Connection.writable` in one
+        call (the hot path of a send written at once)."""
+        c = self._conns.get(address)
+        if c is None or c._closed_exc is not None or c._drained is not None:
+            return None
+        return c
 
     def get_nowait(self, address: str) -> Connection | None:
         """The open connection to ``address``, or None (no await: the hot path's fast check)."""

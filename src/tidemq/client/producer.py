@@ -164,7 +164,10 @@ class Producer:
         )
         if multi_queue and producer_name is None:
             acc.send_many = self.multi.take
-            if type(self)._encode is Producer._encode and not self.sender.compression:
+        if type(self)._encode is Producer._encode and not self.sender.compression:
+            # batches of one message written at once encoded as encode_batch would
+            self.sender.encode_lone = True
+            if multi_queue and producer_name is None:
                 # batches encoded as encode_batch would (no subclass marks them)
                 self.multi.encode_one = self.sender.encode_one
                 self.multi.encode_small = self.sender.encode_small
@@ -553,12 +556,29 @@ class Producer:
         return await self._send(topic, msgs, mq, None, None, None, timeout, code)
 
     def _start_one(self, topic: str, mq: MessageQueue | None, msgs: list[Message],
-                   timeout: float | None, sink: Any) -> Started | None:
-        """A batch of the accumulator written without a task (None: it needs one)."""
+                   timeout: float | None, sink: Any, now: bool) -> Started | None:
+        """A batch of the accumulator written without a task (None: it needs one); ``now``:
+        its frame is written at once."""
         if not self._started or self._closed:
             return None
-        code = _send_code(msgs)
-        return self.sender.start(topic, msgs, mq, timeout, code, sink)
+        code = _SEND_BATCH if len(msgs) > 1 else _SEND_MESSAGE
+        return self.sender.start(topic, msgs, mq, timeout, code, sink, now)
+
+    def _lone_driven(self, msg: Message, timeout: float | None, sink: Any) -> bool:
+        """(On the loop, by the thread that runs it: the blocking facade's borrower.) A
+        blocking ``send`` of ``msg`` without routing options, written now as a batch of its
+        own when its topic's bucket is idle (Accumulator.start_lone): what ``_hand_over``
+        and the accumulator's dispatch do for a lone message, without the hand-over. False:
+        nothing was done (the ordinary hand-over then)."""
+        acc = self.accumulator
+        if not (
+            self._started and not self._closed and self.auto_batch
+            and len(msg.body) < acc.batch_max_bytes and not msg.delay_level
+            and not msg.deliver_at
+        ):
+            return False
+        t = self.send_timeout if timeout is None else timeout
+        return acc.start_lone(msg, self._loop.time() + t, t, sink)
 
     async def _resume_one(self, topic: str, mq: MessageQueue | None, msgs: list[Message],
                           st: Started) -> SendResult:
@@ -581,6 +601,10 @@ class Producer:
         if self.accumulator.has_open:
             self.accumulator.flush_open()
         await self.accumulator.wait_all()
+
+
+_SEND_BATCH = int(RequestCode.SEND_BATCH)
+_SEND_MESSAGE = int(RequestCode.SEND_MESSAGE)
 
 
 def _send_code(msgs: Sequence[Message]) -> int:

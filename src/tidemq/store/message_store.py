@@ -435,13 +435,16 @@ class MessageStore:
         queue_id: int | None = None,
         on_durable: FlushCallback | None = None,
         view: BatchView | None = None,
+        topic: str | None = None,
     ) -> PutResult:
         """Append one batch (as a producer encoded it). Raises a StoreError subclass on refusal.
 
         SYNC_FLUSH: with ``on_durable`` the put returns at once and the callback fires (on the
         flush thread) when the batch is on disk; without it, the call blocks until then and
         answers FLUSH_DISK_TIMEOUT after sync_flush_timeout_ms. ASYNC_FLUSH: returns at once.
-        ``view``: a BatchView of ``data`` the caller already built (saves parsing it twice).
+        ``view``: a BatchView of ``data`` the caller already built (saves parsing it twice);
+        ``topic``: the view's topic as a str, which the caller compared with the batch's topic
+        bytes (the broker's door: saves decoding it again).
         """
         if self._closed:
             raise StoreClosedError("the store is closed")
@@ -458,7 +461,8 @@ class MessageStore:
         v = BatchView(data) if view is None else view  # the broker passes the view it parsed
         if v.total_size != size or not v.batch_crc_ok():
             self._check_batch(v, size)  # raises
-        topic = v.topic
+        if topic is None:
+            topic = v.topic
         qid = v.queue_id if queue_id is None else queue_id
         count = v.count
         hashes = self._index_hashes(v, topic) if self._index_enabled else None

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import struct
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from itertools import accumulate, chain, compress, repeat
 from operator import add, itemgetter, sub
 from typing import Any
@@ -247,15 +247,21 @@ def _keys_section(messages: Sequence[Any], keys: Sequence[Any]) -> bytes | None:
         return None
     _grow(u16, top + 1, 2)
     _grow(u32, n, 4)
-    at: Iterator[Any]
+    at: Sequence[Any]
     if 0 in kl:  # messages without keys have no entry
         kbs = list(compress(kbs, kl))
-        at = map(u32.__getitem__, compress(range(n), kl))
+        at = _pick(u32, list(compress(range(n), kl)))
         kl = list(compress(kl, kl))
     else:
-        at = iter(u32[:n])
-    # entry (message index u32, length u16) and keys' bytes of each message, one join
-    joined = sep.join(chain.from_iterable(zip(at, _pick(u16, kl), kbs, strict=True)))
+        at = u32[:n]
+    # entry (message index u32, length u16) and keys' bytes of each message, one join; the
+    # three columns interleaved by slice assignments (~2x cheaper than zip + chain: no tuple
+    # per message)
+    entries = [sep] * (3 * len(kbs))
+    entries[0::3] = at
+    entries[1::3] = _pick(u16, kl)
+    entries[2::3] = kbs
+    joined = sep.join(entries)
     return joined.encode("latin-1") if ascii_ else joined  # type: ignore[no-any-return]
 
 
