@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from typing import Any
 
 import pytest
 
@@ -19,6 +20,26 @@ FAST = dict(consume_from="first", heartbeat_interval=1.0, persist_interval=0.2,
             rebalance_interval=1.0, multi_queue_min=64)
 
 
+def _topics(dev, prefix: str, n: int) -> list[str]:
+    """``n`` topics of 8 queues each, created."""
+    topics = [f"{prefix}-{i}" for i in range(n)]
+    with tidemq.Admin(dev.namesrv) as admin:
+        for t in topics:
+            admin.create_topic(t, 8)
+    return topics
+
+
+def _collecting() -> tuple[list[bytes], Any]:
+    """A listener that keeps every body it is given, and the list it keeps them in."""
+    got: list[bytes] = []
+
+    async def handle(msgs, ctx):
+        got.extend(m.body for m in msgs)
+        return tq.ConsumeStatus.SUCCESS
+
+    return got, handle
+
+
 def _held(dev) -> dict[str, int]:
     with tidemq.Admin(dev.namesrv) as admin:
         info = admin.runtime_info(dev.broker)
@@ -26,15 +47,8 @@ def _held(dev) -> dict[str, int]:
 
 
 def test_many_queues_are_held_as_one_request_and_tailed(dev) -> None:
-    topics = [f"pmq-{i}" for i in range(40)]  # 320 queues
-    with tidemq.Admin(dev.namesrv) as admin:
-        for t in topics:
-            admin.create_topic(t, 8)
-    got: list[bytes] = []
-
-    async def handle(msgs, ctx):
-        got.extend(m.body for m in msgs)
-        return tq.ConsumeStatus.SUCCESS
+    topics = _topics(dev, "pmq", 40)  # 320 queues
+    got, handle = _collecting()
 
     async def go() -> None:
         async with tq.PushConsumer(dev.namesrv, "pmq-g", handle, **FAST) as c:
@@ -66,10 +80,7 @@ def test_many_queues_are_held_as_one_request_and_tailed(dev) -> None:
 
 @pytest.mark.parametrize("multi", [64, 0])
 def test_every_message_once_across_a_rebalance(dev, multi) -> None:
-    topics = [f"pmr{multi}-{i}" for i in range(40)]
-    with tidemq.Admin(dev.namesrv) as admin:
-        for t in topics:
-            admin.create_topic(t, 8)
+    topics = _topics(dev, f"pmr{multi}", 40)
     seen: collections.Counter[bytes] = collections.Counter()
     opts = {**FAST, "multi_queue_min": multi}
 
@@ -137,15 +148,8 @@ def test_a_pass_that_adds_many_queues_freezes_their_objects_out_of_later_collect
     from tidemq.client import rebalance
 
     monkeypatch.setattr(rebalance, "FREEZE_MIN_ADDED", 16)
-    topics = [f"pfz-{i}" for i in range(4)]  # 32 queues
-    with tidemq.Admin(dev.namesrv) as admin:
-        for t in topics:
-            admin.create_topic(t, 8)
-    got: list[bytes] = []
-
-    async def handle(msgs, ctx):
-        got.extend(m.body for m in msgs)
-        return tq.ConsumeStatus.SUCCESS
+    topics = _topics(dev, "pfz", 4)  # 32 queues
+    got, handle = _collecting()
 
     async def go() -> None:
         async with tq.PushConsumer(dev.namesrv, "pfz-g", handle, **FAST) as c:

@@ -39,6 +39,14 @@ I32_MAX = 2**31 - 1
 T0 = 1_700_000_000_000
 
 
+def _same_files(a: IndexService, b: IndexService) -> None:
+    """``a`` and ``b`` (flushed) hold the same index files, byte for byte."""
+    assert len(a.files) == len(b.files)
+    for x, y in zip(a.files, b.files, strict=True):
+        with open(x, "rb") as f1, open(y, "rb") as f2:
+            assert f1.read() == f2.read()
+
+
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.lists(st.integers(0, 9), min_size=1, max_size=4),
@@ -60,10 +68,7 @@ def test_put_few_writes_what_put_hash_writes(tmp_path_factory, batches):
         few.put_few(hashes, phys, ts)
     one.flush()
     few.flush()
-    assert len(one.files) == len(few.files)
-    for x, y in zip(one.files, few.files, strict=True):
-        with open(x, "rb") as f1, open(y, "rb") as f2:
-            assert f1.read() == f2.read()
+    _same_files(one, few)
     assert one.query("", 0, 2**62, 100) == few.query("", 0, 2**62, 100)
     one.close()
     few.close()
@@ -518,9 +523,6 @@ def test_put_hash_run_writes_what_put_hash_writes(tmp_path_factory, entries, fra
         ts += 3
     one.flush()
     run.flush()
-    assert len(one.files) == len(run.files)
-    for x, y in zip(one.files, run.files, strict=True):
-        with open(x, "rb") as f1, open(y, "rb") as f2:
-            assert f1.read() == f2.read()
+    _same_files(one, run)
     one.close()
     run.close()
