@@ -51,7 +51,7 @@ def _same_files(a: IndexService, b: IndexService) -> None:
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.lists(st.integers(0, 9), min_size=1, max_size=4),
                           st.integers(-1, 3), st.integers(-2, 3)), min_size=1, max_size=30))
-def test_put_few_writes_what_put_hash_writes(tmp_path_factory, batches):
+def test_put_hashes_writes_what_put_hash_writes_for_each(tmp_path_factory, batches):
     """A small batch's few hashes in one call (the store's per-batch path: a keyed message's
     key and its id block) leave the same bytes as one put_hash per hash: rolls when a file is
     full (also in the middle of a batch's hashes), a repeated hash chained to itself, a
@@ -65,7 +65,7 @@ def test_put_few_writes_what_put_hash_writes(tmp_path_factory, batches):
         ts += dts
         for h in hashes:
             one.put_hash(h, phys, ts)
-        few.put_few(hashes, phys, ts)
+        few.put_hashes(hashes, phys, ts)
     one.flush()
     few.flush()
     _same_files(one, few)

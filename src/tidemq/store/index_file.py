@@ -322,38 +322,6 @@ class IndexFile:
         self.index_count = n
         self.mf.dirty = True
 
-    def add_few(self, hashes: list[int], phys: int, ts: int) -> None:
-        """:meth:`add_one` of each hash, all pointing at ``phys``, the header written once: a
-        small batch's few entries (a keyed message's key and its id block). The caller
-        checked room for all of them."""
-        mm = self.mf.mm
-        n = self.index_count
-        if n == 0:
-            self.begin_ts = self.end_ts = ts
-            self.begin_phys = phys
-        diff = ts - self.begin_ts
-        if diff < 0:
-            diff = 0
-        slots, used = self.slots, self.hash_slot_count
-        at = self.entries_start + n * ENTRY_SIZE
-        for h in hashes:
-            spos = HEADER_SIZE + (h % slots) * SLOT_SIZE
-            head = SLOT.unpack_from(mm, spos)[0]
-            ENTRY.pack_into(mm, at, h, phys, diff, head)
-            at += ENTRY_SIZE
-            n += 1
-            SLOT.pack_into(mm, spos, n)
-            if not head:
-                used += 1
-        self.hash_slot_count = used
-        end_ts = self.end_ts
-        if ts > end_ts:
-            self.end_ts = end_ts = ts
-        self.end_phys = phys
-        HEADER.pack_into(mm, 0, self.begin_ts, end_ts, self.begin_phys, phys, used, n)
-        self.index_count = n
-        self.mf.dirty = True
-
     def _write_header(self, count: int) -> None:
         HEADER.pack_into(
             self.mf.mm, 0, self.begin_ts, self.end_ts, self.begin_phys, self.end_phys,
@@ -532,21 +500,6 @@ class IndexService:
                 f = self._roll(store_ts)
         f.add_one(h, phys_offset, store_ts)
 
-    def put_few(self, hashes: list[int], phys_offset: int, store_ts: int) -> None:
-        """:meth:`put_hashes` of a small batch's few hashes (the per-batch hot path of a
-        keyed single message: its key and its id block): one file check and one header
-        write for all of them when the newest file has room, else :meth:`put_hashes`."""
-        files = self._files
-        if files:
-            f = files[-1]
-            if phys_offset < f.end_phys:
-                return
-            n = f.index_count  # IndexFile.fits for all of them, inlined
-            if n + len(hashes) <= f.max_entries and (not n or store_ts - f.begin_ts <= _I32_MAX):
-                f.add_few(hashes, phys_offset, store_ts)
-                return
-        self.put_hashes(hashes, phys_offset, store_ts)
-
     def put_hash_run(self, hashes: list[int], physs: list[int], store_ts: int) -> None:
         """:meth:`put_hash` of each (hash, phys) in turn, ``physs`` ascending (the id-index
         entries of a frame's batches): one call and one header write per index file instead of
@@ -577,9 +530,20 @@ class IndexService:
         self.put_hashes([_crc32c(k.encode()) for k in keys if k], phys_offset, store_ts)
 
     def put_hashes(self, hashes: list[int], phys_offset: int, store_ts: int) -> None:
-        """:meth:`put_many` of keys whose :func:`key_hash` the caller computed."""
-        if phys_offset < self.max_phys_offset:
-            return
+        """:meth:`put_many` of keys whose :func:`key_hash` the caller computed. The common
+        case -- the newest file has room for all of them (a batch's few keys: a keyed
+        message's key and its id block) -- is one check and one :meth:`IndexFile.add` (one
+        header write); the loop below rolls files as they fill."""
+        files = self._files
+        if files:
+            f = files[-1]
+            if phys_offset < f.end_phys:  # already indexed (max_phys_offset)
+                return
+            n = f.index_count  # IndexFile.fits for all of them, inlined: once per stored batch
+            if hashes and n + len(hashes) <= f.max_entries and (
+                    not n or store_ts - f.begin_ts <= _I32_MAX):
+                f.add(hashes, phys_offset, store_ts)
+                return
         i = 0
         while i < len(hashes):
             f = self._files[-1] if self._files else None

@@ -993,10 +993,7 @@ class MessageStore:
         else:
             cq.append_batch(qoff, phys, size, v.index_view())
         if hashes:
-            if len(hashes) <= 4:  # a small batch's few keys: one file check, one header
-                self.index.put_few(hashes, phys, ts)
-            else:
-                self.index.put_hashes(hashes, phys, ts)
+            self.index.put_hashes(hashes, phys, ts)
 
     def _index_hashes(self, v: BatchView, topic: str) -> list[int]:
         """Index key hashes of a batch: each key of each message that has keys, then each id
