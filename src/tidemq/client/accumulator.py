@@ -201,6 +201,13 @@ class Accumulator:
         self.batched_messages = 0
 
     # -- the pending bound -------------------------------------------------------------------
+    def may_join(self, msg: Any) -> bool:
+        """Whether ``msg`` may share a batch with others: under ``batch_max_bytes``, without a
+        delay level or a delivery time (both are per batch: such a message travels alone).
+        The one owner of the rule; ``Producer.send_async`` and :meth:`add_async` inline it
+        (the hot path of every ``send_async``)."""
+        return len(msg.body) < self.batch_max_bytes and not msg.delay_level and not msg.deliver_at
+
     def check_room(self, n: int = 1) -> None:
         if self.npending + n > self.max_pending_messages:
             raise ProducerQueueFullError(
@@ -357,7 +364,7 @@ class Accumulator:
         ProducerQueueFullError when ``max_pending_messages`` are unanswered. The hot path of
         ``send_async``: every check and count of it in one call."""
         n = len(msg.body)
-        if n >= self.batch_max_bytes or msg.delay_level or msg.deliver_at:
+        if n >= self.batch_max_bytes or msg.delay_level or msg.deliver_at:  # not may_join
             return None
         if self.npending >= self.max_pending_messages:
             self.check_room()  # raises
