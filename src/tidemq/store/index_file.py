@@ -546,11 +546,10 @@ class IndexService:
                 return
         i = 0
         while i < len(hashes):
-            f = self._files[-1] if self._files else None
-            if f is None or not f.fits(store_ts):
-                f = self._roll(store_ts)
-            take = min(len(hashes) - i, f.room)
-            f.add(hashes[i : i + take], phys_offset, store_ts)
+            last = self._files[-1] if self._files else None
+            g = last if last is not None and last.fits(store_ts) else self._roll(store_ts)
+            take = min(len(hashes) - i, g.room)
+            g.add(hashes[i : i + take], phys_offset, store_ts)
             i += take
 
     def make_room(self, store_ts: int, entries: int) -> None:
