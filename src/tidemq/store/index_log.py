@@ -102,7 +102,9 @@ def _check_topic(topic: str) -> None:
 class LogQueue:
     """The units of one (topic, queue id): runs in the shared log plus pending units in memory.
 
-    The same interface as store/consume_queue.py's ConsumeQueue (the store uses either)."""
+    The store's consume queues (store/consume_queue.py's ConsumeQueue, one file per queue, is
+    read only to migrate an older store). A queue's units wait in memory until the log's next
+    block: nothing is reserved on disk per put."""
 
     __slots__ = ("topic", "queue_id", "qid", "_log", "_min", "_max", "_max_phys", "_last_phys",
                  "_rfirst", "_rcount", "_rpos", "_pend", "_pend_first", "_cut", "_cut_to",
@@ -294,9 +296,6 @@ class LogQueue:
         self._last_phys = phys
         self._max_phys = phys + size
         self._max = qoff + n
-
-    def make_room(self, queue_offset: int, count: int) -> None:
-        """Nothing to reserve: units wait in memory until the log's next block."""
 
     def start_at(self, queue_offset: int) -> None:
         """Make an empty queue begin at ``queue_offset`` (a CommitLog that starts after this

@@ -507,11 +507,11 @@ class MessageStore:
         cl = self.commitlog
         seg, rel = cl.reserve(size)
         # Everything that may need new disk space comes before the batch is written, so
-        # a full disk fails the put with nothing stored (no half-dispatched batch).
+        # a full disk fails the put with nothing stored (no half-dispatched batch): the key
+        # index's next file (a queue's units wait in memory for the index log's next block).
         cq = self.cqs.get_or_create(topic, qid)
         qoff = cq.max_offset
         now = time.time_ns() // 1_000_000
-        cq.make_room(qoff, count)
         if hashes:
             self.index.make_room(now, len(hashes))
         mm = seg.mm
@@ -831,9 +831,6 @@ class MessageStore:
                 batches.append((pos, v, why))
                 pos += total
             if pos:
-                for _p, v, _why in batches:
-                    if v is not None:
-                        self._room_for_copied(v)
                 cl.pwrite(seg, rel, (mv[:pos],), pos)
                 cl.advance(pos)
             if filler:
@@ -856,16 +853,6 @@ class MessageStore:
                         cl.truncate_live(base + p)
                         raise
             return cl.write_pos
-
-    def _room_for_copied(self, v: BatchView) -> None:
-        """Files and disk blocks for a replicated batch's units (and the gap a quarantined
-        batch before it left), before its bytes are written (put lock held)."""
-        cq = self.cqs.get_or_create(v.topic, v.queue_id)
-        qoff = v.queue_offset
-        if qoff and not cq.max_offset:
-            cq.start_at(qoff)
-        lo = min(qoff, cq.max_offset)
-        cq.make_room(lo, qoff + v.count - lo)
 
     def _dispatch_copied(
         self, v: BatchView | None, phys: int, why: str, mv: memoryview, p: int
@@ -891,11 +878,9 @@ class MessageStore:
         bad = self._copied_bad
         if qoff > expected and bad is not None:
             gap = qoff - expected
-            cq.make_room(expected, gap)
             cq.append_batch(expected, bad[0], bad[1], bytes(INDEX_ENTRY_SIZE * gap))
         hashes = self._index_hashes(v, key[0]) if self._index_enabled else None
         ts = v.store_ts
-        cq.make_room(qoff, count)
         if hashes:
             self.index.make_room(ts, len(hashes))
         self._write_dispatch(v, cq, hashes, phys, qoff, v.total_size, ts)
