@@ -297,20 +297,11 @@ class Accumulator:
             return False
         if timeout <= 0:
             return False
-        msgs = [msg]
-        futs = [sink]
-        deadlines = [deadline]
-        lone = _Lone(self, b, msgs, futs, deadlines)
         b.inflight += 1  # before the write: a send of another thread now gathers behind it
         self.npending += 1
         self.batches += 1
         self.batched_messages += 1
-        st = self.start_one(b.topic, None, msgs, timeout, lone, True)
-        if st is not None:
-            lone.st = st
-            self.tasks.add(lone)
-        else:  # as _dispatch: a task (one attempt to start it, one queue chosen, not two)
-            self.track(b.loop.create_task(self._send_batch(b, msgs, futs, deadlines)))
+        self._start(b, [msg], [sink], [deadline], timeout, True)
         return True
 
     def add(self, msg: Message, key: Hashable | None = None, mq: MessageQueue | None = None,
@@ -575,13 +566,23 @@ class Accumulator:
             if d:
                 timeout = d - b.loop.time()
             if timeout is None or timeout > 0:
-                lone = _Lone(self, b, msgs, futs, deadlines)
-                st = self.start_one(b.topic, b.mq, msgs, timeout, lone, False)
-                if st is not None:
-                    lone.st = st
-                    self.tasks.add(lone)
-                    return
+                self._start(b, msgs, futs, deadlines, timeout, False, cell)
+                return
         self.track(b.loop.create_task(self._send_batch(b, msgs, futs, deadlines, cell)))
+
+    def _start(self, b: _Bucket, msgs: list[Message], futs: list[Any], deadlines: list[float],
+               timeout: float | None, now: bool, cell: Any = None) -> None:
+        """Write a batch without a task (``start_one``; ``now``: its frame at once, not at the
+        end of the loop iteration), answered through a :class:`_Lone`; a task (one attempt
+        to start it, one queue chosen, not two) when it cannot be written so."""
+        assert self.start_one is not None
+        lone = _Lone(self, b, msgs, futs, deadlines)
+        st = self.start_one(b.topic, b.mq, msgs, timeout, lone, now)
+        if st is not None:
+            lone.st = st
+            self.tasks.add(lone)
+        else:
+            self.track(b.loop.create_task(self._send_batch(b, msgs, futs, deadlines, cell)))
 
     def _one_done(self, lone: _Lone, frame: Any, exc: BaseException | None) -> None:
         """The outcome of a started batch's request (on the loop, from the connection)."""
